@@ -1,0 +1,144 @@
+"""Training metrics: console line, TensorBoard and W&B, built on torchtitan's MetricsProcessor.
+
+Every logged step also goes to <dump_folder>/metrics.jsonl (one JSON object per line).
+Throughput is tokens per second per device (all tokens fed to the model); TFLOPS and MFU
+use the model's FLOPs per token (see flame.models.flops) and the device's bf16 dense peak.
+"""
+
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from torchtitan.components.metrics import (
+    LoggerContainer,
+    MetricsProcessor,
+    _build_metric_logger,
+    build_device_memory_monitor,
+)
+from torchtitan.tools import utils
+from torchtitan.tools.logging import logger
+
+from flame import device
+
+
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def _use_offline_wandb_without_credentials() -> None:
+    # wandb.init would wait for a login (or the network) forever; offline runs sync later.
+    has_netrc = os.path.isfile(os.path.expanduser("~/.netrc"))
+    if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ and not has_netrc:
+        os.environ["WANDB_MODE"] = "offline"
+        logger.info("W&B: no credentials found, logging offline (sync later with `wandb sync`)")
+    os.environ.setdefault("WANDB_PROJECT", "flame")
+
+
+class JsonlLogger:
+    """Appends each logged step as one JSON line to <dump_folder>/metrics.jsonl (rank 0)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.file = open(path, "a")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class FlameMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        # Not calling MetricsProcessor.__init__: it would guess A100 peak FLOPS on a CPU.
+        if job_config.metrics.enable_wandb:
+            _use_offline_wandb_without_credentials()
+        self.logger = LoggerContainer()
+        self.logger.add_logger(_build_metric_logger(job_config, parallel_dims, tag))
+        if torch.distributed.get_rank() == 0:
+            self.logger.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl")))
+        self.parallel_dims = parallel_dims
+        self.job_config = job_config
+        self.device_memory_monitor = build_device_memory_monitor()
+        self.color = utils.NoColor() if job_config.metrics.disable_color_printing else utils.Color()
+        self.gpu_peak_flops = device.peak_flops()
+        self.ntokens_since_last_log = 0
+        self.data_loading_times: list[float] = []
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+        self.num_flops_per_token = -1
+        self.optimizers = self.lr_schedulers = self.model_parts = None
+        self.total_steps = job_config.training.steps
+        self.step_last_log: int | None = None  # set by the trainer at its first step
+        self.time_start = time.perf_counter()
+
+    def describe_mfu(self) -> str:
+        peak = f"{self.gpu_peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.gpu_peak_flops else "no peak on CPU"
+        return (
+            f"FLOPs/token {self.num_flops_per_token:,} (6 x matmul params + causal softmax attention); "
+            f"MFU = FLOPs/token x tokens/s/device / ({peak}); loss = mean over the steps since the last log line"
+        )
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        now = time.perf_counter()
+        window = now - self.time_last_log
+        steps = max(1, step - self.step_last_log)
+        tps = self.ntokens_since_last_log / (window * self.parallel_dims.non_data_parallel_size)
+        tflops = self.num_flops_per_token * tps / 1e12
+        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops if self.gpu_peak_flops else None
+        memory = self.device_memory_monitor.get_peak_stats()
+        data_time = sum(self.data_loading_times)
+        eta = (self.total_steps - step) * window / steps
+        metrics = {
+            "loss_metrics/global_avg_loss": global_avg_loss,
+            "loss_metrics/global_max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "throughput(tps)": tps,
+            "tflops": tflops,
+            "time_metrics/end_to_end(s)": window / steps,
+            "time_metrics/data_loading(%)": 100 * data_time / window,
+            "time_metrics/elapsed(s)": now - self.time_start,
+            "memory/max_active(GiB)": memory.max_active_gib,
+            "memory/max_reserved(GiB)": memory.max_reserved_gib,
+            "memory/max_reserved(%)": memory.max_reserved_pct,
+            **(extra_metrics or {}),
+        }
+        if mfu is not None:
+            metrics["mfu(%)"] = mfu
+        self.logger.log(metrics, step)
+
+        c = self.color
+        skipped = (extra_metrics or {}).get("skipped_steps", 0)
+        logger.info(
+            f"{c.red}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
+            f"{c.green}loss {global_avg_loss:7.4f}  "
+            f"{c.orange}grad_norm {grad_norm:6.3f}  "
+            f"{c.yellow}lr {(extra_metrics or {}).get('lr', float('nan')):.2e}  "
+            f"{c.blue}tok/s/device {round(tps):,}  "
+            f"{c.cyan}TFLOPS {tflops:.2f}  "
+            f"{c.magenta}MFU {'n/a' if mfu is None else f'{mfu:.1f}%'}  "
+            f"{c.turquoise}mem {memory.max_reserved_gib:.2f}GiB ({memory.max_reserved_pct:.0f}%)  "
+            f"{c.white}elapsed {_clock(now - self.time_start)}  ETA {_clock(eta)}"
+            f"{f'  skipped {skipped}' if skipped else ''}{c.reset}"
+        )
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = now
+        self.step_last_log = step
+        self.device_memory_monitor.reset_peak_stats()
+
+
+def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
+    """torchtitan TrainSpec hook."""
+    return FlameMetricsProcessor(job_config, parallel_dims, tag)

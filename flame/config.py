@@ -1,0 +1,137 @@
+"""flame's configuration: the fields flame adds to torchtitan's JobConfig.
+
+torchtitan's ConfigManager merges these dataclasses into its JobConfig through
+``--job.custom_config_module=flame.config`` (flame passes that flag itself, see
+``flame.config_manager``). A field that exists in torchtitan too is overridden here only to
+change its default. Fields under "aliases" are the spellings flame users know from earlier
+flame versions; ``flame.config_manager.resolve_aliases`` copies them onto torchtitan's field.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    dump_folder: str = "exp/flame"
+    """Folder for checkpoints, logs, TensorBoard files and the exported HF model"""
+
+
+@dataclass
+class Model:
+    name: str = "flame"
+    """Train spec name; flame registers 'flame' (HF/fla causal LMs built from model.config)"""
+    config: str = ""
+    """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json)"""
+    tokenizer_path: str | None = None
+    """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory when that holds a tokenizer"""
+
+
+@dataclass
+class Training:
+    dataset: str = ""
+    """Comma list of datasets: hub names (local HF cache), directories, files/globs of json/jsonl/parquet/txt/arrow, or builtin:python-stdlib"""
+    dataset_name: str | None = None
+    """Comma list, one per dataset: the dataset configuration name (empty entries allowed)"""
+    dataset_split: str | None = None
+    """Comma list, one per dataset: the split to read (default: train)"""
+    data_dir: str | None = None
+    """Comma list, one per dataset: data_dir passed to datasets.load_dataset"""
+    data_files: str | None = None
+    """Comma list, one per dataset: data_files passed to datasets.load_dataset (globs allowed)"""
+    data_probs: str | None = None
+    """Comma list of sampling probabilities, one per dataset (documents are drawn from each source with these probabilities)"""
+    streaming: bool = False
+    """Stream the datasets (nothing is downloaded or materialized up front)"""
+    text_column: str | None = None
+    """Column holding the text (default: 'text', falling back to 'content')"""
+    context_len: int | None = None
+    """Longest attention span: documents longer than this are split into pieces of at most context_len (default: seq_len)"""
+    varlen: bool = False
+    """Pack documents into one row of seq_len tokens per device with cu_seqlens marking every document (needs batch_size 1)"""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step"""
+    skip_nan_inf: bool = False
+    """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
+    # Aliases: flame's historical spellings of torchtitan fields (None / False = not given).
+    batch_size: int | None = None
+    """Alias of training.local_batch_size: rows per device per micro-batch"""
+    num_workers: int | None = None
+    """Alias of training.dataloader.num_workers: data loading worker processes per rank"""
+    prefetch_factor: int | None = None
+    """Alias of training.dataloader.prefetch_factor: batches each worker loads ahead"""
+    seed: int | None = None
+    """Alias of debug.seed: the seed for weight init, data order and dropout"""
+    compile: bool = False
+    """Alias of compile.enable: torch.compile each decoder block"""
+    data_parallel_shard_degree: int | None = None
+    """Alias of parallelism.data_parallel_shard_degree"""
+    data_parallel_replicate_degree: int | None = None
+    """Alias of parallelism.data_parallel_replicate_degree"""
+    tensor_parallel_degree: int | None = None
+    """Alias of parallelism.tensor_parallel_degree"""
+
+
+@dataclass
+class LRScheduler:
+    lr_min: float | None = None
+    """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * lr_min"""
+
+
+@dataclass
+class Checkpoint:
+    last_save_model_only: bool = False
+    """Save only the model at the last step. flame's default keeps the final checkpoint complete so the run can be extended"""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["selective", "full", "memory_budget", "none"] = "none"
+    """Activation checkpointing of decoder blocks: none, full, or selective (see selective_ac_option)"""
+
+
+@dataclass
+class Debug:
+    seed: int | None = 42
+    """Seed for weight init, data order and dropout (same seed, same run)"""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    debug: Debug = field(default_factory=Debug)
+
+
+# alias field -> torchtitan field it stands for
+ALIASES: dict[str, str] = {
+    "training.batch_size": "training.local_batch_size",
+    "training.num_workers": "training.dataloader.num_workers",
+    "training.prefetch_factor": "training.dataloader.prefetch_factor",
+    "training.seed": "debug.seed",
+    "training.compile": "compile.enable",
+    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+}
+
+# torchtitan fields that flame does not use: setting one is an error, not a silent no-op.
+UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
+    "model.flavor": "flame builds the model from --model.config",
+    "model.hf_assets_path": "use --model.tokenizer_path and --model.config",
+    "model.converters": "float8/mx converters need torchao, which flame does not ship",
+    "training.dataset_path": "use --training.dataset (paths are accepted there)",
+    "training.global_batch_size": "use --training.batch_size and --training.gradient_accumulation_steps",
+    "validation.enable": "validation is not implemented in flame yet",
+    "fault_tolerance.enable": "torchft is not part of flame's stack",
+    "experimental.custom_import": "custom architectures go under custom_models/",
+    "experimental.custom_args_module": "flame sets the config module itself",
+    "job.custom_config_module": "flame sets the config module itself",
+    "comm.mode": "fake/local-tensor comm modes are not supported by flame",
+    "optimizer.early_step_in_backward": "it steps before gradient clipping and the non-finite check",
+}

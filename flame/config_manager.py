@@ -1,0 +1,282 @@
+"""Parse and check a flame job config: TOML < CLI, torchtitan's JobConfig + flame's fields.
+
+Every check here runs before any process group, dataset or model exists, so a bad
+setting costs seconds, not GPU time. Errors are ``ConfigError``: one line saying what is
+wrong and what to change.
+"""
+
+import difflib
+import os
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtitan.config import ConfigManager, JobConfig
+
+from flame.config import ALIASES, UNUSED_TORCHTITAN_FIELDS
+
+FLAME_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_MODULE = "flame.config"
+
+
+class ConfigError(ValueError):
+    """A job setting that cannot work; the message names the fix."""
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj: Any, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def _dotted_fields(cls: type, prefix: str = "") -> list[str]:
+    names = []
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        if is_dataclass(f.type):
+            names.extend(_dotted_fields(f.type, name + "."))
+        else:
+            names.append(name)
+    return names
+
+
+def resolve_path(path: str) -> str:
+    """A path as given if it exists, else relative to the flame checkout (for configs/...)."""
+    if not path or os.path.exists(path) or os.path.isabs(path):
+        return path
+    in_repo = FLAME_ROOT / path
+    return str(in_repo) if in_repo.exists() else path
+
+
+def _flag(arg: str) -> tuple[str, str]:
+    """'--a.b-c=v' -> ('--a.b_c', 'v'): the flag as tyro accepts it in either spelling."""
+    key, _, value = arg.partition("=")
+    return ("--" + key[2:].replace("-", "_") if key.startswith("--") else key), value
+
+
+class FlameConfigManager(ConfigManager):
+    """torchtitan's ConfigManager with flame's fields, aliases and up-front checks."""
+
+    def parse_args(self, args: list[str] = sys.argv[1:]) -> JobConfig:
+        args = list(args)
+        for i, arg in enumerate(args):
+            key, value = _flag(arg)
+            if key == "--job.custom_config_module":
+                given = value or (args[i + 1] if i + 1 < len(args) else "")
+                if given != CONFIG_MODULE:
+                    raise ConfigError(
+                        f"--job.custom_config_module is set by flame ({CONFIG_MODULE}); remove it"
+                    )
+            if key == "--job.config_file":
+                if value:
+                    args[i] = f"{key}={resolve_path(value)}"
+                elif i + 1 < len(args):
+                    args[i + 1] = resolve_path(args[i + 1])
+        config_file = self._config_file(args)
+        if config_file is not None and not os.path.isfile(config_file):
+            raise ConfigError(f"job config file not found: {config_file}")
+        self._toml_path = config_file
+        return super().parse_args([f"--job.custom_config_module={CONFIG_MODULE}", *args])
+
+    @staticmethod
+    def _config_file(args: list[str]) -> str | None:
+        for i, arg in enumerate(args):
+            key, value = _flag(arg)
+            if key == "--job.config_file":
+                return value or (args[i + 1] if i + 1 < len(args) else None)
+        return None
+
+    def _dict_to_dataclass(self, cls, data: dict[str, Any], prefix: str = "") -> Any:
+        """TOML table -> dataclass; an unknown key names the closest valid one."""
+        if not is_dataclass(cls):
+            return data
+        known = {f.name: f for f in fields(cls)}
+        values = {}
+        for key, value in data.items():
+            if key not in known:
+                full = f"{prefix}{key}"
+                valid = _dotted_fields(cls, prefix) + [prefix + name for name in known]
+                close = difflib.get_close_matches(full, valid, n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                section = f"[{prefix[:-1]}]" if prefix else "top level"
+                raise ConfigError(
+                    f"unknown key '{full}' ({section} of {self._toml_path}){hint} "
+                    "Run `bash train.sh -h` for every valid key"
+                )
+            ftype = known[key].type
+            if is_dataclass(ftype) and isinstance(value, dict):
+                values[key] = self._dict_to_dataclass(ftype, value, f"{prefix}{key}.")
+            else:
+                values[key] = value
+        return cls(**values)
+
+    def _validate_config(self) -> None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        finalize(self.config, world_size)
+
+
+def resolve_aliases(config: JobConfig, defaults: JobConfig) -> None:
+    for alias, target in ALIASES.items():
+        value = _get(config, alias)
+        if value is None or value is False:  # not given (a boolean alias can only switch on)
+            continue
+        current = _get(config, target)
+        if current != _get(defaults, target) and current != value:
+            raise ConfigError(
+                f"--{alias} ({value}) and --{target} ({current}) are the same setting; give only one"
+            )
+        _set(config, target, value)
+
+
+def split_list(value: str | None) -> list[str]:
+    """A comma list as flame reads it: 'a,,b' -> ['a', '', 'b']; None -> []."""
+    return [] if value is None else [item.strip() for item in value.split(",")]
+
+
+def _check_unused_fields(config: JobConfig, defaults: JobConfig) -> None:
+    for name, why in UNUSED_TORCHTITAN_FIELDS.items():
+        if name == "job.custom_config_module":
+            continue
+        if _get(config, name) != _get(defaults, name):
+            raise ConfigError(f"--{name} is a torchtitan option flame does not use: {why}")
+
+
+def _check_model(config: JobConfig) -> None:
+    model = config.model
+    if not model.config:
+        raise ConfigError(
+            "no model given: set --model.config to an HF config.json or a directory holding one "
+            "(e.g. --model.config configs/llama_4M.json)"
+        )
+    model.config = resolve_path(model.config)
+    if not os.path.exists(model.config):
+        raise ConfigError(f"--model.config {model.config} does not exist")
+    if os.path.isdir(model.config) and not os.path.isfile(os.path.join(model.config, "config.json")):
+        raise ConfigError(f"--model.config {model.config} is a directory without config.json")
+    if model.tokenizer_path is None:
+        config_dir = model.config if os.path.isdir(model.config) else os.path.dirname(model.config)
+        if any(os.path.isfile(os.path.join(config_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            model.tokenizer_path = config_dir
+        else:
+            raise ConfigError(
+                "no tokenizer given: set --model.tokenizer_path (a directory, a hub name in the "
+                "local HF cache, or builtin:python-stdlib-bpe)"
+            )
+    elif not model.tokenizer_path.startswith("builtin:"):
+        model.tokenizer_path = resolve_path(model.tokenizer_path)
+
+
+def _check_training(config: JobConfig) -> None:
+    t = config.training
+    if not t.dataset:
+        raise ConfigError("no dataset given: set --training.dataset (e.g. builtin:python-stdlib or a path)")
+    if t.seq_len <= 0:
+        raise ConfigError(f"--training.seq_len must be positive, got {t.seq_len}")
+    if t.context_len is None:
+        t.context_len = t.seq_len
+    if t.context_len <= 0 or t.context_len > t.seq_len:
+        raise ConfigError(
+            f"--training.context_len {t.context_len} must be between 1 and --training.seq_len {t.seq_len}"
+        )
+    if t.local_batch_size <= 0:
+        raise ConfigError(f"--training.batch_size must be positive, got {t.local_batch_size}")
+    if t.varlen and t.local_batch_size != 1:
+        raise ConfigError(
+            f"--training.varlen packs one row per device but --training.batch_size is {t.local_batch_size}: "
+            "set --training.batch_size 1 and raise --training.seq_len instead"
+        )
+    if t.gradient_accumulation_steps < 1:
+        raise ConfigError(
+            f"--training.gradient_accumulation_steps must be >= 1, got {t.gradient_accumulation_steps}"
+        )
+    if t.steps < 0:
+        raise ConfigError(f"--training.steps must be >= 0, got {t.steps}")
+    if t.max_norm <= 0:
+        raise ConfigError(f"--training.max_norm must be positive, got {t.max_norm}")
+    if t.dataloader.num_workers < 0:
+        raise ConfigError(f"--training.num_workers must be >= 0, got {t.dataloader.num_workers}")
+    datasets = split_list(t.dataset)
+    for name in ("dataset_name", "dataset_split", "data_dir", "data_files"):
+        entries = split_list(getattr(t, name))
+        if entries and len(entries) not in (1, len(datasets)):
+            raise ConfigError(
+                f"--training.{name} has {len(entries)} entries for {len(datasets)} datasets: "
+                "give one entry per dataset (empty entries allowed) or a single one for all"
+            )
+    if t.data_probs is not None:
+        probs = split_list(t.data_probs)
+        if len(probs) != len(datasets):
+            raise ConfigError(
+                f"--training.data_probs has {len(probs)} entries for {len(datasets)} datasets; give one per dataset"
+            )
+        try:
+            values = [float(p) for p in probs]
+        except ValueError:
+            raise ConfigError(f"--training.data_probs must be numbers, got {t.data_probs!r}") from None
+        if any(v <= 0 for v in values):
+            raise ConfigError(f"--training.data_probs must all be positive, got {t.data_probs!r}")
+    if config.checkpoint.keep_latest_k == 1:
+        raise ConfigError(
+            "--checkpoint.keep_latest_k 1 could delete the only loadable checkpoint during a save: use 0 (keep all) or >= 2"
+        )
+    if config.checkpoint.interval <= 0:
+        raise ConfigError(f"--checkpoint.interval must be positive, got {config.checkpoint.interval}")
+    if config.metrics.log_freq <= 0:
+        raise ConfigError(f"--metrics.log_freq must be positive, got {config.metrics.log_freq}")
+
+
+def data_parallel_degree(config: JobConfig, world_size: int) -> int:
+    """Ranks that read different data (replicate x shard), after checking the layout."""
+    p = config.parallelism
+    fixed = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    for name, degree in fixed.items():
+        if degree < 1:
+            raise ConfigError(f"--parallelism.{name} must be >= 1, got {degree}")
+    others = 1
+    for degree in fixed.values():
+        others *= degree
+    shard = p.data_parallel_shard_degree
+    layout = " x ".join(f"{k.removesuffix('_degree')}={v}" for k, v in fixed.items() if v > 1) or "no other parallelism"
+    if shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by {layout} ({others}): "
+                "change the parallel degrees or the number of processes (NGPU x NNODE)"
+            )
+        shard = world_size // others
+    elif shard < 1:
+        raise ConfigError(f"--parallelism.data_parallel_shard_degree must be -1 or >= 1, got {shard}")
+    if shard * others != world_size:
+        raise ConfigError(
+            f"parallel degrees multiply to {shard * others} (data_parallel_shard={shard}, {layout}) "
+            f"but there are {world_size} processes: make them multiply to {world_size} "
+            "(data_parallel_shard_degree -1 takes the remaining processes)"
+        )
+    return p.data_parallel_replicate_degree * shard
+
+
+def finalize(config: JobConfig, world_size: int) -> None:
+    """Resolve aliases and defaults that depend on other fields; raise ConfigError on bad input."""
+    defaults = type(config)()
+    _check_unused_fields(config, defaults)
+    resolve_aliases(config, defaults)
+    if config.model.name != "flame":
+        raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
+    _check_model(config)
+    _check_training(config)
+    dp = data_parallel_degree(config, world_size)
+    t = config.training
+    t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps

@@ -1,0 +1,143 @@
+"""The one place that knows how flame runs on CPU (gloo) versus CUDA (NCCL).
+
+torchtitan assumes an accelerator: without one it still picks "cuda" and ``torch.cuda`` as
+its device type/module, so process groups, meshes and memory monitors would fail on a CPU
+machine. ``use_cpu_if_no_accelerator()`` points torchtitan's module-level ``device_type`` and
+``device_module`` at the CPU instead (those modules read the globals at call time). Every
+other CPU difference — no autocast, fp32 compute, memory read from the process, replicated
+weight init — is answered by a function here, so the rest of flame never branches on the
+device itself.
+"""
+
+import contextlib
+import importlib
+import os
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE_TYPE = "cuda" if CUDA else "cpu"
+# NCCL can scale inside a reduce-scatter (PREMUL_SUM); gloo only sums.
+COLLECTIVES_SCALE_IN_REDUCTION = CUDA
+
+# torchtitan modules that bind device_type/device_module at import time
+_TORCHTITAN_DEVICE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+    "torchtitan.tools.profiling",
+)
+
+
+class CpuDeviceModule:
+    """The part of the ``torch.cuda`` API torchtitan calls, answered for the CPU."""
+
+    @staticmethod
+    def set_device(device) -> None:
+        pass
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass  # the process's peak RSS cannot be reset; memory reads as peak so far
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"CPU ({torch.get_num_threads()} threads)"
+
+    @staticmethod
+    def get_device_properties(device=None) -> SimpleNamespace:
+        return SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device=None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+
+def use_cpu_if_no_accelerator() -> None:
+    """Make torchtitan run on the CPU with gloo when there is no CUDA device."""
+    if CUDA:
+        return
+    for name in _TORCHTITAN_DEVICE_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = CpuDeviceModule
+    # CPU runs compute in fp32 (no autocast) and have no peak FLOPS to report MFU against.
+    importlib.import_module("torchtitan.distributed.utils").maybe_enable_amp = lambda *args: contextlib.nullcontext()
+    importlib.import_module("torchtitan.tools.utils").get_peak_flops = lambda device_name: float("nan")
+
+
+def check_supported(job_config) -> None:
+    """Options that need CUDA, refused up front on a CPU machine."""
+    if CUDA:
+        return
+    from flame.config_manager import ConfigError
+
+    if job_config.profiling.enable_memory_snapshot:
+        raise ConfigError("--profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
+    if job_config.training.enable_cpu_offload:
+        raise ConfigError("--training.enable_cpu_offload offloads GPU memory; on a CPU machine leave it off")
+
+
+def compute_dtype(job_config) -> torch.dtype:
+    """Parameter/activation dtype for the forward pass: bf16 (or as configured) on GPU, fp32 on CPU."""
+    if not CUDA:
+        return torch.float32
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+
+
+def peak_flops() -> float | None:
+    """bf16 dense peak FLOP/s of this device for MFU, or None on CPU (MFU is not reported)."""
+    if not CUDA:
+        return None
+    from torchtitan.tools.utils import get_peak_flops
+
+    return get_peak_flops(torch.cuda.get_device_name())
+
+
+def sharded_init_differs_from_full_init(model: torch.nn.Module) -> bool:
+    """True when random init of sharded (DTensor) params would not match an unsharded init.
+
+    On CUDA, DTensor's offset-based RNG makes each shard draw exactly the values the full
+    tensor would hold. On CPU it does not, so flame initializes a full copy and shards it.
+    """
+    if CUDA:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def synchronize() -> None:
+    if CUDA:
+        torch.cuda.synchronize()

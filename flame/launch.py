@@ -1,0 +1,52 @@
+"""Pre-launch check for train.sh: validate the whole job in one process, print what the launcher needs.
+
+    python -m flame.launch --world-size 8 --env-file plan.sh -- <train flags> && source plan.sh
+
+Parses the config exactly as the ranks will (so TOML-only settings count), then loads the
+tokenizer, the model config and every data source: bad input fails here, in seconds, before
+torchrun starts any process. Built-in corpora are built here once, not by every rank. Writes
+shell assignments to --env-file: FLAME_DUMP_FOLDER and FLAME_CHECKPOINT (1 if checkpoints are
+saved).
+"""
+
+import argparse
+import os
+import shlex
+import sys
+
+from flame.config_manager import ConfigError, FlameConfigManager
+
+
+def preflight(config) -> None:
+    from flame.data.sources import load_source, source_specs, text_column
+    from flame.data.tokenizer import document_delimiters, load_tokenizer
+    from flame.models.builder import check_vocabulary, load_model_config
+
+    document_delimiters(load_tokenizer(config.model.tokenizer_path))
+    check_vocabulary(load_model_config(config.model.config), config.model.tokenizer_path)
+    for spec in source_specs(config.training):
+        text_column(load_source(spec, config.training.streaming), spec, config.training.text_column)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, required=True, help="processes the job will run (NGPU x NNODE)")
+    parser.add_argument("--env-file", required=True, help="where to write the shell assignments")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    os.environ["WORLD_SIZE"] = str(args.world_size)
+    try:
+        config = FlameConfigManager().parse_args(train_args)
+        preflight(config)
+    except ConfigError as error:
+        print(f"flame: error: {error}", file=sys.stderr)
+        return 2
+    with open(args.env_file, "w") as f:
+        f.write(f"FLAME_DUMP_FOLDER={shlex.quote(config.job.dump_folder)}\n")
+        f.write(f"FLAME_CHECKPOINT={int(config.checkpoint.enable)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

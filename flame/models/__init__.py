@@ -1,0 +1,15 @@
+"""Models: any HF causal LM, every fla model type, and the architectures under custom_models/."""
+
+import warnings
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # fla warns at import when no GPU is present
+    import fla  # noqa: F401  registers fla's model types with transformers' Auto classes
+
+import custom_models  # noqa: F401, E402  registers user architectures
+
+from flame.models.builder import AnyFlavor, FlameModelArgs, build_model, load_model_config  # noqa: E402
+from flame.models.inputs import forward_kwargs  # noqa: E402
+from flame.models.parallelize import parallelize_model  # noqa: E402
+
+__all__ = ["AnyFlavor", "FlameModelArgs", "build_model", "forward_kwargs", "load_model_config", "parallelize_model"]

@@ -1,0 +1,146 @@
+"""Build any HF/fla causal LM from a config JSON, the way torchtitan's Trainer expects.
+
+torchtitan builds ``model_cls(model_args)`` on the meta device, parallelizes it, moves it to
+the device with ``to_empty`` and then calls ``model.init_weights(buffer_device=...)``. HF
+models have an ``init_weights()`` of their own without that argument, so flame gives each
+built model a subclass (same class name, so exports say e.g. ``LlamaForCausalLM``) whose
+``init_weights`` re-runs the model's own HF initialization on the materialized weights —
+parameters and non-persistent buffers such as rotary frequencies alike.
+"""
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torchtitan.protocols import BaseModelArgs
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from flame import device
+from flame.config_manager import ConfigError
+from flame.data.tokenizer import load_tokenizer
+from flame.models.flops import flops_per_token
+
+
+def load_model_config(path: str) -> PretrainedConfig:
+    """The HF config at ``path`` (a config.json or a directory holding one)."""
+    config_dir = path if os.path.isdir(path) else None
+    try:
+        if config_dir:
+            return AutoConfig.from_pretrained(config_dir)
+        config_dict, _ = PretrainedConfig.get_config_dict(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read model config {path}: {error}") from None
+    model_type = config_dict.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"model config {path} has no 'model_type'; add one (e.g. \"llama\")")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        known = ", ".join(sorted(CONFIG_MAPPING.keys()))
+        raise ConfigError(
+            f"unknown model_type '{model_type}' in {path}; custom architectures go under custom_models/. Known: {known}"
+        )
+    return CONFIG_MAPPING[model_type].from_dict(config_dict)
+
+
+def check_vocabulary(config: PretrainedConfig, tokenizer_path: str) -> None:
+    """The embedding must cover every id the tokenizer can produce, added tokens included."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ConfigError(
+            f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+            f"({tokenizer_path}): set vocab_size >= {len(tokenizer)} (a multiple of 64) in the model config"
+        )
+
+
+class TorchtitanInit:
+    """Mixin giving an HF model torchtitan's ``init_weights(buffer_device)``."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        if device.sharded_init_differs_from_full_init(self):
+            self._init_from_full_copy()
+        else:
+            _reinitialize(self)
+
+    def _init_from_full_copy(self) -> None:
+        # Initialize an unsharded twin with the same RNG stream a single process would use,
+        # then scatter it into this model's shards: every layout starts from the same weights.
+        with torch.device("meta"):
+            twin = self._hf_class(self.config)
+        twin.to_empty(device="cpu")
+        _reinitialize(twin)
+        set_model_state_dict(self, twin.state_dict(), options=StateDictOptions(full_state_dict=True))
+        for name, buffer in twin.named_buffers():
+            self.get_buffer(name).copy_(buffer)
+
+
+def _reinitialize(model: nn.Module) -> None:
+    # HF skips modules/tensors flagged as initialized; weights materialized by to_empty are not.
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if hasattr(tensor, "_is_hf_initialized"):
+            del tensor._is_hf_initialized
+    hf_class = getattr(type(model), "_hf_class", type(model))
+    with torch.no_grad():
+        hf_class.init_weights(model)
+
+
+@functools.cache
+def _trainable_class(hf_class: type) -> type:
+    attributes = {"__module__": hf_class.__module__, "_hf_class": hf_class}
+    return type(hf_class.__name__, (TorchtitanInit, hf_class), attributes)
+
+
+@dataclass
+class FlameModelArgs(BaseModelArgs):
+    """torchtitan model args for a model described by an HF config."""
+
+    config_path: str = ""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    context_len: int = 0
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        self.config_path = job_config.model.config
+        self.context_len = job_config.training.context_len
+        config = load_model_config(self.config_path)
+        check_vocabulary(config, job_config.model.tokenizer_path)
+        self._config = config
+        self.hf_config = config.to_diff_dict()
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self._config
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        unique = {id(p): p.numel() for p in model.parameters()}
+        return sum(unique.values()), flops_per_token(model, self.context_len)
+
+
+def build_model(model_args: FlameModelArgs) -> nn.Module:
+    """The causal LM for ``model_args`` (on whatever device/dtype context is active)."""
+    try:
+        model = AutoModelForCausalLM.from_config(model_args.config)
+    except ValueError as error:
+        raise ConfigError(f"cannot build a causal LM from {model_args.config_path}: {error}") from None
+    model.__class__ = _trainable_class(type(model))
+    return model
+
+
+class AnyFlavor(Mapping):
+    """torchtitan looks model args up by flavor; flame has one, described by model.config."""
+
+    def __getitem__(self, flavor: str) -> FlameModelArgs:
+        return FlameModelArgs()
+
+    def __iter__(self):
+        return iter(["flame"])
+
+    def __len__(self) -> int:
+        return 1

@@ -1,0 +1,90 @@
+"""Activation checkpointing, torch.compile and FSDP2 for any HF/fla causal LM.
+
+The one thing flame needs to know about a model is where its decoder blocks are; the
+stack is found generically (the ModuleList holding most parameters), so any HF model that
+keeps its blocks in a ModuleList works without a model-specific entry. Order follows
+torchtitan: AC wraps each block, compile wraps each (wrapped) block, FSDP shards last.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import _apply_ac_to_transformer_block
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+from torchtitan.tools.logging import logger
+
+from flame import device
+from flame.config_manager import ConfigError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder blocks."""
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not stacks:
+        raise ConfigError(f"{type(model).__name__} keeps no blocks in an nn.ModuleList; flame cannot shard it")
+    return max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
+
+
+def _wrap_blocks(layers: nn.ModuleList, wrap) -> None:
+    for index, block in enumerate(list(layers)):
+        layers[index] = wrap(index, block)
+
+
+def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    layers = decoder_layers(model)
+    ac_config = job_config.activation_checkpoint
+    if ac_config.mode == "memory_budget" and not job_config.compile.enable:
+        raise ConfigError("--activation_checkpoint.mode memory_budget needs --compile.enable (--training.compile)")
+    if ac_config.mode in ("full", "selective"):
+        _wrap_blocks(
+            layers,
+            lambda index, block: _apply_ac_to_transformer_block(
+                block,
+                ac_config,
+                base_fqn=f"layers.{index}",
+                model_compile_enabled=job_config.compile.enable,
+                op_sac_save_list=_op_sac_save_list,
+            ),
+        )
+        logger.info(f"Applied {ac_config.mode} activation checkpointing to {len(layers)} blocks")
+    elif ac_config.mode == "memory_budget":
+        torch._functorch.config.activation_memory_budget = ac_config.memory_budget
+
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        backend = job_config.compile.backend
+        _wrap_blocks(layers, lambda index, block: torch.compile(block, backend=backend))
+        logger.info(f"Compiling each of the {len(layers)} decoder blocks with torch.compile")
+
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(model, layers, parallel_dims.get_mesh(names), job_config)
+    return model
+
+
+def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobConfig) -> None:
+    """Shard each decoder block, the untied embeddings, and the rest (norm, lm_head) at the root."""
+    training = job_config.training
+    policy = MixedPrecisionPolicy(
+        param_dtype=device.compute_dtype(job_config),
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+    )
+    options = {"mesh": mesh, "mp_policy": policy}
+    if training.enable_cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
+
+    for block in layers:
+        fully_shard(block, **options, reshard_after_forward=reshard)
+    embeddings = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    if output is None or output.weight is not embeddings.weight:
+        fully_shard(embeddings, **options, reshard_after_forward=reshard)
+    fully_shard(model, **options)
+    # flame normalizes the loss by the global token count; FSDP must sum, not average.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(not device.COLLECTIVES_SCALE_IN_REDUCTION)
+    logger.info(f"Applied FSDP2 over {mesh.size()} ranks to {len(layers)} blocks")

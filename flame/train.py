@@ -1,0 +1,41 @@
+"""flame's entry point: parse the job config, build the Trainer, train, close.
+
+    torchrun ... -m flame.train --job.config_file configs/debug.toml --training.steps 100
+"""
+
+import sys
+
+import torch
+from torchtitan.tools.logging import init_logger, logger
+
+from flame.config_manager import ConfigError, FlameConfigManager
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    try:
+        config = FlameConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as error:
+        print(f"flame: error: {error}", file=sys.stderr)
+        return 2
+
+    from flame.trainer import Trainer  # after parsing: `-h` and config errors stay fast
+
+    trainer = None
+    try:
+        trainer = Trainer(config)
+        trainer.train()
+    except ConfigError as error:
+        print(f"flame: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    logger.info("Training finished")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

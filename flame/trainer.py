@@ -1,0 +1,155 @@
+"""flame's Trainer: torchtitan's Trainer with the few hooks an HF/fla causal LM needs.
+
+torchtitan builds everything from the "flame" TrainSpec registered below (HF model from a
+config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
+overrides:
+- ``post_dataloading_process``: hands the model the inputs its family understands;
+- ``train_step``: per-step RNG, a non-finite-gradient check (skip or stop), richer metrics;
+- ``state_dict``: the train state also counts skipped steps.
+"""
+
+import json
+import os
+from typing import Any
+
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools.logging import logger
+from torchtitan.train import Trainer as TorchtitanTrainer
+
+from flame import device
+from flame.components.loss import build_loss
+from flame.components.metrics import build_metrics_processor
+from flame.data.loader import build_dataloader
+from flame.data.tokenizer import load_tokenizer
+from flame.models import AnyFlavor, build_model, forward_kwargs, parallelize_model
+
+RUN_CONFIG = "job_config.json"  # written into the dump folder: what the converters read
+
+
+class NonFiniteGradientError(RuntimeError):
+    pass
+
+
+def register_flame_train_spec() -> None:
+    try:
+        get_train_spec("flame")
+        return
+    except ValueError:
+        pass
+    register_train_spec(
+        "flame",
+        TrainSpec(
+            model_cls=build_model,
+            model_args=AnyFlavor(),
+            parallelize_fn=parallelize_model,
+            pipelining_fn=None,
+            build_optimizers_fn=build_optimizers,
+            build_lr_schedulers_fn=build_lr_schedulers,
+            build_dataloader_fn=build_dataloader,
+            build_tokenizer_fn=lambda job_config: load_tokenizer(job_config.model.tokenizer_path),
+            build_loss_fn=build_loss,
+            build_metrics_processor_fn=build_metrics_processor,
+        ),
+    )
+
+
+class Trainer(TorchtitanTrainer):
+    def __init__(self, job_config):
+        device.use_cpu_if_no_accelerator()
+        device.check_supported(job_config)
+        register_flame_train_spec()
+        self.skipped_steps = 0
+        self._loss_window: torch.Tensor | None = None
+        self._window_steps = 0
+        super().__init__(job_config)
+        logger.info(self.metrics_processor.describe_mfu())
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(job_config.job.dump_folder, exist_ok=True)
+            with open(os.path.join(job_config.job.dump_folder, RUN_CONFIG), "w") as f:
+                json.dump(job_config.to_dict(), f, indent=2, default=str)
+
+    def post_dataloading_process(self, input_dict, labels):
+        inputs = input_dict["input"]
+        return inputs, labels, forward_kwargs(self.model_parts[0], input_dict), {}
+
+    def train_step(self, data_iterator) -> None:
+        if self.metrics_processor.step_last_log is None:  # first step of this process (maybe resumed)
+            self.metrics_processor.step_last_log = self.step - 1
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        # Randomness (e.g. dropout) is a function of (seed, step): a resumed run draws the same.
+        torch.manual_seed((self.job_config.debug.seed or 0) * 1_000_003 + self.step)
+
+        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        local_valid_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        local_valid_tokens = torch.tensor(local_valid_tokens, dtype=torch.int64, device=self.device)
+        if self.parallel_dims.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum(local_valid_tokens, self.parallel_dims.get_mesh("batch"))
+        else:
+            global_valid_tokens = local_valid_tokens.float()
+
+        losses = []
+        for input_dict, labels in microbatches:
+            input_dict = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in input_dict.items()}
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens
+            )
+            losses.append(loss.detach())
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for model in self.model_parts for p in model.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
+        )
+        if torch.isfinite(grad_norm):
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+        elif self.job_config.training.skip_nan_inf:
+            self.skipped_steps += 1
+            logger.warning(f"step {self.step}: gradient norm is {grad_norm.item()}; update skipped ({self.skipped_steps} so far)")
+            self.optimizers.zero_grad()
+        else:
+            raise NonFiniteGradientError(
+                f"step {self.step}: gradient norm is {grad_norm.item()}; stopping (the last checkpoint is intact). "
+                "Lower the learning rate, or pass --training.skip_nan_inf to skip such updates"
+            )
+        self.lr_schedulers.step()
+
+        # The logged loss is the mean over the steps since the last log line (a smooth curve
+        # even when logging every N steps); accumulated on device, so no sync per step.
+        step_loss = torch.stack(losses).sum()
+        self._loss_window = step_loss if self._loss_window is None else self._loss_window + step_loss
+        self._window_steps += 1
+        if not self.metrics_processor.should_log(self.step):
+            return
+        loss, self._loss_window = self._loss_window / self._window_steps, None
+        self._window_steps = 0
+        if self.parallel_dims.dp_cp_enabled:
+            loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+            local_avg = loss * global_valid_tokens / local_valid_tokens
+            global_avg_loss = dist_utils.dist_sum(loss, loss_mesh)
+            global_max_loss = dist_utils.dist_max(local_avg, loss_mesh)
+            tokens_seen = dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), loss_mesh)
+        else:
+            global_avg_loss = global_max_loss = loss.item()
+            tokens_seen = self.ntokens_seen
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss,
+            global_max_loss,
+            grad_norm.item(),
+            extra_metrics={"lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.skipped_steps},
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.skipped_steps = state_dict.get("skipped_steps", 0)

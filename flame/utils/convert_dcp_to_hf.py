@@ -1,0 +1,158 @@
+"""Export a flame DCP checkpoint as a Hugging Face model (safetensors, config, tokenizer).
+
+    python -m flame.utils.convert_dcp_to_hf --path exp/run [--step N] [--config cfg.json]
+        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--sample "def main("]
+
+By default everything comes from the run itself (<path>/job_config.json): the model config,
+the tokenizer, the checkpoint folder and checkpoint.export_dtype; --step defaults to the
+latest complete checkpoint. The export is written next to its destination and swapped in
+only when complete, so an earlier export is never left half-overwritten.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from flame.config_manager import ConfigError
+from flame.data.tokenizer import load_tokenizer
+from flame.models import load_model_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_settings(path: str) -> dict:
+    """The job config a run saved in its dump folder ({} if there is none)."""
+    saved = os.path.join(path, "job_config.json")
+    if not os.path.isfile(saved):
+        return {}
+    with open(saved) as f:
+        return json.load(f)
+
+
+def complete_steps(checkpoint_folder: str) -> list[int]:
+    """Steps whose checkpoint finished writing (DCP writes .metadata last, atomically)."""
+    if not os.path.isdir(checkpoint_folder):
+        return []
+    steps = []
+    for name in os.listdir(checkpoint_folder):
+        match = re.fullmatch(r"step-(\d+)", name)
+        if match and os.path.isfile(os.path.join(checkpoint_folder, name, ".metadata")):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
+    """An HF model (fp32, CPU) holding the weights of a DCP checkpoint."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.to_empty(device="cpu")
+    state_dict = model.state_dict()
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    missing = [key for key in state_dict if key not in metadata.state_dict_metadata]
+    if missing:
+        raise ConfigError(
+            f"checkpoint {checkpoint} does not hold this model's weights (missing {missing[:3]}...): "
+            "is --config the model the run trained?"
+        )
+    dcp.load(state_dict, checkpoint_id=checkpoint)
+    return model
+
+
+def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str) -> None:
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=parent)
+    try:
+        model.to(dtype)
+        model.config.dtype = dtype
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(staging)
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        ).save_pretrained(staging)
+        _make_readable(staging)
+        if os.path.exists(out):
+            previous = staging + ".previous"
+            os.rename(out, previous)
+            os.rename(staging, out)
+            shutil.rmtree(previous)
+        else:
+            os.rename(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _make_readable(folder: str) -> None:
+    # mkdtemp (and atomic writers) create owner-only files; an export is meant to be shared.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def sample(out: str, prompt: str, max_new_tokens: int = 48) -> str:
+    """Load the export with plain transformers and continue ``prompt`` greedily."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(generated[0], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", required=True, help="the run's dump folder")
+    parser.add_argument("--step", type=int, default=-1, help="checkpoint step (default: latest complete one)")
+    parser.add_argument("--config", help="HF model config (default: the run's model.config)")
+    parser.add_argument("--tokenizer", help="tokenizer (default: the run's model.tokenizer_path)")
+    parser.add_argument("--checkpoint-folder", help="checkpoint folder under --path (default: the run's)")
+    parser.add_argument("--out", help="output directory (default: <path>/hf)")
+    parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's checkpoint.export_dtype)")
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--sample", metavar="PROMPT", help="after exporting, load the model and print a continuation")
+    args = parser.parse_args(argv)
+
+    try:
+        run = run_settings(args.path)
+        config_path = args.config or run.get("model", {}).get("config")
+        tokenizer_path = args.tokenizer or run.get("model", {}).get("tokenizer_path")
+        if not config_path or not tokenizer_path:
+            raise ConfigError(f"{args.path} has no job_config.json: pass --config and --tokenizer")
+        folder = os.path.join(args.path, args.checkpoint_folder or run.get("checkpoint", {}).get("folder", "checkpoint"))
+        steps = complete_steps(folder)
+        if not steps:
+            raise ConfigError(f"no complete checkpoint in {folder}")
+        step = steps[-1] if args.step == -1 else args.step
+        if step not in steps:
+            raise ConfigError(f"no complete checkpoint for step {step} in {folder}; complete steps: {steps}")
+        dtype = DTYPES[args.dtype or run.get("checkpoint", {}).get("export_dtype", "float32")]
+        out = args.out or os.path.join(args.path, "hf")
+
+        config = load_model_config(config_path)
+        tokenizer = load_tokenizer(tokenizer_path)
+        model = load_hf_model_from_dcp(os.path.join(folder, f"step-{step}"), config)
+        export(model, tokenizer, out, dtype, args.max_shard_size)
+    except ConfigError as error:
+        print(f"convert_dcp_to_hf: error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported step {step} of {args.path} to {out} ({str(dtype).removeprefix('torch.')})")
+    if args.sample is not None:
+        print(f"sample from {out}:\n{sample(out, args.sample)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny llama, a small real-text corpus, and a way to run real training jobs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = "builtin:python-stdlib-bpe"
+
+
+def flame_env(threads: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("WANDB_MODE", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer llama (hidden 64) over the builtin tokenizer's 4096 ids."""
+    path = tmp_path_factory.mktemp("model") / "llama_tiny.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "vocab_size": 4096,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """400 documents of the builtin Python-stdlib corpus as one jsonl file."""
+    from flame.data import builtin
+
+    source = Path(builtin.resolve("builtin:python-stdlib"))
+    lines = []
+    for shard in sorted(source.glob("*.jsonl")):
+        with open(shard) as f:
+            lines.extend(line for _, line in zip(range(50), f))
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def base_args(model: str, data: str, dump: Path, steps: int = 6) -> list[str]:
+    return [
+        f"--model.config={model}",
+        f"--model.tokenizer_path={TOKENIZER}",
+        f"--training.dataset={data}",
+        "--training.seq_len=64",
+        "--training.batch_size=2",
+        f"--training.steps={steps}",
+        "--optimizer.lr=3e-3",
+        "--lr_scheduler.warmup_steps=2",
+        "--metrics.log_freq=1",
+        "--checkpoint.enable",
+        f"--checkpoint.interval={max(steps, 1)}",
+        f"--job.dump_folder={dump}",
+    ]
+
+
+def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``module`` (or a script path) under torchrun; the result keeps stdout+stderr."""
+    target = ["-m", module] if not module.endswith(".py") else [module]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args,
+    ]
+    return subprocess.run(
+        command, cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def metrics(dump: Path) -> dict[int, dict]:
+    """step -> logged metrics, from <dump>/metrics.jsonl (later lines win, as after a resume)."""
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}
+
+
+def losses(dump: Path) -> dict[int, float]:
+    return {step: row["loss_metrics/global_avg_loss"] for step, row in metrics(dump).items()}

@@ -1,0 +1,26 @@
+"""Train with flame, then save the final model's logits on fixed input ids (rank 0) to FLAME_TEST_LOGITS."""
+
+import os
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from flame.config_manager import FlameConfigManager
+from flame.trainer import Trainer
+
+if __name__ == "__main__":
+    trainer = Trainer(FlameConfigManager().parse_args(sys.argv[1:]))
+    try:
+        trainer.train()
+        model = trainer.model_parts[0]
+        model.eval()
+        input_ids = torch.arange(3, 3 + 2 * 48).remainder(4096).reshape(2, 48)
+        with torch.no_grad():
+            logits = model(input_ids).logits
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        if torch.distributed.get_rank() == 0:
+            torch.save({"input_ids": input_ids, "logits": logits}, os.environ["FLAME_TEST_LOGITS"])
+    finally:
+        trainer.close()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,171 @@
+"""Config parsing: TOML < CLI, flame's fields and aliases, errors that say what to change."""
+
+import subprocess
+import sys
+
+import pytest
+
+from flame.config_manager import ConfigError, FlameConfigManager
+from tests.conftest import ROOT, flame_env
+
+
+def parse(*args: str, world_size: int = 1, monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    return FlameConfigManager().parse_args(list(args))
+
+
+@pytest.fixture
+def job_toml(tmp_path, tiny_model):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f"""
+[job]
+dump_folder = "{tmp_path / 'from_toml'}"
+[model]
+config = "{tiny_model}"
+tokenizer_path = "builtin:python-stdlib-bpe"
+[training]
+dataset = "builtin:python-stdlib"
+seq_len = 128
+steps = 7
+varlen = true
+batch_size = 1
+"""
+    )
+    return path
+
+
+def test_toml_values_are_read(job_toml, monkeypatch):
+    config = parse("--job.config_file", str(job_toml), monkeypatch=monkeypatch)
+    assert config.training.seq_len == 128
+    assert config.training.steps == 7
+    assert config.training.varlen is True
+    assert config.job.dump_folder.endswith("from_toml")
+
+
+def test_cli_overrides_toml(job_toml, monkeypatch):
+    config = parse("--job.config_file", str(job_toml), "--training.steps", "11", monkeypatch=monkeypatch)
+    assert config.training.steps == 11
+    assert config.training.seq_len == 128
+
+
+def test_boolean_flag_can_be_turned_off_from_cli(job_toml, monkeypatch):
+    config = parse("--job.config_file", str(job_toml), "--training.no-varlen", monkeypatch=monkeypatch)
+    assert config.training.varlen is False
+    config = parse("--job.config_file", str(job_toml), "--training.no_varlen", monkeypatch=monkeypatch)
+    assert config.training.varlen is False
+
+
+def test_context_len_defaults_to_seq_len(job_toml, monkeypatch):
+    config = parse("--job.config_file", str(job_toml), monkeypatch=monkeypatch)
+    assert config.training.context_len == 128
+
+
+def test_historical_spellings_set_torchtitan_fields(tiny_model, monkeypatch):
+    config = parse(
+        f"--model.config={tiny_model}",
+        "--model.tokenizer_path=builtin:python-stdlib-bpe",
+        "--training.dataset=builtin:python-stdlib",
+        "--training.batch_size=3",
+        "--training.num_workers=2",
+        "--training.seed=7",
+        "--training.compile",
+        "--training.data_parallel_shard_degree=2",
+        "--lr_scheduler.lr_min=0.1",
+        "--training.gradient_accumulation_steps=4",
+        world_size=2,
+        monkeypatch=monkeypatch,
+    )
+    assert config.training.local_batch_size == 3
+    assert config.training.dataloader.num_workers == 2
+    assert config.debug.seed == 7
+    assert config.compile.enable is True
+    assert config.parallelism.data_parallel_shard_degree == 2
+    assert config.lr_scheduler.min_lr_factor == 0.1
+    assert config.training.global_batch_size == 3 * 2 * 4
+
+
+def test_alias_and_field_with_different_values_is_an_error(job_toml, monkeypatch):
+    with pytest.raises(ConfigError, match="same setting"):
+        parse("--job.config_file", str(job_toml), "--training.batch_size=2", "--training.local_batch_size=3",
+              "--training.no-varlen", monkeypatch=monkeypatch)
+
+
+def test_unknown_toml_key_suggests_the_closest(tmp_path, monkeypatch):
+    path = tmp_path / "typo.toml"
+    path.write_text("[training]\nseq_lenn = 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'training.seq_lenn'.*did you mean 'training.seq_len'"):
+        parse("--job.config_file", str(path), monkeypatch=monkeypatch)
+
+
+def test_unknown_toml_section_is_an_error(tmp_path, monkeypatch):
+    path = tmp_path / "typo.toml"
+    path.write_text("[trainig]\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'trainig'.*did you mean 'training'"):
+        parse("--job.config_file", str(path), monkeypatch=monkeypatch)
+
+
+def test_unknown_cli_key_suggests_the_closest():
+    result = subprocess.run(
+        [sys.executable, "-m", "flame.train", "--training.seq_lenn", "5"],
+        cwd=ROOT, env=flame_env(), capture_output=True, text=True,
+    )
+    assert result.returncode != 0
+    assert "--training.seq_lenn" in result.stderr + result.stdout
+    assert "--training.seq-len" in result.stderr + result.stdout  # tyro's "Perhaps you meant"
+
+
+def test_help_lists_flame_and_torchtitan_options():
+    result = subprocess.run(
+        [sys.executable, "-m", "flame.train", "-h"], cwd=ROOT, env=flame_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    for option in ("--training.varlen", "--training.context-len", "--model.config", "--lr-scheduler.lr-min",
+                   "--optimizer.lr", "--checkpoint.keep-latest-k", "--training.skip-nan-inf"):
+        assert option in result.stdout, option
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.batch_size=2"], "varlen packs one row per device"),
+        (["--training.no-varlen", "--training.context_len=256"], "context_len 256 must be between 1 and --training.seq_len 128"),
+        (["--training.dataset=a,b", "--training.data_probs=0.5"], "data_probs has 1 entries for 2 datasets"),
+        (["--training.dataset=a,b", "--training.data_probs=0.5,-1"], "must all be positive"),
+        (["--training.dataset=a,b,c", "--training.dataset_split=x,y"], "dataset_split has 2 entries for 3 datasets"),
+        (["--checkpoint.keep_latest_k=1"], "keep_latest_k 1"),
+        (["--model.flavor=big"], "model.flavor is a torchtitan option flame does not use"),
+        (["--model.config=/no/such/config.json"], "does not exist"),
+        (["--job.custom_config_module=other"], "set by flame"),
+    ],
+)
+def test_inconsistent_settings_fail_with_the_fix(job_toml, monkeypatch, args, message):
+    with pytest.raises(ConfigError, match=message):
+        parse("--job.config_file", str(job_toml), *args, monkeypatch=monkeypatch)
+
+
+def test_parallel_degrees_must_multiply_to_world_size(job_toml, monkeypatch):
+    with pytest.raises(ConfigError, match="multiply to 2 .* but there are 4 processes"):
+        parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_shard_degree=2", world_size=4,
+              monkeypatch=monkeypatch)
+    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+        parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=3,
+              monkeypatch=monkeypatch)
+
+
+def test_missing_config_file_is_an_error(monkeypatch):
+    with pytest.raises(ConfigError, match="job config file not found"):
+        parse("--job.config_file", "/no/such.toml", monkeypatch=monkeypatch)
+
+
+def test_repo_relative_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = parse("--job.config_file", "configs/debug.toml", monkeypatch=monkeypatch)
+    assert config.model.config == str(ROOT / "configs" / "llama_4M.json")
+
+
+def test_default_pretraining_config_parses(monkeypatch):
+    config = parse("--job.config_file", "flame/models/flame.toml", world_size=8, monkeypatch=monkeypatch)
+    assert config.training.varlen and config.training.context_len == 4096
+    assert "fineweb-edu" in config.training.dataset

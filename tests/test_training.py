@@ -1,0 +1,95 @@
+"""Training runs end to end on CPU: real data, real processes, real checkpoints."""
+
+import math
+import os
+import shutil
+
+from tests.conftest import ROOT, base_args, check, losses, metrics, torchrun
+
+
+def test_single_process_loss_falls(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "run"
+    check(torchrun(base_args(tiny_model, corpus, dump, steps=30)))
+    curve = losses(dump)
+    assert sorted(curve) == list(range(1, 31))
+    first, last = curve[1], sum(curve[s] for s in range(26, 31)) / 5
+    assert first > 8.0  # ~ln(4096) at init
+    assert last < first - 1.0, curve
+    assert (dump / "checkpoint" / "step-30" / ".metadata").is_file()
+
+
+def test_two_process_fsdp_run_trains(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "fsdp"
+    result = check(torchrun(base_args(tiny_model, corpus, dump, steps=20), nproc=2))
+    assert "Applied FSDP2 over 2 ranks" in result.stdout + result.stderr
+    rows = metrics(dump)
+    assert rows[20]["n_tokens_seen"] == 20 * 2 * 2 * 64  # steps x ranks x rows x seq_len
+    assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
+
+
+def _resume_args(model, data, dump, steps, workers=0):
+    # the LR schedule spans 12 steps whatever training.steps says, so a short first run and
+    # its resumption follow the same schedule as the uninterrupted run
+    return base_args(model, data, dump, steps=steps) + [
+        "--lr_scheduler.total_steps=12", "--checkpoint.interval=4", f"--training.num_workers={workers}",
+    ]
+
+
+def test_resume_is_bit_identical(tmp_path, tiny_model, corpus):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    check(torchrun(_resume_args(tiny_model, corpus, straight, 12)))
+    check(torchrun(_resume_args(tiny_model, corpus, resumed, 8)))
+    shutil.rmtree(resumed / "checkpoint" / "step-8")  # stopped after the step-4 checkpoint
+    result = check(torchrun(_resume_args(tiny_model, corpus, resumed, 12)))
+    assert "Training starts at step 5" in result.stdout + result.stderr
+    expected, got = losses(straight), losses(resumed)
+    assert [got[s] for s in range(5, 13)] == [expected[s] for s in range(5, 13)]
+    assert metrics(resumed)[12]["lr"] == metrics(straight)[12]["lr"]
+
+
+def test_resume_is_bit_identical_with_dataloader_workers(tmp_path, tiny_model, corpus):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    check(torchrun(_resume_args(tiny_model, corpus, straight, 12, workers=2)))
+    check(torchrun(_resume_args(tiny_model, corpus, resumed, 4, workers=2)))
+    check(torchrun(_resume_args(tiny_model, corpus, resumed, 12, workers=2)))
+    expected, got = losses(straight), losses(resumed)
+    assert [got[s] for s in range(5, 13)] == [expected[s] for s in range(5, 13)]
+
+
+def test_interrupted_save_is_never_loaded(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "run"
+    check(torchrun(_resume_args(tiny_model, corpus, dump, 8)))
+    # DCP writes .metadata last (atomically): a save that died midway has none
+    os.remove(dump / "checkpoint" / "step-8" / ".metadata")
+    result = check(torchrun(_resume_args(tiny_model, corpus, dump, 12)))
+    assert "Training starts at step 5" in result.stdout + result.stderr
+
+
+def _run_with_bad_steps(tmp_path, tiny_model, corpus, extra):
+    dump = tmp_path / "run"
+    os.environ["FLAME_TEST_BAD_STEPS"] = "3,5"
+    try:
+        result = torchrun(base_args(tiny_model, corpus, dump, steps=8) + extra,
+                          module=str(ROOT / "tests" / "scripts" / "inject_nonfinite.py"))
+    finally:
+        del os.environ["FLAME_TEST_BAD_STEPS"]
+    return dump, result
+
+
+def test_skip_nan_inf_skips_the_update_and_continues(tmp_path, tiny_model, corpus):
+    dump, result = _run_with_bad_steps(tmp_path, tiny_model, corpus, ["--training.skip_nan_inf"])
+    check(result)
+    rows = metrics(dump)
+    assert [rows[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 2, 2, 2, 2]
+    assert math.isinf(rows[3]["grad_norm"]) and math.isfinite(rows[4]["grad_norm"])
+    assert all(math.isfinite(rows[s]["loss_metrics/global_avg_loss"]) for s in range(1, 9))
+    assert "step 3: gradient norm is inf; update skipped" in result.stdout + result.stderr
+
+
+def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path, tiny_model, corpus):
+    dump, result = _run_with_bad_steps(tmp_path, tiny_model, corpus, ["--checkpoint.interval=2"])
+    assert result.returncode != 0
+    assert "step 3: gradient norm is inf" in result.stdout + result.stderr
+    assert "--training.skip_nan_inf" in result.stdout + result.stderr
+    assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
+    assert not (dump / "checkpoint" / "step-4").exists()
