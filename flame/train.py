@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
 
-    from flame.trainer import Trainer  # after parsing: `-h` and config errors stay fast
+    from flame.trainer import NonFiniteGradientError, Trainer  # after parsing: `-h` and config errors stay fast
 
     trainer = None
     try:
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
+    except NonFiniteGradientError as error:
+        print(f"flame: error: {error}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()

@@ -73,6 +73,8 @@ def load_source(spec: SourceSpec, streaming: bool) -> datasets.Dataset | dataset
                 )
             kwargs.update(data_files=files, split="train" if spec.split == "train" else spec.split)
             return datasets.load_dataset(builder, streaming=streaming, **kwargs)
+        if _looks_like_a_path(path):
+            raise ConfigError(f"--training.dataset {path} does not exist")
         return datasets.load_dataset(path, streaming=streaming, **kwargs)
     except ConfigError:
         raise
@@ -84,6 +86,11 @@ def load_source(spec: SourceSpec, streaming: bool) -> datasets.Dataset | dataset
         raise ConfigError(
             f"dataset {spec.path} not found (not a local path, nor a hub dataset in the local HF cache): {error}"
         ) from None
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A spec that cannot be a hub name ('org/name'): absolute, relative, or with a file extension."""
+    return spec.startswith(("/", "./", "../", "~")) or _builder_for(spec) is not None or spec.count("/") > 1
 
 
 def _is_saved_to_disk(path: str) -> bool:

@@ -1,0 +1,71 @@
+"""train.sh as users run it: preflight, torchrun, per-rank logs, HF export on success only."""
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT, TOKENIZER, flame_env
+
+
+def train_sh(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = flame_env() | {"FLAME_PYTHON": sys.executable, "NGPU": "1"} | (env_extra or {})
+    return subprocess.run(["bash", str(ROOT / "train.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def job_toml(tmp_path, tiny_model, corpus, steps=4, extra=""):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f"""
+[job]
+dump_folder = "{tmp_path / 'dump'}"
+[model]
+config = "{tiny_model}"
+tokenizer_path = "{TOKENIZER}"
+[training]
+dataset = "{corpus}"
+seq_len = 64
+batch_size = 2
+steps = {steps}
+[checkpoint]
+enable = true
+interval = 2
+[metrics]
+log_freq = 1
+{extra}
+"""
+    )
+    return path
+
+
+def test_trains_and_exports_to_the_dump_folder_named_only_in_toml(tmp_path, tiny_model, corpus):
+    result = train_sh("--job.config_file", str(job_toml(tmp_path, tiny_model, corpus)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    dump = tmp_path / "dump"
+    assert (dump / "hf" / "config.json").is_file() and (dump / "hf" / "model.safetensors").is_file()
+    assert "exported step 4" in result.stdout
+    assert list((dump / "logs").rglob("stdout.log")), "per-rank logs under <dump>/logs"
+
+
+def test_bad_config_fails_before_any_process_starts(tmp_path, tiny_model, corpus):
+    result = train_sh("--job.config_file", str(job_toml(tmp_path, tiny_model, corpus)),
+                      "--training.dataset", str(tmp_path / "missing.jsonl"))
+    assert result.returncode == 2
+    assert "missing.jsonl" in result.stderr and "does not exist" in result.stderr
+    assert not (tmp_path / "dump").exists()
+
+
+def test_failed_training_exits_nonzero_and_exports_nothing(tmp_path, tiny_model, corpus):
+    # lr 1e30 overflows the weights after one update: step 2 has a non-finite gradient
+    result = train_sh("--job.config_file", str(job_toml(tmp_path, tiny_model, corpus)), "--optimizer.lr", "1e30",
+                      "--checkpoint.interval", "1")
+    assert result.returncode != 0
+    assert "step 2: gradient norm is nan" in result.stdout + result.stderr
+    assert (tmp_path / "dump" / "checkpoint" / "step-1" / ".metadata").is_file()
+    assert not (tmp_path / "dump" / "hf").exists()
+
+
+def test_help_prints_every_option():
+    result = train_sh("-h")
+    assert result.returncode == 0
+    assert "--training.gradient-accumulation-steps" in result.stdout
+    assert "--parallelism.data-parallel-shard-degree" in result.stdout
