@@ -28,7 +28,7 @@ export_args=()
 if [ $# -eq 0 ]; then
   echo "flame: no arguments, running the embedded default job (configs/debug.toml)"
   set -- --job.config_file "$root/configs/debug.toml"
-  export_args=(--sample "class ")
+  export_args=(--sample "def __init__(self")
 fi
 
 NGPU=${NGPU:-$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}

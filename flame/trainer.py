@@ -4,6 +4,7 @@ torchtitan builds everything from the "flame" TrainSpec registered below (HF mod
 config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
 overrides:
 - ``post_dataloading_process``: hands the model the inputs its family understands;
+- ``train``: keep_latest_k also after the final save;
 - ``train_step``: per-step RNG, a non-finite-gradient check (skip or stop), richer metrics;
 - ``state_dict``: the train state also counts skipped steps.
 """
@@ -76,6 +77,11 @@ class Trainer(TorchtitanTrainer):
     def post_dataloading_process(self, input_dict, labels):
         inputs = input_dict["input"]
         return inputs, labels, forward_kwargs(self.model_parts[0], input_dict), {}
+
+    def train(self) -> None:
+        super().train()
+        if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
+            self.checkpointer._purge_stale_checkpoints()
 
     def train_step(self, data_iterator) -> None:
         if self.metrics_processor.step_last_log is None:  # first step of this process (maybe resumed)

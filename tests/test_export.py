@@ -91,3 +91,12 @@ def test_dcp_to_hf_names_missing_steps(tmp_path, tiny_model, corpus):
         cwd=ROOT, env=flame_env(), capture_output=True, text=True,
     )
     assert result.returncode == 2 and "no complete checkpoint for step 7" in result.stderr and "[2]" in result.stderr
+
+
+def test_large_models_export_as_sharded_safetensors(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "run"
+    check(torchrun(base_args(tiny_model, corpus, dump, steps=1)))
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(dump), "--max-shard-size", "300KB")
+    index = json.loads((dump / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    AutoModelForCausalLM.from_pretrained(dump / "hf")

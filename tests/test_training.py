@@ -93,3 +93,54 @@ def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path, tiny_model,
     assert "--training.skip_nan_inf" in result.stdout + result.stderr
     assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
     assert not (dump / "checkpoint" / "step-4").exists()
+
+
+def test_gradient_accumulation_matches_a_larger_batch(tmp_path, tiny_model, corpus):
+    # the packer hands out rows in order, so 2 micro-batches of 1 row hold the rows of 1 batch of 2
+    big, accumulated = tmp_path / "big", tmp_path / "accumulated"
+    check(torchrun(base_args(tiny_model, corpus, big, steps=5)))
+    check(torchrun(base_args(tiny_model, corpus, accumulated, steps=5)
+                   + ["--training.batch_size=1", "--training.gradient_accumulation_steps=2"]))
+    expected, got = losses(big), losses(accumulated)
+    for step in range(1, 6):
+        assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
+
+
+def test_keep_latest_k_and_load_step(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "run"
+    check(torchrun(_resume_args(tiny_model, corpus, dump, 12) + ["--checkpoint.interval=2", "--checkpoint.keep_latest_k=3"]))
+    kept = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir())
+    assert kept == [8, 10, 12]
+    straight = losses(dump)
+    result = check(torchrun(_resume_args(tiny_model, corpus, dump, 12) + ["--checkpoint.load_step=8"]))
+    assert "Training starts at step 9" in result.stdout + result.stderr
+    assert [losses(dump)[s] for s in (9, 10, 11, 12)] == [straight[s] for s in (9, 10, 11, 12)]
+
+
+def test_tensorboard_and_offline_wandb_logging(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "run"
+    os.environ["WANDB_DIR"] = str(tmp_path)
+    os.environ["HOME"], home = str(tmp_path), os.environ["HOME"]  # no ~/.netrc: no W&B credentials
+    try:
+        result = check(torchrun(base_args(tiny_model, corpus, dump, steps=3)
+                                + ["--metrics.enable_tensorboard", "--metrics.enable_wandb"]))
+    finally:
+        os.environ["HOME"] = home
+        del os.environ["WANDB_DIR"]
+    assert "W&B: no credentials found, logging offline" in result.stdout + result.stderr
+    assert list((dump / "tb").rglob("events.out.tfevents.*"))
+    assert list((dump / "tb").rglob("offline-run-*")), "a W&B offline run directory"
+
+
+def test_compile_and_activation_checkpointing_keep_the_loss_curve(tmp_path, tiny_model, corpus):
+    eager, compiled, checkpointed = tmp_path / "eager", tmp_path / "compiled", tmp_path / "ac"
+    check(torchrun(base_args(tiny_model, corpus, eager, steps=4)))
+    # aot_eager traces and partitions each block like inductor does, without a C++ toolchain
+    check(torchrun(base_args(tiny_model, corpus, compiled, steps=4) + ["--training.compile", "--compile.backend=aot_eager"]))
+    result = check(torchrun(base_args(tiny_model, corpus, checkpointed, steps=4) + ["--activation_checkpoint.mode=full"]))
+    assert "Applied full activation checkpointing to 2 blocks" in result.stdout + result.stderr
+    expected = losses(eager)
+    for run in (compiled, checkpointed):
+        got = losses(run)
+        for step in range(1, 5):
+            assert math.isclose(got[step], expected[step], rel_tol=1e-4), (run.name, step)

@@ -6,8 +6,10 @@ re-tokenizes from that position, which is deterministic, so the rows after a res
 exactly the rows an uninterrupted run would have produced.
 
 Row semantics (fixed rows and varlen alike): a row is ``seq_len`` consecutive tokens of the
-document stream. It is cut into segments at document boundaries, at the row's end and every
-``context_len`` tokens of a document; position ids restart at 0 in each segment. The label
+document stream. It is cut into segments at document boundaries and at the row's end, and a
+segment that would grow past ``context_len`` tokens is cut there (counting from the
+segment's start, which may be a row start inside a document); position ids restart at 0 in
+each segment. The label
 of a token is the next token of the same document and IGNORE_INDEX for a document's last
 token, so no target crosses a document boundary (a target may cross a segment or row
 boundary inside a document: it is still the true next token).

@@ -51,7 +51,18 @@ def _builder_for(path: str) -> str | None:
 
 
 def load_source(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
-    """The split ``spec`` names, as a map-style or streaming dataset; ConfigError if it cannot be read."""
+    """The split ``spec`` names, as a map-style or streaming dataset; ConfigError if it cannot be read or is empty."""
+    try:
+        dataset = _load(spec, streaming)
+    except (StopIteration, IndexError) as error:  # what datasets raises for empty files/tables
+        raise ConfigError(f"dataset {spec.path} is empty or unreadable ({type(error).__name__})") from None
+    empty = len(dataset) == 0 if isinstance(dataset, datasets.Dataset) else next(iter(dataset.take(1)), None) is None
+    if empty:
+        raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents")
+    return dataset
+
+
+def _load(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
     path = builtin.resolve(spec.path) if builtin.is_builtin(spec.path) else spec.path
     kwargs = {"name": spec.name, "data_dir": spec.data_dir, "data_files": spec.data_files, "split": spec.split}
     try:

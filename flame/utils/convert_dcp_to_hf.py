@@ -102,13 +102,14 @@ def _make_readable(folder: str) -> None:
 
 
 def sample(out: str, prompt: str, max_new_tokens: int = 48) -> str:
-    """Load the export with plain transformers and continue ``prompt`` greedily."""
+    """Load the export with plain transformers and continue ``prompt`` (seeded sampling, T=0.7)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     inputs = tokenizer(prompt, return_tensors="pt")
-    generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    torch.manual_seed(0)
+    generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7, top_k=40)
     return tokenizer.decode(generated[0], skip_special_tokens=True)
 
 
