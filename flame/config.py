@@ -131,7 +131,6 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "fault_tolerance.enable": "torchft is not part of flame's stack",
     "experimental.custom_import": "custom architectures go under custom_models/",
     "experimental.custom_args_module": "flame sets the config module itself",
-    "job.custom_config_module": "flame sets the config module itself",
     "comm.mode": "fake/local-tensor comm modes are not supported by flame",
     "optimizer.early_step_in_backward": "it steps before gradient clipping and the non-finite check",
 }

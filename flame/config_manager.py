@@ -18,6 +18,7 @@ from flame.config import ALIASES, UNUSED_TORCHTITAN_FIELDS
 
 FLAME_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MODULE = "flame.config"
+RUN_CONFIG_FILE = "job_config.json"  # the parsed job config, saved in the dump folder by rank 0
 
 
 class ConfigError(ValueError):
@@ -143,8 +144,6 @@ def split_list(value: str | None) -> list[str]:
 
 def _check_unused_fields(config: JobConfig, defaults: JobConfig) -> None:
     for name, why in UNUSED_TORCHTITAN_FIELDS.items():
-        if name == "job.custom_config_module":
-            continue
         if _get(config, name) != _get(defaults, name):
             raise ConfigError(f"--{name} is a torchtitan option flame does not use: {why}")
 

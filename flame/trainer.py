@@ -24,12 +24,11 @@ from torchtitan.train import Trainer as TorchtitanTrainer
 
 from flame import device
 from flame.components.loss import build_loss
+from flame.config_manager import RUN_CONFIG_FILE
 from flame.components.metrics import build_metrics_processor
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 from flame.models import AnyFlavor, build_model, forward_kwargs, parallelize_model
-
-RUN_CONFIG = "job_config.json"  # written into the dump folder: what the converters read
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -71,7 +70,7 @@ class Trainer(TorchtitanTrainer):
         logger.info(self.metrics_processor.describe_mfu())
         if torch.distributed.get_rank() == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
-            with open(os.path.join(job_config.job.dump_folder, RUN_CONFIG), "w") as f:
+            with open(os.path.join(job_config.job.dump_folder, RUN_CONFIG_FILE), "w") as f:
                 json.dump(job_config.to_dict(), f, indent=2, default=str)
 
     def post_dataloading_process(self, input_dict, labels):

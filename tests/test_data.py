@@ -614,3 +614,21 @@ def test_fewer_documents_than_data_parallel_ranks_is_a_config_error(
     dataset = PackedDataset(config, tokenizer, dp_rank=3, dp_world_size=4)
     with pytest.raises(ConfigError, match=message):
         batches(dataset, 1)
+
+
+def test_a_directory_of_jsonl_shards_is_one_dataset(tmp_path):
+    from flame.data.sources import SourceSpec, load_source
+
+    for shard in range(3):
+        (tmp_path / f"part-{shard}.jsonl").write_text("".join(f'{{"text": "doc {shard}-{i}"}}\n' for i in range(5)))
+    dataset = load_source(SourceSpec(path=str(tmp_path)), streaming=False)
+    assert sorted(dataset["text"]) == sorted(f"doc {s}-{i}" for s in range(3) for i in range(5))
+
+
+def test_the_builtin_corpus_loads_as_a_dataset():
+    from flame.data.sources import SourceSpec, load_source, text_column
+
+    spec = SourceSpec(path="builtin:python-stdlib")
+    dataset = load_source(spec, streaming=True)
+    assert text_column(dataset, spec, None) == "text"
+    assert "def " in "".join(row["text"] for row in dataset.take(20))

@@ -84,7 +84,7 @@ def _load(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.Iter
                 )
             kwargs.update(data_files=files, split="train" if spec.split == "train" else spec.split)
             return datasets.load_dataset(builder, streaming=streaming, **kwargs)
-        if _looks_like_a_path(path):
+        if _looks_like_a_path(path) and not os.path.exists(path):
             raise ConfigError(f"--training.dataset {path} does not exist")
         return datasets.load_dataset(path, streaming=streaming, **kwargs)
     except ConfigError:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from flame.config_manager import ConfigError
+from flame.config_manager import RUN_CONFIG_FILE, ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import load_model_config
 
@@ -30,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def run_settings(path: str) -> dict:
     """The job config a run saved in its dump folder ({} if there is none)."""
-    saved = os.path.join(path, "job_config.json")
+    saved = os.path.join(path, RUN_CONFIG_FILE)
     if not os.path.isfile(saved):
         return {}
     with open(saved) as f:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path = args.config or run.get("model", {}).get("config")
         tokenizer_path = args.tokenizer or run.get("model", {}).get("tokenizer_path")
         if not config_path or not tokenizer_path:
-            raise ConfigError(f"{args.path} has no job_config.json: pass --config and --tokenizer")
+            raise ConfigError(f"{args.path} has no {RUN_CONFIG_FILE}: pass --config and --tokenizer")
         folder = os.path.join(args.path, args.checkpoint_folder or run.get("checkpoint", {}).get("folder", "checkpoint"))
         steps = complete_steps(folder)
         if not steps:
