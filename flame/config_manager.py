@@ -14,6 +14,7 @@ from typing import Any
 
 from torchtitan.config import ConfigManager, JobConfig
 
+from flame import device
 from flame.config import ALIASES, UNUSED_TORCHTITAN_FIELDS
 
 FLAME_ROOT = Path(__file__).resolve().parent.parent
@@ -264,7 +265,24 @@ def data_parallel_degree(config: JobConfig, world_size: int) -> int:
             f"but there are {world_size} processes: make them multiply to {world_size} "
             "(data_parallel_shard_degree -1 takes the remaining processes)"
         )
+    _check_available_parallelism(p, shard)
     return p.data_parallel_replicate_degree * shard
+
+
+def _check_available_parallelism(p, shard: int) -> None:
+    """flame shards with FSDP2 (and HSDP); the other layouts are refused rather than run wrong."""
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                 "expert_parallel_degree"):
+        if getattr(p, name) > 1:
+            raise ConfigError(
+                f"--parallelism.{name} {getattr(p, name)}: flame does not provide this parallelism yet; "
+                "use data parallelism (FSDP: data_parallel_shard_degree)"
+            )
+    if p.data_parallel_replicate_degree > 1 and shard == 1:
+        raise ConfigError(
+            "replicate-only data parallelism (DDP) is not available yet: use FSDP "
+            "(--parallelism.data_parallel_shard_degree) or HSDP (replicate and shard degrees both > 1)"
+        )
 
 
 def finalize(config: JobConfig, world_size: int) -> None:
@@ -277,5 +295,6 @@ def finalize(config: JobConfig, world_size: int) -> None:
     _check_model(config)
     _check_training(config)
     dp = data_parallel_degree(config, world_size)
+    device.check_supported(config)
     t = config.training
     t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps

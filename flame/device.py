@@ -103,6 +103,11 @@ def check_supported(job_config) -> None:
 
     if job_config.profiling.enable_memory_snapshot:
         raise ConfigError("--profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
+    if job_config.profiling.enable_profiling:
+        raise ConfigError(
+            "--profiling.enable_profiling needs a GPU (torchtitan 0.2.2's profiler asks for a GPU activity); "
+            "profile CPU runs with py-spy instead"
+        )
     if job_config.training.enable_cpu_offload:
         raise ConfigError("--training.enable_cpu_offload offloads GPU memory; on a CPU machine leave it off")
 

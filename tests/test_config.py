@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from flame.config_manager import ConfigError, FlameConfigManager
 from tests.conftest import ROOT, flame_env
@@ -152,6 +153,24 @@ def test_parallel_degrees_must_multiply_to_world_size(job_toml, monkeypatch):
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
         parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=3,
               monkeypatch=monkeypatch)
+
+
+def test_parallelisms_flame_does_not_provide_are_refused(job_toml, monkeypatch):
+    with pytest.raises(ConfigError, match="tensor_parallel_degree 2: flame does not provide"):
+        parse("--job.config_file", str(job_toml), "--parallelism.tensor_parallel_degree=2", world_size=2,
+              monkeypatch=monkeypatch)
+    with pytest.raises(ConfigError, match="replicate-only data parallelism"):
+        parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=2,
+              monkeypatch=monkeypatch)
+    config = parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2",
+                   world_size=4, monkeypatch=monkeypatch)
+    assert config.training.global_batch_size == 4  # HSDP 2 x 2, one row per rank
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_gpu_only_options_are_refused_on_cpu(job_toml, monkeypatch):
+    with pytest.raises(ConfigError, match="enable_profiling needs a GPU"):
+        parse("--job.config_file", str(job_toml), "--profiling.enable_profiling", monkeypatch=monkeypatch)
 
 
 def test_missing_config_file_is_an_error(monkeypatch):

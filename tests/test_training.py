@@ -27,6 +27,16 @@ def test_two_process_fsdp_run_trains(tmp_path, tiny_model, corpus):
     assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
 
 
+def test_hsdp_two_replicas_of_two_shards_trains(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "hsdp"
+    result = check(torchrun(base_args(tiny_model, corpus, dump, steps=12)
+                            + ["--parallelism.data_parallel_replicate_degree=2"], nproc=4))
+    assert "Applied FSDP2 over 4 ranks (dp_replicate 2 x fsdp 2)" in result.stdout + result.stderr
+    rows = metrics(dump)
+    assert rows[12]["n_tokens_seen"] == 12 * 4 * 2 * 64
+    assert rows[12]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
+
+
 def _resume_args(model, data, dump, steps, workers=0):
     # the LR schedule spans 12 steps whatever training.steps says, so a short first run and
     # its resumption follow the same schedule as the uninterrupted run
@@ -144,3 +154,14 @@ def test_compile_and_activation_checkpointing_keep_the_loss_curve(tmp_path, tiny
         got = losses(run)
         for step in range(1, 5):
             assert math.isclose(got[step], expected[step], rel_tol=1e-4), (run.name, step)
+
+
+def test_varlen_run_packs_one_row_and_trains(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "varlen"
+    args = base_args(tiny_model, corpus, dump, steps=20) + [
+        "--training.varlen", "--training.batch_size=1", "--training.seq_len=256", "--training.context_len=64",
+    ]
+    check(torchrun(args))
+    rows = metrics(dump)
+    assert rows[20]["n_tokens_seen"] == 20 * 256
+    assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5

@@ -87,4 +87,5 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobCon
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(not device.COLLECTIVES_SCALE_IN_REDUCTION)
-    logger.info(f"Applied FSDP2 over {mesh.size()} ranks to {len(layers)} blocks")
+    shape = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+    logger.info(f"Applied FSDP2 over {mesh.size()} ranks ({shape}) to {len(layers)} blocks")
