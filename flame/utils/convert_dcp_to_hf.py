@@ -56,6 +56,13 @@ def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
     model.to_empty(device="cpu")
     state_dict = model.state_dict()
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    files = {item.relative_path for item in metadata.storage_data.values()}
+    absent = sorted(f for f in files if not os.path.isfile(os.path.join(checkpoint, f)))
+    if absent:
+        raise ConfigError(
+            f"checkpoint {checkpoint} lacks {', '.join(absent[:3])}, written by other ranks: on a multi-node run "
+            "the dump folder must be one path on a filesystem every node shares"
+        )
     missing = [key for key in state_dict if key not in metadata.state_dict_metadata]
     if missing:
         raise ConfigError(
