@@ -632,3 +632,21 @@ def test_the_builtin_corpus_loads_as_a_dataset():
     dataset = load_source(spec, streaming=True)
     assert text_column(dataset, spec, None) == "text"
     assert "def " in "".join(row["text"] for row in dataset.take(20))
+
+
+def test_dataset_name_and_data_files_select_inside_a_local_dataset(tmp_path):
+    from flame.data.sources import SourceSpec, load_source
+
+    for name in ("alpha", "beta"):
+        (tmp_path / name).mkdir()
+        for part in range(2):
+            rows = "".join(f'{{"text": "{name} {part}-{i}"}}\n' for i in range(3))
+            (tmp_path / name / f"part-{part}.jsonl").write_text(rows)
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n- config_name: alpha\n  data_files: alpha/*.jsonl\n"
+        "- config_name: beta\n  data_files: beta/*.jsonl\n---\n"
+    )
+    beta = load_source(SourceSpec(path=str(tmp_path), name="beta"), streaming=False)
+    assert sorted(beta["text"]) == sorted(f"beta {p}-{i}" for p in range(2) for i in range(3))
+    one_file = load_source(SourceSpec(path=str(tmp_path), data_files="alpha/part-1.jsonl"), streaming=False)
+    assert sorted(one_file["text"]) == [f"alpha 1-{i}" for i in range(3)]
