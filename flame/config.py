@@ -40,11 +40,27 @@ class Training:
     data_files: str | None = None
     """Comma list, one per dataset: data_files passed to datasets.load_dataset (globs allowed)"""
     data_probs: str | None = None
-    """Comma list of sampling probabilities, one per dataset (documents are drawn from each source with these probabilities)"""
+    """Comma list of mixing probabilities, one per dataset (normalized if they do not sum to 1); see mix_unit"""
+    mix_unit: Literal["documents", "tokens"] = "documents"
+    """What data_probs are fractions of: documents drawn from each source, or tokens trained on from each source"""
     streaming: bool = False
     """Stream the datasets (nothing is downloaded or materialized up front)"""
     text_column: str | None = None
-    """Column holding the text (default: 'text', falling back to 'content')"""
+    """Column holding each document: text (default: 'text', then 'content'), or token ids (e.g. 'input_ids', used without tokenizing)"""
+    delimiters: Literal["auto", "eos", "bos", "bos+eos"] = "auto"
+    """Tokens flame puts around every document: auto = EOS after and BOS before, for whichever the tokenizer defines"""
+    separator_token: str | None = None
+    """A token to end documents with when the tokenizer defines neither BOS nor EOS"""
+    document_mask: bool = True
+    """Restart position ids (and attention) at every document; --training.no-document_mask concatenates documents plainly"""
+    shuffle_buffer: int = 0
+    """Documents held (per data shard) to shuffle a streamed source; saved in checkpoints. 0 = stream order"""
+    row_shuffle_buffer: int = 0
+    """Packed rows held (per data shard) to shuffle rows; saved in checkpoints. 0 = off"""
+    source_exhausted: Literal["restart", "stop"] = "restart"
+    """When a source runs out: restart it (new epoch, reshuffled) or stop training"""
+    data_shards: int = 0
+    """Logical data shards, fixed for a run: resuming on any number of ranks x workers up to this continues the same stream. 0 = max(64, readers) at the start (fewer for a smaller dataset)"""
     context_len: int | None = None
     """Longest attention span: documents longer than this are split into pieces of at most context_len (default: seq_len)"""
     varlen: bool = False

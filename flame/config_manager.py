@@ -201,8 +201,10 @@ def _check_training(config: JobConfig) -> None:
         raise ConfigError(f"--training.steps must be >= 0, got {t.steps}")
     if t.max_norm <= 0:
         raise ConfigError(f"--training.max_norm must be positive, got {t.max_norm}")
-    if t.dataloader.num_workers < 0:
-        raise ConfigError(f"--training.num_workers must be >= 0, got {t.dataloader.num_workers}")
+    for name in ("num_workers", "shuffle_buffer", "row_shuffle_buffer", "data_shards"):
+        value = t.dataloader.num_workers if name == "num_workers" else getattr(t, name)
+        if value < 0:
+            raise ConfigError(f"--training.{name} must be >= 0, got {value}")
     datasets = split_list(t.dataset)
     for name in ("dataset_name", "dataset_split", "data_dir", "data_files"):
         entries = split_list(getattr(t, name))

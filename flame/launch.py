@@ -18,14 +18,12 @@ from flame.config_manager import ConfigError, FlameConfigManager
 
 
 def preflight(config) -> None:
-    from flame.data.sources import load_source, source_specs, text_column
-    from flame.data.tokenizer import document_delimiters, load_tokenizer
+    from flame.data.shards import DataPlan
+    from flame.data.tokenizer import load_tokenizer
     from flame.models.builder import check_vocabulary, load_model_config
 
-    document_delimiters(load_tokenizer(config.model.tokenizer_path))
     check_vocabulary(load_model_config(config.model.config), config.model.tokenizer_path)
-    for spec in source_specs(config.training):
-        text_column(load_source(spec, config.training.streaming), spec, config.training.text_column)
+    DataPlan.from_config(config, load_tokenizer(config.model.tokenizer_path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,9 @@ torchtitan builds everything from the "flame" TrainSpec registered below (HF mod
 config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
 overrides:
 - ``post_dataloading_process``: hands the model the inputs its family understands;
-- ``train``: keep_latest_k also after the final save;
-- ``train_step``: per-step RNG, a non-finite-gradient check (skip or stop), richer metrics;
+- ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
+- ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
+  check (skip or stop), richer metrics (per-source data counts among them);
 - ``state_dict``: the train state also counts skipped steps.
 """
 
@@ -13,7 +14,9 @@ import json
 import os
 from typing import Any
 
+import numpy as np
 import torch
+from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
@@ -63,6 +66,7 @@ class Trainer(TorchtitanTrainer):
         device.use_cpu_if_no_accelerator()
         register_flame_train_spec()
         self.skipped_steps = 0
+        self.data_exhausted = False
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
         super().__init__(job_config)
@@ -78,8 +82,33 @@ class Trainer(TorchtitanTrainer):
 
     def train(self) -> None:
         super().train()
+        if self.data_exhausted:  # the loop stopped inside a step it counted but did not take
+            self.step -= 1
+            self.checkpointer.save(self.step, last_step=True)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
             self.checkpointer._purge_stale_checkpoints()
+
+    def _next_microbatches(self, data_iterator) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """This step's micro-batches, their real-target count, and the count over all data-parallel ranks.
+
+        All ranks agree (in the same reduction) on whether any ran out of data, so that they all
+        stop together instead of some waiting forever in a collective.
+        """
+        microbatches, exhausted = [], False
+        try:
+            for _ in range(self.gradient_accumulation_steps):
+                microbatches.append(next(data_iterator))
+        except DataloaderExhaustedError:
+            exhausted = True
+        local_valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches) if not exhausted else 0
+        counts = torch.tensor([local_valid, int(exhausted)], dtype=torch.int64, device=self.device)
+        local_valid_tokens = counts[0].clone()
+        if self.parallel_dims.dp_enabled:
+            torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
+        if counts[1].item():
+            self.data_exhausted = True
+            raise DataloaderExhaustedError()
+        return microbatches, local_valid_tokens, counts[0].float()
 
     def train_step(self, data_iterator) -> None:
         if self.metrics_processor.step_last_log is None:  # first step of this process (maybe resumed)
@@ -89,13 +118,7 @@ class Trainer(TorchtitanTrainer):
         # Randomness (e.g. dropout) is a function of (seed, step): a resumed run draws the same.
         torch.manual_seed((self.job_config.debug.seed or 0) * 1_000_003 + self.step)
 
-        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
-        local_valid_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
-        local_valid_tokens = torch.tensor(local_valid_tokens, dtype=torch.int64, device=self.device)
-        if self.parallel_dims.dp_enabled:
-            global_valid_tokens = dist_utils.dist_sum(local_valid_tokens, self.parallel_dims.get_mesh("batch"))
-        else:
-            global_valid_tokens = local_valid_tokens.float()
+        microbatches, local_valid_tokens, global_valid_tokens = self._next_microbatches(data_iterator)
 
         losses = []
         for input_dict, labels in microbatches:
@@ -148,8 +171,21 @@ class Trainer(TorchtitanTrainer):
             global_avg_loss,
             global_max_loss,
             grad_norm.item(),
-            extra_metrics={"lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.skipped_steps},
+            extra_metrics={
+                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.skipped_steps, **self._data_metrics()
+            },
         )
+
+    def _data_metrics(self) -> dict[str, float]:
+        """Documents and tokens trained on from each source, over all ranks, since the run started."""
+        loader = self.dataloader
+        counts = torch.tensor(np.stack([loader.source_tokens, loader.source_documents]), device=self.device)
+        if self.parallel_dims.dp_enabled:
+            torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
+        metrics = {}
+        for name, (tokens, documents) in zip(loader.dataset.plan.source_names(), counts.T.tolist()):
+            metrics[f"data/{name}/tokens"], metrics[f"data/{name}/documents"] = tokens, documents
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "skipped_steps": self.skipped_steps}

@@ -1,5 +1,6 @@
 """Training runs end to end on CPU: real data, real processes, real checkpoints."""
 
+import json
 import math
 import os
 import shutil
@@ -165,3 +166,28 @@ def test_varlen_run_packs_one_row_and_trains(tmp_path, tiny_model, corpus):
     rows = metrics(dump)
     assert rows[20]["n_tokens_seen"] == 20 * 256
     assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
+
+
+def test_elastic_resume_on_fewer_ranks_continues_the_data(tmp_path, tiny_model, corpus):
+    dump = tmp_path / "run"
+    check(torchrun(_resume_args(tiny_model, corpus, dump, 6) + ["--checkpoint.interval=3"], nproc=2))
+    result = check(torchrun(_resume_args(tiny_model, corpus, dump, 12) + ["--checkpoint.interval=3"]))
+    output = result.stdout + result.stderr
+    assert "Training starts at step 7" in output
+    assert "resuming 64 data shards saved by 2 ranks x 1 workers on 1 ranks x 1 workers" in output
+    rows = metrics(dump)
+    assert rows[12]["n_tokens_seen"] > 0 and math.isfinite(rows[12]["loss_metrics/global_avg_loss"])
+
+
+def test_running_out_of_data_stops_every_rank_and_saves(tmp_path, tiny_model):
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n" for i in range(24)))
+    dump = tmp_path / "run"
+    args = base_args(tiny_model, str(data), dump, steps=1000) + [
+        "--training.source_exhausted=stop", "--training.data_shards=4", "--checkpoint.interval=1000",
+    ]
+    result = check(torchrun(args, nproc=2, timeout=300))
+    assert "Ran out of data" in result.stdout + result.stderr
+    last = max(metrics(dump))
+    assert 1 <= last < 1000
+    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()

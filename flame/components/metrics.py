@@ -120,6 +120,9 @@ class FlameMetricsProcessor(MetricsProcessor):
 
         c = self.color
         skipped = (extra_metrics or {}).get("skipped_steps", 0)
+        source_tokens = {k[5:-7]: v for k, v in (extra_metrics or {}).items() if k.startswith("data/") and k.endswith("/tokens")}
+        total = sum(source_tokens.values())
+        mix = "  mix " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in source_tokens.items()) if len(source_tokens) > 1 and total else ""
         logger.info(
             f"{c.red}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
             f"{c.green}loss {global_avg_loss:7.4f}  "
@@ -130,7 +133,7 @@ class FlameMetricsProcessor(MetricsProcessor):
             f"{c.magenta}MFU {'n/a' if mfu is None else f'{mfu:.1f}%'}  "
             f"{c.turquoise}mem {memory.max_reserved_gib:.2f}GiB ({memory.max_reserved_pct:.0f}%)  "
             f"{c.white}elapsed {_clock(now - self.time_start)}  ETA {_clock(eta)}"
-            f"{f'  skipped {skipped}' if skipped else ''}{c.reset}"
+            f"{f'  skipped {skipped}' if skipped else ''}{mix}{c.reset}"
         )
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()

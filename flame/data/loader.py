@@ -1,136 +1,212 @@
-"""The per-rank stateful data loader: sources -> tokenize -> pack -> batches.
+"""The per-rank data loader: logical data shards -> batches, with exact and elastic resume.
 
-Each (data-parallel rank, worker) pair is one *reader*; reader ``rank * workers + worker``
-of ``ranks * workers`` reads a disjoint share of every source. The loader's state (saved in
-every checkpoint, one entry per data-parallel rank) holds each worker's packing position,
-so a resumed run gets exactly the batches an uninterrupted run would have got.
+Each (data-parallel rank, worker role) pair is a *reader*; reader ``r`` of ``R`` serves the
+logical shards r, r+R, r+2R, ... (flame.data.shards) and builds each batch from rows of its
+shards in turn. Every batch carries the positional states its shards reached, so the main
+process always knows exactly how far each shard got in what was delivered, whatever the
+workers have prefetched. A checkpoint stores these states for all shards of all ranks in
+one entry that every rank writes identically; on resume:
+
+- same layout (ranks x workers): every reader continues with its shards and its turn
+  order, and worker roles rotate so the next batch comes from the reader that would have
+  produced it: the batches are exactly those of an uninterrupted run;
+- another layout: the shards are dealt to the new readers and each continues from its own
+  state: the same global stream, no document repeated or skipped (batches are composed
+  differently).
 """
 
 import os
 import pickle
 from typing import Any
 
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset, get_worker_info
-from torchtitan.components.dataloader import ParallelAwareDataloader
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from flame.config_manager import ConfigError, split_list
-from flame.data.packing import DocumentMixer, Packer, TokenizedSource, collate_rows
-from flame.data.sources import load_source, source_specs, text_column
-from flame.data.streams import IterStream, MapStream
-from flame.data.tokenizer import document_delimiters
+from flame.config_manager import ConfigError
+from flame.data.packing import collate_rows
+from flame.data.shards import DataPlan, DataShard, shards_of_reader
+from flame.data.streams import SourceExhausted
 
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+STATE_VERSION = 1
 
-class PackedDataset(IterableDataset, Stateful):
-    """Batches of packed rows for one data-parallel rank (shared out among its workers)."""
 
-    def __init__(self, job_config, tokenizer, dp_rank: int, dp_world_size: int):
-        training = job_config.training
-        self.specs = source_specs(training)
-        self.probabilities = [float(p) for p in split_list(training.data_probs)] or [1.0] * len(self.specs)
-        self.streaming = training.streaming
-        self.text_column = training.text_column
-        self.seq_len, self.context_len = training.seq_len, training.context_len
-        self.batch_size = training.local_batch_size
-        self.seed = job_config.debug.seed or 0
-        self.tokenizer = tokenizer
-        self.delimiters = document_delimiters(tokenizer)
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        # Load (and check) every source now, in the main process: bad input fails before training.
-        self.sources = [load_source(spec, self.streaming) for spec in self.specs]
-        self.columns = [text_column(ds, spec, self.text_column) for ds, spec in zip(self.sources, self.specs)]
-        self._packer: Packer | None = None
-        self._reader: tuple[int, int] | None = None
-        self._pending_state: dict | None = None
+class PackedDataset(IterableDataset):
+    """Batches of one data-parallel rank: ``(inputs, labels, progress)``, made by its worker roles."""
 
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    def __init__(self, plan: DataPlan, dp_rank: int, dp_world_size: int, workers: int = 1):
+        self.plan, self.dp_rank, self.dp_world_size, self.workers = plan, dp_rank, dp_world_size, max(1, workers)
+        self.shards = plan.shards or plan.default_shards(self.readers)
+        self.shard_states: dict[int, dict] = {}  # where shards continue from (all shards of the run)
+        self.cursors: dict[int, int] = {}  # role -> rows made so far (whose shard is next)
+        self.role_offset = 0  # worker w plays role (w + role_offset) % workers
 
-    def _build(self, reader: int, readers: int) -> Packer:
-        streams = []
-        for dataset, column, spec in zip(self.sources, self.columns, self.specs):
-            if self.streaming:
-                streams.append(IterStream(dataset, column, reader, readers, spec.path))
-            else:
-                streams.append(MapStream(dataset, column, reader, readers, self.seed, spec.path))
-        sources = [TokenizedSource(stream, self._tokenize, self.delimiters) for stream in streams]
-        mixer = DocumentMixer(sources, self.probabilities, seed=self.seed * 1_000_003 + reader)
-        return Packer(mixer, self.seq_len, self.context_len)
+    @property
+    def readers(self) -> int:
+        return self.dp_world_size * self.workers
 
-    def _current_reader(self) -> tuple[int, int]:
-        worker = get_worker_info()
-        workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
-        return self.dp_rank * workers + worker_id, self.dp_world_size * workers
+    def rank_shards(self) -> list[int]:
+        """The shards this rank's readers serve under the current layout."""
+        first = self.dp_rank * self.workers
+        return [s for role in range(self.workers) for s in shards_of_reader(first + role, self.readers, self.shards)]
 
     def __iter__(self):
-        reader, readers = self._current_reader()
-        if self._packer is None or self._reader != (reader, readers):
-            self._packer, self._reader = self._build(reader, readers), (reader, readers)
-        if self._pending_state is not None:
-            saved = (self._pending_state["reader"], self._pending_state["readers"])
-            if saved != (reader, readers):
-                raise ConfigError(
-                    f"data loader state was saved by reader {saved[0]} of {saved[1]} but this is reader {reader} of "
-                    f"{readers}: resume with the same number of data-parallel ranks and --training.num_workers"
-                )
-            self._packer.load_state_dict(self._pending_state["packer"])
-            self._pending_state = None
+        worker = get_worker_info()
+        role = ((worker.id if worker else 0) + self.role_offset) % self.workers
+        mine = shards_of_reader(self.dp_rank * self.workers + role, self.readers, self.shards)
+        pipelines = {}
+        for shard in mine:
+            pipelines[shard] = DataShard(self.plan, shard, self.shards)
+            if shard in self.shard_states:
+                pipelines[shard].load_state_dict(self.shard_states[shard])
+        cursor = self.cursors.get(role, 0)
         while True:
-            yield collate_rows([self._packer.next_row() for _ in range(self.batch_size)])
+            rows, touched = [], []
+            for _ in range(self.plan.batch_size):
+                shard = mine[cursor % len(mine)]
+                try:
+                    rows.append(pipelines[shard].next_row())
+                except SourceExhausted as exhausted:
+                    logger.info(f"dataset {exhausted} ran out (--training.source_exhausted stop)")
+                    return
+                cursor += 1
+                touched.append(shard)
+            progress = {
+                "role": role,
+                "cursor": cursor,
+                "shard_states": pickle.dumps({shard: pipelines[shard].state_dict() for shard in set(touched)}),
+                "source_tokens": np.sum([row.source_tokens for row in rows], axis=0),
+                "source_documents": np.sum([row.source_documents for row in rows], axis=0),
+            }
+            yield (*collate_rows(rows), progress)
+
+
+class FlameDataLoader(BaseDataLoader):
+    """torchtitan's dataloader protocol over PackedDataset: iterate batches, save and load state."""
+
+    def __init__(self, plan: DataPlan, dp_rank: int, dp_world_size: int, loader_config):
+        self.dataset = PackedDataset(plan, dp_rank, dp_world_size, loader_config.num_workers)
+        self.dp_rank = dp_rank
+        self.loader_options = {"batch_size": None, "num_workers": loader_config.num_workers,
+                               "pin_memory": loader_config.pin_memory}
+        if loader_config.num_workers > 0:
+            self.loader_options |= {"persistent_workers": loader_config.persistent_workers,
+                                    "prefetch_factor": loader_config.prefetch_factor}
+        self.batches = 0  # batches this rank delivered (since the run started)
+        self.source_tokens = np.zeros(len(plan.specs), dtype=np.int64)
+        self.source_documents = np.zeros(len(plan.specs), dtype=np.int64)
+
+    def __iter__(self):
+        dataset = self.dataset
+        shards_of_reader(0, dataset.readers, dataset.shards)  # a layout that cannot read fails here
+        dataset.plan.warn_about_stream_splitting(dataset.shards)
+        if self.dp_rank == 0:
+            plan = dataset.plan
+            mixing = f", mixed {plan.probabilities} by {plan.mix_unit}" if len(plan.specs) > 1 else ""
+            logger.info(
+                f"Data: {dataset.shards} data shards over {dataset.dp_world_size} ranks x {dataset.workers} "
+                f"worker roles{mixing}"
+            )
+        for inputs, labels, progress in DataLoader(dataset, **self.loader_options):
+            self.batches += 1
+            dataset.shard_states.update(pickle.loads(progress["shard_states"]))
+            dataset.cursors[int(progress["role"])] = int(progress["cursor"])
+            self.source_tokens += np.asarray(progress["source_tokens"])
+            self.source_documents += np.asarray(progress["source_documents"])
+            yield inputs, labels
+
+    def local_state(self) -> tuple[int, dict]:
+        """(data-parallel rank, what this rank knows): one rank's part of the checkpoint entry."""
+        # Only this rank's shards: after a resume every rank also holds the others' (stale) states.
+        states = self.dataset.shard_states
+        return self.dp_rank, {
+            "cursors": dict(self.dataset.cursors),
+            "batches": self.batches,
+            "shard_states": {shard: states[shard] for shard in self.dataset.rank_shards() if shard in states},
+            "source_tokens": self.source_tokens.tolist(),
+            "source_documents": self.source_documents.tolist(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        if self._packer is None:
-            return self._pending_state or {}
-        reader, readers = self._reader
-        return {"reader": reader, "readers": readers, "packer": self._packer.state_dict()}
+        # Every rank contributes its shards; every rank then holds (and writes) the same entry.
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, self.local_state())
+        else:
+            gathered = [self.local_state()]
+        return self.checkpoint_entry(gathered)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pending_state = state or None
-
-
-class FlameDataLoader(ParallelAwareDataloader):
-    """torchtitan's per-rank stateful loader; a checkpoint that does not fit is an error, not a restart."""
+    def checkpoint_entry(self, gathered: list[tuple[int, dict]]) -> dict[str, Any]:
+        """The checkpoint entry made of every data-parallel rank's local_state()."""
+        ranks = dict(gathered)
+        dataset = self.dataset
+        shard_states = {shard: state for _, rank in sorted(ranks.items()) for shard, state in rank["shard_states"].items()}
+        state = {
+            "version": STATE_VERSION,
+            "sources": [spec.path for spec in dataset.plan.specs],
+            "shards": dataset.shards,
+            "layout": (dataset.dp_world_size, dataset.workers),
+            "shard_states": shard_states,
+            "ranks": {rank: {k: v for k, v in s.items() if k != "shard_states"} for rank, s in ranks.items()},
+        }
+        return {"state": pickle.dumps(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if self._rank_id not in state_dict:
-            raise ConfigError(
-                f"the checkpoint has no data loader state for data-parallel rank {self.dp_rank}; "
-                "it was saved with a different data-parallel layout"
-            )
-        if state_dict["world_size"] != self.dp_world_size:
-            raise ConfigError(
-                f"the checkpoint's data loader state is for {state_dict['world_size']} data-parallel ranks, "
-                f"this run has {self.dp_world_size}: resume with the same layout"
-            )
         try:
-            state = pickle.loads(state_dict[self._rank_id])
+            state = pickle.loads(state_dict["state"])
+            if state["version"] != STATE_VERSION:
+                raise ValueError(f"version {state['version']}, expected {STATE_VERSION}")
         except Exception as error:
-            raise ConfigError(f"data loader state of data-parallel rank {self.dp_rank} is corrupt: {error}") from None
-        super(ParallelAwareDataloader, self).load_state_dict(state)
+            raise ConfigError(
+                f"data loader state in the checkpoint is unreadable on data-parallel rank {self.dp_rank} ({error}); "
+                "to start the data from scratch instead, pass --checkpoint.exclude_from_loading dataloader"
+            ) from None
+        dataset = self.dataset
+        sources = [spec.path for spec in dataset.plan.specs]
+        if state["sources"] != sources:
+            raise ConfigError(
+                f"the checkpoint's data sources {state['sources']} are not this run's {sources}; to start the data "
+                "from scratch, pass --checkpoint.exclude_from_loading dataloader"
+            )
+        if dataset.plan.shards and dataset.plan.shards != state["shards"]:
+            raise ConfigError(
+                f"--training.data_shards {dataset.plan.shards} but the run was started with {state['shards']}: "
+                "the number of data shards is fixed for a run; leave it at 0 (or the run's value)"
+            )
+        dataset.shards = state["shards"]
+        dataset.shard_states = state["shard_states"]
+        ranks = state["ranks"]
+        if state["layout"] == (dataset.dp_world_size, dataset.workers):
+            mine = ranks[self.dp_rank]
+            dataset.cursors, self.batches = dict(mine["cursors"]), mine["batches"]
+            dataset.role_offset = self.batches % dataset.workers
+            self.source_tokens = np.asarray(mine["source_tokens"], dtype=np.int64)
+            self.source_documents = np.asarray(mine["source_documents"], dtype=np.int64)
+            return
+        saved_ranks, saved_workers = state["layout"]
+        logger.info(
+            f"data: resuming {dataset.shards} data shards saved by {saved_ranks} ranks x {saved_workers} workers "
+            f"on {dataset.dp_world_size} ranks x {dataset.workers} workers (same stream, batches composed anew)"
+        )
+        dataset.cursors, dataset.role_offset, self.batches = {}, 0, 0
+        first = self.dp_rank == 0  # the run's totals carry on in rank 0's counters
+        self.source_tokens = np.sum([r["source_tokens"] for r in ranks.values()], axis=0) * first
+        self.source_documents = np.sum([r["source_documents"] for r in ranks.values()], axis=0) * first
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FlameDataLoader:
     """torchtitan TrainSpec hook: the loader for one data-parallel rank."""
-    dataset = PackedDataset(job_config, tokenizer, dp_rank, dp_world_size)
+    plan = DataPlan.from_config(job_config, tokenizer)
     loader_config = job_config.training.dataloader
     logger.info(
-        f"Data: {', '.join(spec.path for spec in dataset.specs)} "
-        f"({'streaming' if dataset.streaming else 'map-style'}), rows of {dataset.seq_len} tokens, "
-        f"segments <= {dataset.context_len}, {loader_config.num_workers} workers"
+        f"Data: {', '.join(spec.path for spec in plan.specs)} ({'streaming' if plan.streaming else 'map-style'}), "
+        f"rows of {plan.seq_len} tokens, segments <= {plan.context_len}, {loader_config.num_workers} workers"
     )
-    return FlameDataLoader(
-        dataset,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        batch_size=None,
-        num_workers=loader_config.num_workers,
-        persistent_workers=loader_config.persistent_workers,
-        prefetch_factor=loader_config.prefetch_factor,
-        pin_memory=loader_config.pin_memory,
-    )
+    return FlameDataLoader(plan, dp_rank, dp_world_size, loader_config)

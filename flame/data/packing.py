@@ -1,22 +1,27 @@
 """Documents -> tokens -> packed rows, each stage with a small positional state.
 
-Every state here is a *position* (where a stream stands, how many documents of a read were
-used, how far into a document packing got), never a copy of tokens: resuming re-reads and
+Every state here is a *position* (where a stream stands, how much of a read was used, how
+far into a document packing got), never a copy of tokens: resuming re-reads and
 re-tokenizes from that position, which is deterministic, so the rows after a resume are
-exactly the rows an uninterrupted run would have produced.
+exactly the rows an uninterrupted run would have produced. Shuffling is windowed for the
+same reason: a window of documents (or rows) is produced, permuted with a seed that
+depends only on its position, and handed out; the checkpoint records where the window
+starts and how much of it was used.
 
 Row semantics (fixed rows and varlen alike): a row is ``seq_len`` consecutive tokens of the
-document stream. It is cut into segments at document boundaries and at the row's end, and a
-segment that would grow past ``context_len`` tokens is cut there (counting from the
-segment's start, which may be a row start inside a document); position ids restart at 0 in
-each segment. The label
-of a token is the next token of the same document and IGNORE_INDEX for a document's last
-token, so no target crosses a document boundary (a target may cross a segment or row
-boundary inside a document: it is still the true next token).
+document stream. A document longer than ``context_len`` is split into the fewest pieces of
+at most ``context_len`` tokens, of near-equal length (so splitting never leaves a 1-token
+tail); rows cut pieces further at their ends. Each resulting segment attends only to itself:
+its position ids start at 0. The label of a token is the next token of the same document and
+IGNORE_INDEX for a document's last token, so no target crosses a document boundary (a target
+may cross a segment or row boundary inside a document: it is still the true next token).
+With ``document_mask`` off (plain concatenation), each row is cut only into the fewest
+near-equal segments of at most ``context_len`` tokens, and labels still stop at document ends.
 """
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,54 +32,91 @@ from flame.data.tokenizer import Delimiters
 DOCUMENTS_PER_READ = 64  # documents read and tokenized together (batched tokenization is much faster)
 
 
-class TokenizedSource:
-    """A document stream tokenized in batches, handing out one delimited document at a time."""
+def _permutation(size: int, *seed: int) -> np.ndarray:
+    return np.random.default_rng(list(seed)).permutation(size)
 
-    def __init__(self, stream, tokenize: Callable[[list], list[list[int]]], delimiters: Delimiters):
+
+class TokenizedSource:
+    """A document stream tokenized in reads of ``window`` documents, one delimited document at a time.
+
+    ``tokenize`` turns a list of texts into token id lists; None means the stream already
+    holds token ids (pretokenized data). ``shuffle_seed`` (a tuple) permutes each read.
+    """
+
+    def __init__(
+        self,
+        stream,
+        tokenize: Callable[[list], list[list[int]]] | None,
+        delimiters: Delimiters,
+        window: int = DOCUMENTS_PER_READ,
+        shuffle_seed: tuple[int, ...] | None = None,
+    ):
         self.stream, self.tokenize, self.delimiters = stream, tokenize, delimiters
+        self.window, self.shuffle_seed = window, shuffle_seed
         self._read_start = copy.deepcopy(stream.state_dict())  # stream position of the current read
+        self._reads = 0  # reads done before the current one (seeds its permutation)
         self._documents: list[np.ndarray] = []
         self._used = 0  # documents of the current read handed out
         self._skip = 0  # after a resume: documents of the re-read to pass over
 
     def next_document(self) -> np.ndarray:
         while self._used == len(self._documents):
+            if self._documents:
+                self._reads += 1
             self._read_start = copy.deepcopy(self.stream.state_dict())
-            texts = self.stream.read(DOCUMENTS_PER_READ)
-            self._documents = [np.asarray(self.delimiters.wrap(ids), dtype=np.int64) for ids in self.tokenize(texts)]
+            documents = self.stream.read(self.window)
+            ids = self.tokenize(documents) if self.tokenize is not None else documents
+            self._documents = [np.asarray(self.delimiters.wrap(list(d)), dtype=np.int64) for d in ids]
+            if self.shuffle_seed is not None:
+                order = _permutation(len(self._documents), *self.shuffle_seed, self._reads)
+                self._documents = [self._documents[i] for i in order]
             self._used, self._skip = min(self._skip, len(self._documents)), 0
         document = self._documents[self._used]
         self._used += 1
         return document
 
     def state_dict(self) -> dict:
-        return {"stream": self._read_start, "used": self._used}
+        return {"stream": self._read_start, "reads": self._reads, "used": self._used}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
-        self._read_start, self._documents, self._used, self._skip = state["stream"], [], 0, state["used"]
+        self._read_start, self._reads = state["stream"], state["reads"]
+        self._documents, self._used, self._skip = [], 0, state["used"]
 
 
 class DocumentMixer:
-    """Draws each next document from one of several sources with fixed probabilities."""
+    """Picks the source of each next document so that ``probabilities`` hold.
 
-    def __init__(self, sources: Sequence[TokenizedSource], probabilities: Sequence[float], seed: int):
-        self.sources = list(sources)
+    unit="documents": each document is drawn at random with these probabilities.
+    unit="tokens": the source furthest below its share of the tokens so far goes next
+    (deterministic; token fractions stay within one document of the target).
+    """
+
+    def __init__(self, sources: Sequence[TokenizedSource], probabilities: Sequence[float], seed: int, unit: str):
+        self.sources, self.unit = list(sources), unit
         weights = np.asarray(probabilities, dtype=np.float64)
         self.probabilities = weights / weights.sum()
         self.rng = np.random.Generator(np.random.PCG64(seed))
-        self.documents_per_source = [0] * len(self.sources)
+        self.tokens = [0] * len(self.sources)
 
-    def next_document(self) -> np.ndarray:
-        index = 0 if len(self.sources) == 1 else int(self.rng.choice(len(self.sources), p=self.probabilities))
-        self.documents_per_source[index] += 1
-        return self.sources[index].next_document()
+    def next_document(self) -> tuple[int, np.ndarray]:
+        """(source index, tokens) of the next document."""
+        if len(self.sources) == 1:
+            index = 0
+        elif self.unit == "tokens":
+            total = sum(self.tokens)
+            index = int(np.argmax(self.probabilities * total - np.asarray(self.tokens)))
+        else:
+            index = int(self.rng.choice(len(self.sources), p=self.probabilities))
+        document = self.sources[index].next_document()
+        self.tokens[index] += len(document)
+        return index, document
 
     def state_dict(self) -> dict:
         return {
             "rng": copy.deepcopy(self.rng.bit_generator.state),
             "sources": [source.state_dict() for source in self.sources],
-            "documents_per_source": list(self.documents_per_source),
+            "tokens": list(self.tokens),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -83,42 +125,72 @@ class DocumentMixer:
         self.rng.bit_generator.state = state["rng"]
         for source, source_state in zip(self.sources, state["sources"]):
             source.load_state_dict(source_state)
-        self.documents_per_source = list(state["documents_per_source"])
+        self.tokens = list(state["tokens"])
+
+
+@dataclass
+class Row:
+    """One packed row and what it holds."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    segments: list[int]  # lengths of the attention segments, in order
+    source_tokens: np.ndarray  # tokens of the row from each source
+    source_documents: np.ndarray  # documents starting in the row, per source
+
+
+def balanced_pieces(length: int, context_len: int) -> list[int]:
+    """The fewest pieces of at most ``context_len`` tokens covering ``length``, near-equal in size."""
+    count = -(-length // context_len)
+    base, extra = divmod(length, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 class Packer:
     """Cuts the document stream into rows of ``seq_len`` tokens (see the module docstring)."""
 
-    def __init__(self, documents: DocumentMixer, seq_len: int, context_len: int):
+    def __init__(self, documents: DocumentMixer, seq_len: int, context_len: int, document_mask: bool = True):
         self.documents, self.seq_len, self.context_len = documents, seq_len, context_len
+        self.document_mask = document_mask
+        self.sources = len(documents.sources)
         self._document_start = documents.state_dict()  # mixer position before the current document
         self._document: np.ndarray | None = None
+        self._source = 0
         self._offset = 0  # tokens of the current document already packed
+        self._piece_ends: list[int] = []  # where the current document's pieces end
 
     def _next_document(self) -> None:
         self._document_start = self.documents.state_dict()
-        self._document, self._offset = self.documents.next_document(), 0
+        self._source, self._document = self.documents.next_document()
+        self._offset = 0
+        self._piece_ends = list(np.cumsum(balanced_pieces(len(self._document), self.context_len)))
 
-    def next_row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-        """(input ids, labels, position ids, segment lengths) of the next row."""
+    def next_row(self) -> Row:
         inputs, labels, positions, segments = [], [], [], []
+        source_tokens = np.zeros(self.sources, dtype=np.int64)
+        source_documents = np.zeros(self.sources, dtype=np.int64)
         filled = 0
         while filled < self.seq_len:
             if self._document is None or self._offset == len(self._document):
                 self._next_document()
+                source_documents[self._source] += 1
             document, start = self._document, self._offset
-            length = min(self.seq_len - filled, len(document) - start, self.context_len)
-            end = start + length
+            piece_end = next(end for end in self._piece_ends if end > start)
+            end = min(start + self.seq_len - filled, piece_end if self.document_mask else len(document))
             inputs.append(document[start:end])
             targets = document[start + 1 : end + 1]
             if end == len(document):
                 targets = np.append(targets, IGNORE_INDEX)
             labels.append(targets)
-            positions.append(np.arange(length))
-            segments.append(length)
-            filled += length
+            segments.append(end - start)
+            source_tokens[self._source] += end - start
+            filled += end - start
             self._offset = end
-        return np.concatenate(inputs), np.concatenate(labels), np.concatenate(positions), segments
+        if not self.document_mask:  # plain concatenation: the row in near-equal context_len segments
+            segments = balanced_pieces(self.seq_len, self.context_len) if self.context_len < self.seq_len else [self.seq_len]
+        positions = np.concatenate([np.arange(length) for length in segments])
+        return Row(np.concatenate(inputs), np.concatenate(labels), positions, segments, source_tokens, source_documents)
 
     def state_dict(self) -> dict:
         return {"document_start": self._document_start, "offset": self._offset, "started": self._document is not None}
@@ -131,12 +203,45 @@ class Packer:
             self._offset = state["offset"]
 
 
-def collate_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]]) -> tuple[dict, torch.Tensor]:
+class RowShuffler:
+    """Hands out the packer's rows in windows of ``window`` rows, each permuted by its position."""
+
+    def __init__(self, packer: Packer, window: int, seed: tuple[int, ...]):
+        self.packer, self.window, self.seed = packer, window, seed
+        self._window_start = packer.state_dict()
+        self._windows = 0
+        self._rows: list[Row] = []
+        self._used = 0
+
+    def next_row(self) -> Row:
+        if self._used == len(self._rows):
+            if self._rows:
+                self._windows += 1
+            self._window_start = self.packer.state_dict()
+            rows = [self.packer.next_row() for _ in range(self.window)]
+            self._rows = [rows[i] for i in _permutation(self.window, *self.seed, self._windows)]
+            self._used = 0
+        row = self._rows[self._used]
+        self._used += 1
+        return row
+
+    def state_dict(self) -> dict:
+        return {"window_start": self._window_start, "windows": self._windows, "used": self._used}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.packer.load_state_dict(state["window_start"])
+        self._window_start, self._windows, self._rows, self._used = state["window_start"], state["windows"], [], 0
+        if state["used"]:
+            self.next_row()  # re-produce the window, then skip what was used
+            self._used = state["used"]
+
+
+def collate_rows(rows: list[Row]) -> tuple[dict, torch.Tensor]:
     """Rows -> (model inputs, labels) in torchtitan's batch format, with cu_seqlens over all rows."""
-    input_ids = torch.from_numpy(np.stack([row[0] for row in rows]))
-    labels = torch.from_numpy(np.stack([row[1] for row in rows]))
-    position_ids = torch.from_numpy(np.stack([row[2] for row in rows]))
-    lengths = [length for row in rows for length in row[3]]
+    input_ids = torch.from_numpy(np.stack([row.input_ids for row in rows]))
+    labels = torch.from_numpy(np.stack([row.labels for row in rows]))
+    position_ids = torch.from_numpy(np.stack([row.position_ids for row in rows]))
+    lengths = [length for row in rows for length in row.segments]
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     inputs = {

@@ -56,6 +56,9 @@ def load_source(spec: SourceSpec, streaming: bool) -> datasets.Dataset | dataset
         dataset = _load(spec, streaming)
     except (StopIteration, IndexError) as error:  # what datasets raises for empty files/tables
         raise ConfigError(f"dataset {spec.path} is empty or unreadable ({type(error).__name__})") from None
+    except datasets.exceptions.DatasetGenerationError as error:
+        cause = error.__cause__ or error
+        raise ConfigError(f"cannot read dataset {spec.path}: {type(cause).__name__}: {cause}") from None
     empty = len(dataset) == 0 if isinstance(dataset, datasets.Dataset) else next(iter(dataset.take(1)), None) is None
     if empty:
         raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents")
@@ -90,6 +93,8 @@ def _load(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.Iter
     except ConfigError:
         raise
     except ValueError as error:
+        if "corresponds to no data" in str(error):
+            raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents") from None
         if "split" in str(error).lower():
             raise ConfigError(f"dataset {spec.path}: unknown split '{spec.split}' ({error})") from None
         raise ConfigError(f"cannot load dataset {spec.path}: {error}") from None
@@ -115,16 +120,28 @@ def column_names(dataset) -> list[str]:
     return list(first) if first else []
 
 
-def text_column(dataset, spec: SourceSpec, preferred: str | None) -> str:
-    """The column holding each document: --training.text_column, else 'text', else 'content'."""
+def document_column(dataset, spec: SourceSpec, preferred: str | None) -> tuple[str, bool]:
+    """(column, holds token ids): --training.text_column, else 'text', 'content', then 'input_ids'."""
     columns = column_names(dataset)
     if not columns:
         raise ConfigError(f"dataset {spec.path} (split {spec.split}) is empty")
-    candidates = [preferred] if preferred else ["text", "content"]
+    candidates = [preferred] if preferred else ["text", "content", "input_ids"]
     for name in candidates:
         if name in columns:
-            return name
-    wanted = f"column '{preferred}'" if preferred else "a 'text' or 'content' column"
+            return name, _holds_token_ids(dataset, name, spec)
+    wanted = f"column '{preferred}'" if preferred else "a 'text', 'content' or 'input_ids' column"
     raise ConfigError(
         f"dataset {spec.path} has no {wanted}; its columns are: {', '.join(columns)} (set --training.text_column)"
+    )
+
+
+def _holds_token_ids(dataset, column: str, spec: SourceSpec) -> bool:
+    first = next(iter(dataset.select_columns([column]).take(1)))[column]
+    if isinstance(first, str):
+        return False
+    if isinstance(first, (list, tuple)) and all(isinstance(token, int) for token in first):
+        return True
+    raise ConfigError(
+        f"column '{column}' of dataset {spec.path} holds {type(first).__name__} values; "
+        "flame reads text (str) or token ids (list of int)"
     )

@@ -1,9 +1,9 @@
-"""Document streams: one consumer's share of a dataset, read in batches, with a resumable position.
+"""Document streams: one logical data shard's share of a dataset, read in batches, resumable.
 
-A *consumer* is one (data-parallel rank, dataloader worker) pair; consumer ``c`` of ``n``
-reads every n-th document, so together the consumers read each document once per epoch.
-``state_dict()`` is the position of the next ``read``; loading it makes the stream return
-exactly what it would have returned then. Running out starts a new epoch (reshuffled).
+Shard ``c`` of ``n`` reads every n-th document, so together the shards read each document
+once per epoch. ``state_dict()`` is the position of the next ``read``; loading it makes the
+stream return exactly what it would have returned then. Running out starts a new epoch
+(reshuffled), or raises SourceExhausted when the run stops at the end of its data.
 """
 
 import copy
@@ -16,16 +16,23 @@ from torchtitan.tools.logging import logger
 from flame.config_manager import ConfigError
 
 
+class SourceExhausted(Exception):
+    """A source reached the end of its data and --training.source_exhausted is 'stop'."""
+
+
 class MapStream:
     """A map-style dataset in a seeded per-epoch permutation, every n-th document for this consumer."""
 
-    def __init__(self, dataset: Dataset, column: str, consumer: int, consumers: int, seed: int, name: str):
+    def __init__(
+        self, dataset: Dataset, column: str, consumer: int, consumers: int, seed: int, name: str, stop_at_end: bool = False
+    ):
         self.dataset = dataset.select_columns([column])
         self.column, self.consumer, self.consumers, self.seed, self.name = column, consumer, consumers, seed, name
+        self.stop_at_end = stop_at_end
         if len(self.dataset) < consumers:
             raise ConfigError(
-                f"dataset {name} has {len(self.dataset)} documents, fewer than the {consumers} data readers "
-                "(data-parallel ranks x dataloader workers): use fewer workers or a larger dataset"
+                f"dataset {name} has {len(self.dataset)} documents, fewer than the {consumers} data shards: "
+                "lower --training.data_shards (at the start of a run) or use a larger dataset"
             )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
@@ -37,10 +44,13 @@ class MapStream:
         return self._order
 
     def read(self, count: int) -> list:
-        """The next documents of this reader's share: at most ``count``, never none."""
+        """The next documents of this shard's share: at most ``count``, never none."""
         if self.position == len(self._share()):
+            if self.stop_at_end:
+                raise SourceExhausted(self.name)
             self.epoch, self.position = self.epoch + 1, 0
-            logger.info(f"dataset {self.name}: reader {self.consumer} starts epoch {self.epoch}")
+            if self.consumer == 0:
+                logger.info(f"dataset {self.name}: epoch {self.epoch} starts (reshuffled)")
         take = self._share()[self.position : self.position + count]
         self.position += len(take)
         return self.dataset[take.tolist()][self.column]
@@ -55,14 +65,16 @@ class MapStream:
 class IterStream:
     """A streaming dataset split across consumers by shards (or by examples when shards are few)."""
 
-    def __init__(self, dataset: IterableDataset, column: str, consumer: int, consumers: int, name: str):
+    def __init__(
+        self, dataset: IterableDataset, column: str, consumer: int, consumers: int, name: str, stop_at_end: bool = False
+    ):
         self.dataset = split_dataset_by_node(dataset.select_columns([column]), rank=consumer, world_size=consumers)
-        self.column, self.consumer, self.name = column, consumer, name
+        self.column, self.consumer, self.name, self.stop_at_end = column, consumer, name, stop_at_end
         self.epoch = 0
         self._batches = None
 
     def read(self, count: int) -> list:
-        """The next documents of this reader's share: at most ``count``, never none."""
+        """The next documents of this shard's share: at most ``count``, never none."""
         for _ in range(2):
             if self._batches is None:
                 self.dataset.set_epoch(self.epoch)
@@ -70,9 +82,17 @@ class IterStream:
             batch = next(self._batches, None)
             if batch is not None:
                 return batch[self.column]
+            if self.stop_at_end:
+                raise SourceExhausted(self.name)
             self.epoch, self._batches = self.epoch + 1, None
-            logger.info(f"dataset {self.name}: reader {self.consumer} starts epoch {self.epoch}")
-        raise ConfigError(f"dataset {self.name} gives reader {self.consumer} no documents")
+            if self.consumer == 0:
+                logger.warning(
+                    f"dataset {self.name}: epoch {self.epoch} starts; the stream repeats in its order, "
+                    "shuffled only within --training.shuffle_buffer windows (0 = not at all)"
+                )
+        raise ConfigError(
+            f"dataset {self.name} gives data shard {self.consumer} no documents: lower --training.data_shards"
+        )
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "stream": copy.deepcopy(self.dataset.state_dict())}

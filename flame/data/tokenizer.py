@@ -32,20 +32,43 @@ class Delimiters:
     eos: int | None
 
     def wrap(self, ids: list[int]) -> list[int]:
-        return ([self.bos] if self.bos is not None else []) + ids + ([self.eos] if self.eos is not None else [])
+        """``ids`` with BOS before and EOS after (not doubled where pretokenized data has them)."""
+        head = [self.bos] if self.bos is not None and ids[:1] != [self.bos] else []
+        tail = [self.eos] if self.eos is not None and ids[-1:] != [self.eos] else []
+        return head + ids + tail
 
 
-def document_delimiters(tokenizer: PreTrainedTokenizerBase) -> Delimiters:
-    """EOS after each document and BOS before it, for whichever of the two the tokenizer defines.
+def document_delimiters(
+    tokenizer: PreTrainedTokenizerBase, mode: str = "auto", separator: str | None = None
+) -> Delimiters:
+    """The delimiters for ``mode`` (see --training.delimiters) and ``tokenizer``.
 
-    A tokenizer whose BOS and EOS are the same token (GPT-2 style) gets it once, as EOS.
+    auto: EOS after each document and BOS before it, for whichever the tokenizer defines; a
+    tokenizer whose BOS and EOS are the same token (GPT-2 style) gets it once, as EOS.
+    ``separator`` names a token that ends documents when the tokenizer defines neither.
     """
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if separator is not None:
+        separator_id = tokenizer.convert_tokens_to_ids(separator)
+        if separator_id is None or separator_id == tokenizer.unk_token_id:
+            raise ConfigError(f"--training.separator_token {separator!r} is not a token of {tokenizer.name_or_path}")
+        eos = separator_id
+    wanted = {"auto": (bos is not None, eos is not None), "eos": (False, True), "bos": (True, False),
+              "bos+eos": (True, True)}[mode]
+    for name, want, token, fix in (
+        ("BOS", wanted[0], bos, "use --training.delimiters eos (or auto)"),
+        ("EOS", wanted[1], eos, "use --training.delimiters bos, or name an end token with --training.separator_token"),
+    ):
+        if want and token is None:
+            raise ConfigError(
+                f"--training.delimiters {mode} needs a {name} token but tokenizer {tokenizer.name_or_path} has none: {fix}"
+            )
     if bos is None and eos is None:
         raise ConfigError(
             f"tokenizer {tokenizer.name_or_path} defines neither BOS nor EOS, so documents cannot be delimited; "
-            "use a tokenizer that defines an eos_token"
+            "name a token to end documents with --training.separator_token"
         )
-    if bos == eos:
-        bos = None
-    return Delimiters(bos=bos, eos=eos)
+    if mode == "auto" and bos == eos:
+        wanted = (False, True)
+    return Delimiters(bos=bos if wanted[0] else None, eos=eos if wanted[1] else None)
+

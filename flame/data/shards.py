@@ -1,0 +1,148 @@
+"""Logical data shards: the unit of data distribution, checkpointing and elastic resume.
+
+A run has a fixed number S of logical shards. Shard ``s`` is a complete pipeline over the
+1/S share of every source (streams -> tokenize -> mix -> pack -> rows) with a small
+positional state. Shards are dealt to the readers (data-parallel rank x dataloader worker)
+of the current run, so a run resumed with another number of ranks or workers gives each
+shard a new reader and every shard continues from where it stopped: the same global stream,
+no document repeated or skipped.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+from torchtitan.tools.logging import logger
+
+from flame.config_manager import ConfigError, split_list
+from flame.data.packing import DOCUMENTS_PER_READ, DocumentMixer, Packer, Row, RowShuffler, TokenizedSource
+from flame.data.sources import SourceSpec, document_column, load_source, source_specs
+from flame.data.streams import IterStream, MapStream
+from flame.data.tokenizer import Delimiters, document_delimiters
+
+DEFAULT_SHARDS = 64
+
+
+@dataclass
+class DataPlan:
+    """Everything a data shard needs, resolved and checked once in the main process (picklable)."""
+
+    specs: list[SourceSpec]
+    datasets: list
+    columns: list[str]
+    pretokenized: list[bool]
+    probabilities: list[float]
+    mix_unit: str
+    streaming: bool
+    tokenizer: object
+    delimiters: Delimiters
+    seq_len: int
+    context_len: int
+    batch_size: int
+    document_mask: bool
+    shuffle_buffer: int
+    row_shuffle_buffer: int
+    stop_at_end: bool
+    seed: int
+    shards: int  # 0: decided at the first start (default_shards) or taken from the checkpoint
+
+    @classmethod
+    def from_config(cls, job_config, tokenizer) -> "DataPlan":
+        training = job_config.training
+        specs = source_specs(training)
+        datasets = [load_source(spec, training.streaming) for spec in specs]
+        columns = [document_column(ds, spec, training.text_column) for ds, spec in zip(datasets, specs)]
+        probabilities = [float(p) for p in split_list(training.data_probs)] or [1.0] * len(specs)
+        if training.data_probs is not None and abs(sum(probabilities) - 1) > 1e-6:
+            logger.warning(f"--training.data_probs {training.data_probs} sum to {sum(probabilities):g}; normalizing")
+        return cls(
+            specs=specs,
+            datasets=datasets,
+            columns=[column for column, _ in columns],
+            pretokenized=[tokens for _, tokens in columns],
+            probabilities=probabilities,
+            mix_unit=training.mix_unit,
+            streaming=training.streaming,
+            tokenizer=tokenizer,
+            delimiters=document_delimiters(tokenizer, training.delimiters, training.separator_token),
+            seq_len=training.seq_len,
+            context_len=training.context_len,
+            batch_size=training.local_batch_size,
+            document_mask=training.document_mask,
+            shuffle_buffer=training.shuffle_buffer,
+            row_shuffle_buffer=training.row_shuffle_buffer,
+            stop_at_end=training.source_exhausted == "stop",
+            seed=job_config.debug.seed or 0,
+            shards=training.data_shards,
+        )
+
+    def default_shards(self, readers: int) -> int:
+        """max(64, readers), but no more than the smallest map-style source has documents."""
+        sizes = [len(dataset) for dataset in self.datasets if not self.streaming]
+        return max(readers, min([DEFAULT_SHARDS, *sizes]))
+
+    def source_names(self) -> list[str]:
+        return [spec.path.removeprefix("builtin:") for spec in self.specs]
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def warn_about_stream_splitting(self, shards: int) -> None:
+        if not self.streaming:
+            return
+        for spec, dataset in zip(self.specs, self.datasets):
+            if dataset.num_shards % shards:
+                logger.warning(
+                    f"streaming dataset {spec.path} has {dataset.num_shards} file shards, not a multiple of the "
+                    f"{shards} data shards: each data shard reads the whole stream and keeps 1/{shards} of it. "
+                    "This is exact but reads more; more files (or --training.data_shards dividing them) read less"
+                )
+
+
+class DataShard:
+    """Logical shard ``shard`` of ``shards``: rows from its share of every source."""
+
+    def __init__(self, plan: DataPlan, shard: int, shards: int):
+        sources = []
+        for index, (dataset, column, spec, pretokenized) in enumerate(
+            zip(plan.datasets, plan.columns, plan.specs, plan.pretokenized)
+        ):
+            if plan.streaming:
+                stream = IterStream(dataset, column, shard, shards, spec.path, stop_at_end=plan.stop_at_end)
+            else:
+                stream = MapStream(dataset, column, shard, shards, plan.seed, spec.path, stop_at_end=plan.stop_at_end)
+            shuffled = plan.streaming and plan.shuffle_buffer > 0
+            sources.append(
+                TokenizedSource(
+                    stream,
+                    None if pretokenized else plan.tokenize,
+                    plan.delimiters,
+                    window=max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ,
+                    shuffle_seed=(plan.seed, shard, index) if shuffled else None,
+                )
+            )
+        mixer = DocumentMixer(sources, plan.probabilities, np.random.SeedSequence([plan.seed, shard]), plan.mix_unit)
+        self.packer = Packer(mixer, plan.seq_len, plan.context_len, plan.document_mask)
+        self.rows = (
+            RowShuffler(self.packer, plan.row_shuffle_buffer, (plan.seed, shard))
+            if plan.row_shuffle_buffer > 0
+            else self.packer
+        )
+
+    def next_row(self) -> Row:
+        return self.rows.next_row()
+
+    def state_dict(self) -> dict:
+        return self.rows.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows.load_state_dict(state)
+
+
+def shards_of_reader(reader: int, readers: int, shards: int) -> list[int]:
+    """The logical shards reader ``reader`` of ``readers`` serves (dealt round-robin)."""
+    if readers > shards:
+        raise ConfigError(
+            f"{readers} data readers (data-parallel ranks x dataloader workers) but only {shards} data shards: "
+            "use fewer --training.num_workers, or start the run with more --training.data_shards"
+        )
+    return list(range(reader, shards, readers))
