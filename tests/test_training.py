@@ -191,3 +191,18 @@ def test_running_out_of_data_stops_every_rank_and_saves(tmp_path, tiny_model):
     last = max(metrics(dump))
     assert 1 <= last < 1000
     assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
+
+
+def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(tmp_path, tiny_model, corpus):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"other document {i} " * 20}) + "\n" for i in range(200)))
+    dump = tmp_path / "run"
+    args = base_args(tiny_model, f"{corpus},{other}", dump, steps=8) + [
+        "--training.data_probs=0.5,0.5", "--training.mix_unit=tokens",
+    ]
+    result = check(torchrun(args, nproc=2))
+    row = metrics(dump)[8]
+    by_source = {key: value for key, value in row.items() if key.startswith("data/") and key.endswith("/tokens")}
+    assert len(by_source) == 2 and all(value > 0 for value in by_source.values())
+    assert sum(by_source.values()) == row["n_tokens_seen"]
+    assert " mix " in result.stdout + result.stderr
