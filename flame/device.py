@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import torch
 
 CUDA = torch.cuda.is_available()
-DEVICE_TYPE = "cuda" if CUDA else "cpu"
 # NCCL can scale inside a reduce-scatter (PREMUL_SUM); gloo only sums.
 COLLECTIVES_SCALE_IN_REDUCTION = CUDA
 
@@ -141,8 +140,3 @@ def sharded_init_differs_from_full_init(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def synchronize() -> None:
-    if CUDA:
-        torch.cuda.synchronize()

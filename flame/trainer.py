@@ -105,7 +105,8 @@ class Trainer(TorchtitanTrainer):
         local_valid_tokens = counts[0].clone()
         if self.parallel_dims.dp_enabled:
             torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
-        if counts[1].item():
+            exhausted = bool(counts[1].item())
+        if exhausted:
             self.data_exhausted = True
             raise DataloaderExhaustedError()
         return microbatches, local_valid_tokens, counts[0].float()

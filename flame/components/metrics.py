@@ -91,6 +91,7 @@ class FlameMetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
+        extra = extra_metrics or {}
         now = time.perf_counter()
         window = now - self.time_last_log
         steps = max(1, step - self.step_last_log)
@@ -112,22 +113,24 @@ class FlameMetricsProcessor(MetricsProcessor):
             "memory/max_active(GiB)": memory.max_active_gib,
             "memory/max_reserved(GiB)": memory.max_reserved_gib,
             "memory/max_reserved(%)": memory.max_reserved_pct,
-            **(extra_metrics or {}),
+            **extra,
         }
         if mfu is not None:
             metrics["mfu(%)"] = mfu
         self.logger.log(metrics, step)
 
         c = self.color
-        skipped = (extra_metrics or {}).get("skipped_steps", 0)
-        source_tokens = {k[5:-7]: v for k, v in (extra_metrics or {}).items() if k.startswith("data/") and k.endswith("/tokens")}
+        skipped = extra.get("skipped_steps", 0)
+        source_tokens = {k[5:-7]: v for k, v in extra.items() if k.startswith("data/") and k.endswith("/tokens")}
         total = sum(source_tokens.values())
-        mix = "  mix " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in source_tokens.items()) if len(source_tokens) > 1 and total else ""
+        mix = ""
+        if len(source_tokens) > 1 and total:
+            mix = "  mix " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in source_tokens.items())
         logger.info(
             f"{c.red}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
             f"{c.green}loss {global_avg_loss:7.4f}  "
             f"{c.orange}grad_norm {grad_norm:6.3f}  "
-            f"{c.yellow}lr {(extra_metrics or {}).get('lr', float('nan')):.2e}  "
+            f"{c.yellow}lr {extra.get('lr', float('nan')):.2e}  "
             f"{c.blue}tok/s/device {round(tps):,}  "
             f"{c.cyan}TFLOPS {tflops:.2f}  "
             f"{c.magenta}MFU {'n/a' if mfu is None else f'{mfu:.1f}%'}  "
