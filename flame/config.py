@@ -25,6 +25,8 @@ class Model:
     """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json)"""
     tokenizer_path: str | None = None
     """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory when that holds a tokenizer"""
+    attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
+    """Document-masked softmax attention: varlen (torch's flash kernel, CUDA), flex (FlexAttention, CUDA), sdpa (dense mask; reference, CPU). auto = varlen on CUDA, sdpa on CPU"""
 
 
 @dataclass
@@ -67,6 +69,8 @@ class Training:
     """Pack documents into one row of seq_len tokens per device with cu_seqlens marking every document (needs batch_size 1)"""
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated into one optimizer step"""
+    fused_cross_entropy: Literal["auto", "on", "off"] = "auto"
+    """Compute the loss from the last hidden states in chunks, never materializing all logits (fla's fused kernel on CUDA, chunked PyTorch on CPU). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False
     """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
     # Aliases: flame's historical spellings of torchtitan fields (None / False = not given).

@@ -109,6 +109,14 @@ def check_supported(job_config) -> None:
         )
     if job_config.training.enable_cpu_offload:
         raise ConfigError("--training.enable_cpu_offload offloads GPU memory; on a CPU machine leave it off")
+    if job_config.model.attention in ("varlen", "flex"):
+        raise ConfigError(f"--model.attention {job_config.model.attention} runs CUDA kernels; on a CPU machine use sdpa (or auto)")
+
+
+def fused_cross_entropy_enabled(job_config, vocab_size: int) -> bool:
+    """--training.fused_cross_entropy resolved: auto = on for CUDA runs with a large vocabulary."""
+    choice = job_config.training.fused_cross_entropy
+    return choice == "on" or (choice == "auto" and CUDA and vocab_size >= 16384)
 
 
 def compute_dtype(job_config) -> torch.dtype:

@@ -21,17 +21,21 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.protocols.train_spec import (
+    TrainSpec,
+    get_train_spec,
+    register_train_spec,
+)
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
 from flame import device
-from flame.components.loss import build_loss
-from flame.config_manager import RUN_CONFIG_FILE
+from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
+from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
-from flame.models import AnyFlavor, build_model, forward_kwargs, parallelize_model
+from flame.models import AnyFlavor, build_model, model_inputs, parallelize_model
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -70,6 +74,7 @@ class Trainer(TorchtitanTrainer):
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
         super().__init__(job_config)
+        self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
         if torch.distributed.get_rank() == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
@@ -77,8 +82,12 @@ class Trainer(TorchtitanTrainer):
                 json.dump(job_config.to_dict(), f, indent=2, default=str)
 
     def post_dataloading_process(self, input_dict, labels):
-        inputs = input_dict["input"]
-        return inputs, labels, forward_kwargs(self.model_parts[0], input_dict), {}
+        model = self.model_parts[0]
+        inputs, labels, kwargs = model_inputs(model, input_dict, labels)
+        head = model.get_output_embeddings()
+        if isinstance(head, LossHead):
+            head.targets = labels  # the head returns the loss of these targets (fused CE)
+        return inputs, labels, kwargs, {}
 
     def train(self) -> None:
         super().train()
@@ -123,6 +132,8 @@ class Trainer(TorchtitanTrainer):
 
         losses = []
         for input_dict, labels in microbatches:
+            documents = input_dict["cu_seqlens"].diff().tolist()  # on CPU still: no sync
+            self.metrics_processor.flops_since_last_log += self.model_args.flops.batch_flops(documents)
             input_dict = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in input_dict.items()}
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens

@@ -1,8 +1,10 @@
 """Training metrics: console line, TensorBoard and W&B, built on torchtitan's MetricsProcessor.
 
 Every logged step also goes to <dump_folder>/metrics.jsonl (one JSON object per line).
-Throughput is tokens per second per device (all tokens fed to the model); TFLOPS and MFU
-use the model's FLOPs per token (see flame.models.flops) and the device's bf16 dense peak.
+Throughput is tokens per second per device (all tokens fed to the model). TFLOPS and MFU
+count the FLOPs of the batches really trained on (flame.models.flops: matmuls, softmax
+attention over each batch's real documents, linear-attention/SSM terms) against the
+device's bf16 dense peak.
 """
 
 import datetime
@@ -71,6 +73,8 @@ class FlameMetricsProcessor(MetricsProcessor):
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
         self.num_flops_per_token = -1
+        self.model_flops = None  # flame.models.flops.ModelFlops, set by the trainer
+        self.flops_since_last_log = 0.0
         self.optimizers = self.lr_schedulers = self.model_parts = None
         self.total_steps = job_config.training.steps
         self.step_last_log: int | None = None  # set by the trainer at its first step
@@ -79,8 +83,8 @@ class FlameMetricsProcessor(MetricsProcessor):
     def describe_mfu(self) -> str:
         peak = f"{self.gpu_peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.gpu_peak_flops else "no peak on CPU"
         return (
-            f"FLOPs/token {self.num_flops_per_token:,} (6 x matmul params + causal softmax attention); "
-            f"MFU = FLOPs/token x tokens/s/device / ({peak}); loss = mean over the steps since the last log line"
+            f"FLOPs = {self.model_flops.describe()} ({self.num_flops_per_token:,}/token at full context_len); "
+            f"MFU = FLOPs/s/device / ({peak}); loss = mean over the steps since the last log line"
         )
 
     def log(
@@ -96,8 +100,9 @@ class FlameMetricsProcessor(MetricsProcessor):
         window = now - self.time_last_log
         steps = max(1, step - self.step_last_log)
         tps = self.ntokens_since_last_log / (window * self.parallel_dims.non_data_parallel_size)
-        tflops = self.num_flops_per_token * tps / 1e12
-        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops if self.gpu_peak_flops else None
+        flops_per_second = self.flops_since_last_log / (window * self.parallel_dims.non_data_parallel_size)
+        tflops = flops_per_second / 1e12
+        mfu = 100 * flops_per_second / self.gpu_peak_flops if self.gpu_peak_flops else None
         memory = self.device_memory_monitor.get_peak_stats()
         data_time = sum(self.data_loading_times)
         eta = (self.total_steps - step) * window / steps
@@ -139,6 +144,7 @@ class FlameMetricsProcessor(MetricsProcessor):
             f"{f'  skipped {skipped}' if skipped else ''}{mix}{c.reset}"
         )
         self.ntokens_since_last_log = 0
+        self.flops_since_last_log = 0.0
         self.data_loading_times.clear()
         self.time_last_log = now
         self.step_last_log = step

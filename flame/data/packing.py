@@ -248,6 +248,6 @@ def collate_rows(rows: list[Row]) -> tuple[dict, torch.Tensor]:
         "input": input_ids,
         "position_ids": position_ids,
         "cu_seqlens": cu_seqlens,
-        "max_seqlen": torch.tensor(max(lengths), dtype=torch.int32),
+        "max_seqlen": max(lengths),
     }
     return inputs, labels

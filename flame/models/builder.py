@@ -16,14 +16,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
 from torchtitan.protocols import BaseModelArgs
+from torchtitan.tools.logging import logger
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from flame import device
+from flame.components.loss import use_fused_cross_entropy
 from flame.config_manager import ConfigError
 from flame.data.tokenizer import load_tokenizer
-from flame.models.flops import flops_per_token
+from flame.models import attention
+from flame.models.flops import model_flops
 
 
 def load_model_config(path: str) -> PretrainedConfig:
@@ -105,6 +111,8 @@ class FlameModelArgs(BaseModelArgs):
     config_path: str = ""
     hf_config: dict[str, Any] = field(default_factory=dict)
     context_len: int = 0
+    fused_cross_entropy: bool = False
+    fused_cross_entropy_required: bool = False
 
     def update_from_config(self, job_config, **kwargs) -> None:
         self.config_path = job_config.model.config
@@ -113,24 +121,57 @@ class FlameModelArgs(BaseModelArgs):
         check_vocabulary(config, job_config.model.tokenizer_path)
         self._config = config
         self.hf_config = config.to_diff_dict()
+        attention.set_backend(job_config.model.attention)
+        self.fused_cross_entropy = device.fused_cross_entropy_enabled(job_config, getattr(config, "vocab_size", 0))
+        self.fused_cross_entropy_required = job_config.training.fused_cross_entropy == "on"
 
     @property
     def config(self) -> PretrainedConfig:
         return self._config
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Parameters, and FLOPs per token for documents of context_len (the trainer counts real ones)."""
         unique = {id(p): p.numel() for p in model.parameters()}
-        return sum(unique.values()), flops_per_token(model, self.context_len)
+        self.flops = model_flops(model)
+        return sum(unique.values()), self.flops.flops_per_token(self.context_len)
+
+    flops = None  # the ModelFlops, once get_nparams_and_flops has seen the model
 
 
 def build_model(model_args: FlameModelArgs) -> nn.Module:
-    """The causal LM for ``model_args`` (on whatever device/dtype context is active)."""
+    """The causal LM for ``model_args`` (on whatever device/dtype context is active).
+
+    HF models get flame's document-masked attention; a model that cannot take a registered
+    attention function keeps transformers' SDPA, which masks documents with a dense mask.
+    """
+    config = model_args.config
     try:
-        model = AutoModelForCausalLM.from_config(model_args.config)
+        model = _from_config(config, model_args)
     except ValueError as error:
         raise ConfigError(f"cannot build a causal LM from {model_args.config_path}: {error}") from None
     model.__class__ = _trainable_class(type(model))
+    if model_args.fused_cross_entropy:
+        try:
+            use_fused_cross_entropy(model)
+        except ValueError as reason:
+            if model_args.fused_cross_entropy_required:
+                raise ConfigError(
+                    f"--training.fused_cross_entropy on: {type(model).__name__} cannot use it ({reason}); set it to off"
+                ) from None
+            logger.info(f"Fused cross entropy off: {reason}")
     return model
+
+
+def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Module:
+    if type(config).__module__.startswith("fla."):
+        return AutoModelForCausalLM.from_config(config)
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attention.HF_ATTENTION)
+    except ValueError as error:
+        if "attn_implementation" not in str(error) and "attention" not in str(error):
+            raise
+        logger.warning(f"{config.model_type} cannot use flame's attention ({error}); documents are masked by SDPA with a dense mask")
+        return AutoModelForCausalLM.from_config(config)
 
 
 class AnyFlavor(Mapping):

@@ -1,50 +1,144 @@
-"""Training FLOPs per token, counted from the model itself.
+"""Training FLOPs, counted per layer type from the model itself.
 
-    flops/token = 6 * (parameters used in matmuls)           forward + backward weight matmuls
-                + 12 * layers * heads * head_dim * ctx      softmax attention, QK^T and AV
+    FLOPs = 6 x (matmul parameters) x tokens                   forward + backward weight matmuls
+          + 12 x sum(heads x head_dim) x (attended pairs)     softmax attention: QK^T and AV
+          + 3 x (state FLOPs per token) x tokens              linear attention / SSM token mixing
 
-Embedding lookups are not matmuls and are not counted; a tied lm_head is counted once (it
-is one parameter). ``ctx`` is the mean number of keys a query attends to under the causal
-mask: (context_len + 1) / 2, i.e. only the FLOPs a causal kernel really does. The attention
-term is added only for models whose layers are softmax attention (HF decoders and fla's
-``transformer``); linear-attention/SSM layers contribute their matmul parameters.
+- Matmul parameters: weights of Linear and Conv1d modules (and HF's Conv1D); embedding
+  lookups are not matmuls; a tied lm_head is one parameter, counted once.
+- Softmax attention (HF decoders' attention layers, fla's ``Attention`` and its quadratic
+  relatives): a query attends to itself and the earlier keys of its document (or of its
+  sliding window). Under varlen the pairs are counted from the real document lengths of each
+  batch (``batch_flops``); ``flops_per_token(context_len)`` assumes full context_len documents.
+- Linear attention / SSMs, with chunk size C = 64, per head and token: reading and updating a
+  dk x dv state, 4·dk·dv, plus the intra-chunk causal attention, C·(dk + dv); x3 for training.
+  The head dims come from the layer (``head_k_dim``/``head_v_dim``, Mamba's state sizes).
+- Sparse attention (NSA, MoBA) and layers whose state shape flame cannot read contribute their
+  matmul parameters only; ``uncounted`` names them, and the log says so.
 """
+
+from dataclasses import dataclass, field
 
 from torch import nn
 
-# fla model types whose token mixer is softmax attention
-_FLA_SOFTMAX_ATTENTION = {"transformer"}
+CHUNK_SIZE = 64
+# fla layers whose cost grows with the square of the document length, like softmax attention
+_FLA_QUADRATIC = {
+    "Attention", "BitAttention", "ForgettingAttention", "PaTHAttention", "StickBreakingAttention",
+    "MultiheadLatentAttention", "MultiHeadLatentAttention",
+}
 
 
 def matmul_parameters(model: nn.Module) -> int:
-    """Parameters of Linear/Conv1D-style modules, each parameter counted once."""
+    """Parameters of Linear/Conv1d-style modules, each parameter counted once."""
     seen: dict[int, int] = {}
     for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            continue
-        weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            seen[id(weight)] = weight.numel()
+        if isinstance(module, (nn.Linear, nn.Conv1d)) or type(module).__name__ == "Conv1D":
+            seen[id(module.weight)] = module.weight.numel()
     return sum(seen.values())
 
 
-def softmax_attention_dims(config) -> tuple[int, int, int] | None:
-    """(layers, heads, head_dim) of softmax attention, or None for non-softmax mixers."""
-    is_fla = type(config).__module__.startswith("fla.")
-    if is_fla and config.model_type not in _FLA_SOFTMAX_ATTENTION:
-        return None
+def causal_pairs(length: int, window: int | None) -> int:
+    """(query, key) pairs a causal kernel computes for one document, keys within ``window``."""
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+@dataclass
+class ModelFlops:
+    dense_per_token: int  # matmuls and linear-attention/SSM terms: proportional to tokens
+    attention_widths: dict = field(default_factory=dict)  # window (None = full) -> sum of heads x head_dim
+    uncounted: list = field(default_factory=list)  # token mixers without a term
+    matmul_params: int = 0
+
+    def attention_flops(self, document_lengths) -> float:
+        """Softmax-attention FLOPs (forward + backward) of documents of these lengths."""
+        return sum(
+            12 * width * sum(causal_pairs(int(length), window) for length in document_lengths)
+            for window, width in self.attention_widths.items()
+        )
+
+    def batch_flops(self, document_lengths) -> float:
+        tokens = sum(int(length) for length in document_lengths)
+        return self.dense_per_token * tokens + self.attention_flops(document_lengths)
+
+    def flops_per_token(self, context_len: int) -> int:
+        return int(self.dense_per_token + self.attention_flops([context_len]) / context_len)
+
+    def describe(self) -> str:
+        parts = ["6 x matmul params"]
+        if self.attention_widths:
+            parts.append("causal softmax attention over each batch's real documents")
+        if self.dense_per_token > 6 * self.matmul_params:
+            parts.append("linear-attention/SSM state terms")
+        text = " + ".join(parts)
+        if self.uncounted:
+            text += f"; no token-mixing term for {', '.join(sorted(set(self.uncounted)))}"
+        return text
+
+
+def model_flops(model: nn.Module) -> ModelFlops:
+    from flame.models.parallelize import decoder_layers
+
+    params = matmul_parameters(model)
+    flops = ModelFlops(dense_per_token=6 * params, matmul_params=params)
+    config = model.config
+    if not type(config).__module__.startswith("fla."):
+        _add_hf_attention(flops, config)
+        return flops
+    for block in decoder_layers(model):
+        for mixer in block.children():
+            if type(mixer).__module__.startswith("fla.layers."):
+                _add_fla_mixer(flops, mixer)
+    return flops
+
+
+def _add_attention(flops: ModelFlops, window: int | None, width: int) -> None:
+    flops.attention_widths[window] = flops.attention_widths.get(window, 0) + width
+
+
+def _add_hf_attention(flops: ModelFlops, config) -> None:
+    heads = getattr(config, "num_attention_heads", None)
     layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None)
-    if not layers or not heads:
-        return None
+    if not heads or not layers:
+        flops.uncounted.append(config.model_type)
+        return
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, heads, head_dim
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    for layer_type in layer_types:
+        if layer_type == "full_attention":
+            _add_attention(flops, None, heads * head_dim)
+        elif layer_type == "sliding_attention":
+            _add_attention(flops, config.sliding_window, heads * head_dim)
+        else:
+            flops.uncounted.append(f"{config.model_type} {layer_type} layers")
 
 
-def flops_per_token(model: nn.Module, context_len: int) -> int:
-    flops = 6 * matmul_parameters(model)
-    dims = softmax_attention_dims(model.config)
-    if dims is not None:
-        layers, heads, head_dim = dims
-        flops += 12 * layers * heads * head_dim * (context_len + 1) / 2
-    return int(flops)
+def _add_fla_mixer(flops: ModelFlops, mixer: nn.Module) -> None:
+    name = type(mixer).__name__
+    heads = getattr(mixer, "num_heads", None)
+    if name in _FLA_QUADRATIC:
+        head_dim = getattr(mixer, "head_dim", None) or mixer.head_k_dim
+        _add_attention(flops, getattr(mixer, "window_size", None), heads * head_dim)
+        return
+    state = _state_shape(mixer, heads)
+    if state is None:
+        flops.uncounted.append(name)
+        return
+    heads, key_dim, value_dim = state
+    flops.dense_per_token += 3 * heads * (4 * key_dim * value_dim + CHUNK_SIZE * (key_dim + value_dim))
+
+
+def _state_shape(mixer: nn.Module, heads: int | None) -> tuple[int, int, int] | None:
+    """(heads, dk, dv) of a recurrent layer's per-head state, when the layer exposes it."""
+    key_dim = getattr(mixer, "head_k_dim", None) or getattr(mixer, "head_dim", None)
+    value_dim = getattr(mixer, "head_v_dim", None)
+    if heads and key_dim and value_dim:
+        return heads, key_dim, value_dim
+    state_size = getattr(mixer, "ssm_state_size", None)
+    if state_size and heads and getattr(mixer, "head_dim", None):  # Mamba2: heads x (state x head_dim)
+        return heads, state_size, mixer.head_dim
+    if state_size and getattr(mixer, "intermediate_size", None):  # Mamba: a state per channel
+        return mixer.intermediate_size, state_size, 1
+    return None

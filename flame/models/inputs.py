@@ -1,22 +1,40 @@
-"""What each model family takes from a batch besides the input ids."""
+"""What each model family takes from a batch: input ids, and how the documents are marked.
+
+A batch holds rows of packed documents: ``position_ids`` restart at every document and
+``cu_seqlens`` marks the document boundaries over the flattened batch (see flame.data.packing).
+- HF models get the position ids (rotary positions restart per document) and, when they use
+  flame's attention, ``cu_seq_lens_q``, which that attention masks documents by. Other
+  attention implementations turn restarting position ids into a document mask themselves.
+- fla models take documents only as ``cu_seqlens`` over a single row, so the batch is
+  flattened into one row (same tokens, same targets, documents never cross rows anyway).
+"""
 
 import torch
 from torch import nn
+
+from flame.models import attention
 
 
 def is_fla_model(model: nn.Module) -> bool:
     return type(model.config).__module__.startswith("fla.")
 
 
-def forward_kwargs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keyword inputs for ``model(input_ids, **kwargs)``.
+def uses_flame_attention(model: nn.Module) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == attention.HF_ATTENTION
 
-    HF models get position ids that restart at every document segment; transformers'
-    SDPA path turns restarting position ids into a block-diagonal (document) causal mask.
-    fla models take ``cu_seqlens`` in varlen batches (one row) and see the row as one
-    sequence otherwise.
+
+def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input ids, labels, keyword inputs) for ``model(input_ids, **kwargs)``.
+
+    ``cu_seqlens`` always describes the attention segments: the documents, or with
+    --training.no-document_mask the context_len pieces of each row.
     """
+    input_ids, cu_seqlens = batch["input"], batch["cu_seqlens"]
+    attention.use_batch_documents(cu_seqlens, batch["max_seqlen"])
     if is_fla_model(model):
-        single_row = batch["input"].shape[0] == 1
-        return {"cu_seqlens": batch["cu_seqlens"]} if single_row else {}
-    return {"position_ids": batch["position_ids"]}
+        return input_ids.reshape(1, -1), labels.reshape(1, -1), {"cu_seqlens": cu_seqlens, "use_cache": False}
+    # no KV cache in training: it costs memory, and activation checkpointing's recompute would append to it
+    kwargs = {"position_ids": batch["position_ids"], "use_cache": False}
+    if uses_flame_attention(model):
+        kwargs["cu_seq_lens_q"] = cu_seqlens
+    return input_ids, labels, kwargs

@@ -1,0 +1,251 @@
+"""Document-masked causal softmax attention from PyTorch itself (no flash-attn).
+
+Packed rows hold several documents; a token must attend only to earlier tokens of its own
+document. Documents are described as in flash-attn: ``cu_seqlens`` (int32, ``[N + 1]``, the
+start offset of each document in the flattened batch, last entry = total tokens).
+
+Backends (``--model.attention``):
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA; torch's FlashAttention kernel);
+- ``flex``: FlexAttention with a document block mask (CUDA);
+- ``sdpa``: the reference path: SDPA with a dense block-diagonal causal mask (any device;
+  memory grows with tokens², so it is meant for CPU debugging and for tests);
+- ``auto``: ``varlen`` on CUDA (measured faster than ``flex``; docs/perf-log.md), ``sdpa`` on CPU.
+
+The attention is plugged into
+- HF models, as the attention implementation ``flame`` of transformers' registry; flame passes
+  ``cu_seq_lens_q`` with the batch, which reaches the attention function as a keyword;
+- fla's softmax-attention layers (``transformer``, ``samba``, hybrids), which call
+  flash-attn's ``flash_attn_func``/``flash_attn_varlen_func``: flame provides both.
+
+Kernels need the longest document as a Python int; flame records it for each batch
+(``use_batch_documents``) so that no layer has to synchronize with the GPU to find it.
+The attention call runs outside torch.compile graphs (a graph break per layer), so the
+per-batch lengths never cause recompilation.
+"""
+
+import inspect
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers import AttentionInterface
+
+BACKENDS = ("auto", "varlen", "flex", "sdpa")
+HF_ATTENTION = "flame"
+
+_backend = "auto"
+# The current batch's cu_seqlens (weakly held) and its longest document.
+_batch_documents: tuple[weakref.ref, int] | None = None
+_block_masks: dict = {}
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    _backend = name
+
+
+def resolve_backend(device: torch.device) -> str:
+    if _backend != "auto":
+        return _backend
+    return "varlen" if device.type == "cuda" else "sdpa"
+
+
+def use_batch_documents(cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+    """Record the batch's longest document, for kernels that size their grid by it."""
+    global _batch_documents
+    _batch_documents = (weakref.ref(cu_seqlens), int(max_seqlen))
+    _block_masks.clear()
+
+
+def _max_seqlen(cu_seqlens: torch.Tensor, upper_bound: int) -> int:
+    if _batch_documents is not None:
+        recorded, max_seqlen = _batch_documents
+        known = recorded()
+        if known is not None and known.data_ptr() == cu_seqlens.data_ptr() and known.numel() == cu_seqlens.numel():
+            return max_seqlen
+    return upper_bound
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """The index of the document each of the ``total`` tokens belongs to."""
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:], positions, right=True)
+
+
+@torch.compiler.disable
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention within each document: ``[T, Hq, D]`` queries, ``[T, Hkv, D]`` keys/values.
+
+    ``window``: a query sees at most this many keys (itself included); None = the whole document.
+    ``max_seqlen`` may be an upper bound; the batch's recorded value is used when known.
+    """
+    backend = resolve_backend(query.device)
+    if backend == "varlen":
+        return _varlen(query, key, value, cu_seqlens, _max_seqlen(cu_seqlens, max_seqlen), scale, window)
+    if backend == "flex":
+        return _flex(query, key, value, cu_seqlens, scale, window)
+    return _sdpa(query, key, value, cu_seqlens, scale, window)
+
+
+def _allowed(query_pos, key_pos, documents, window):
+    allowed = (documents[query_pos] == documents[key_pos]) & (query_pos >= key_pos)
+    if window is not None:
+        allowed = allowed & (query_pos - key_pos < window)
+    return allowed
+
+
+def _sdpa(query, key, value, cu_seqlens, scale, window):
+    total = query.shape[0]
+    documents = document_ids(cu_seqlens, total)
+    positions = torch.arange(total, device=query.device)
+    mask = _allowed(positions[:, None], positions[None, :], documents, window)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+_VARLEN_PARAMETERS: set[str] | None = None
+
+
+def _varlen(query, key, value, cu_seqlens, max_seqlen, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    global _VARLEN_PARAMETERS
+    if _VARLEN_PARAMETERS is None:
+        _VARLEN_PARAMETERS = set(inspect.signature(varlen_attn).parameters)
+    options = {"scale": scale}
+    if "window_size" in _VARLEN_PARAMETERS:  # torch >= 2.12: causal = window (-1, 0)
+        options["window_size"] = (-1 if window is None else window - 1, 0)
+    else:
+        if window is not None:
+            raise NotImplementedError("sliding-window attention needs torch >= 2.12 for varlen; use --model.attention flex")
+        options["is_causal"] = True
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMETERS:
+            options["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+
+
+_compiled_flex_attention = None
+
+
+def _flex(query, key, value, cu_seqlens, scale, window):
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    total = query.shape[0]
+    cache_key = (cu_seqlens.data_ptr(), cu_seqlens.numel(), total, window)
+    block_mask = _block_masks.get(cache_key)
+    if block_mask is None:
+        documents = document_ids(cu_seqlens, total)
+        block_mask = create_block_mask(
+            lambda b, h, q, k: _allowed(q, k, documents, window), None, None, total, total, device=query.device
+        )
+        _block_masks[cache_key] = block_mask
+    out = _compiled_flex_attention(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+        block_mask=block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+# transformers: the "flame" attention implementation
+
+
+def hf_document_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out.
+
+    With ``cu_seq_lens_q`` (flame's training batches) documents are masked over the
+    flattened batch; without it (e.g. ``generate``) this is plain causal SDPA.
+    """
+    if dropout > 0:
+        raise NotImplementedError("flame's document attention has no attention dropout; set attention_dropout to 0")
+    batch, heads, length, head_dim = query.shape
+    if cu_seq_lens_q is None:
+        if attention_mask is not None or key.shape[2] != length and length > 1:
+            raise NotImplementedError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=length > 1, scale=scaling, enable_gqa=key.shape[1] != heads
+        )
+        return out.transpose(1, 2), None
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value)]
+    out = document_attention(*flat, cu_seq_lens_q, length, scale=scaling, window=sliding_window)
+    return out.view(batch, length, heads, head_dim), None
+
+
+AttentionInterface.register(HF_ATTENTION, hf_document_attention)
+
+
+# fla: flash-attn's two entry points, as fla's attention layers call them
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported,
+):
+    _check_flash_call(causal, dropout_p, window_size, unsupported)
+    if cu_seqlens_q is not cu_seqlens_k and not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise NotImplementedError("flame's attention needs the same documents for queries and keys")
+    window = None if window_size[0] < 0 else window_size[0] + 1
+    return document_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale=softmax_scale, window=window)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported):
+    _check_flash_call(causal, dropout_p, window_size, unsupported)
+    batch, length = q.shape[:2]
+    cu_seqlens = torch.arange(0, (batch + 1) * length, length, device=q.device, dtype=torch.int32)
+    flat = [t.reshape(batch * length, *t.shape[2:]) for t in (q, k, v)]
+    window = None if window_size[0] < 0 else window_size[0] + 1
+    out = document_attention(*flat, cu_seqlens, length, scale=softmax_scale, window=window)
+    return out.view(batch, length, *out.shape[1:])
+
+
+def _check_flash_call(causal, dropout_p, window_size, unsupported):
+    if not causal or dropout_p or window_size[1] > 0 or any(v not in (None, False) for v in unsupported.values()):
+        raise NotImplementedError(
+            "flame's attention (in place of flash-attn) supports causal attention without dropout, "
+            f"softcap or alibi; got causal={causal}, dropout_p={dropout_p}, window_size={window_size}, {unsupported}"
+        )
+
+
+# fla modules that import flash-attn at module level and need it only through these two calls
+FLA_FLASH_ATTN_USERS = ("fla.layers.attn", "fla.layers.bitattn", "fla.layers.rodimus")
+
+
+def install_in_fla() -> None:
+    """Give fla's softmax-attention layers flame's attention where flash-attn is missing."""
+    import importlib
+
+    for name in FLA_FLASH_ATTN_USERS:
+        module = importlib.import_module(name)
+        if getattr(module, "flash_attn_func", None) is None:
+            module.flash_attn_func = flash_attn_func
+            module.flash_attn_varlen_func = flash_attn_varlen_func
