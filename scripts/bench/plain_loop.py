@@ -1,9 +1,13 @@
-"""Baseline for flame's throughput: a plain PyTorch training loop on the same HF model.
+"""Baseline for flame's throughput: a plain PyTorch training loop on the same model and data.
 
-    python scripts/bench/plain_loop.py --config configs/llama_340M.json --batch 8 --seq 4096 --steps 30
+    python scripts/bench/plain_loop.py --config configs/gla_340M.json --varlen 65536 --steps 30
+    python scripts/bench/plain_loop.py --config configs/llama_340M.json --batch 4 --seq 4096
 
-bf16 autocast, fused AdamW, random tokens, one GPU, no flame code in the loop. Prints the
-median step time, tokens/s, TFLOPS/MFU (flame's FLOPs count) and peak memory as one line.
+bf16 autocast, fused AdamW, one GPU, logits + cross entropy, no flame code in the loop. With
+--varlen N each step is one row of N tokens of real packed documents (the builtin corpus,
+context 4096; see packed_data.py) with the documents given as the model takes them (HF:
+position ids + flame's attention; fla: cu_seqlens); otherwise rows of random tokens.
+Prints median step time, tokens/s, TFLOPS/MFU (flame's FLOPs count) and peak memory.
 """
 
 import argparse
@@ -11,10 +15,12 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from flame.models import load_model_config
-from flame.models.flops import flops_per_token
+from flame.models import attention, load_model_config
+from flame.models.flops import model_flops
+from scripts.bench.packed_data import packed_batches
 
 
 def main() -> None:
@@ -22,25 +28,43 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--varlen", type=int, default=0, help="tokens per row of packed documents (batch 1)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
     args = parser.parse_args()
 
     config = load_model_config(args.config)
-    model = AutoModelForCausalLM.from_config(config).cuda()
+    is_fla = type(config).__module__.startswith("fla.")
+    options = {} if is_fla else {"attn_implementation": attention.HF_ATTENTION}
+    model = AutoModelForCausalLM.from_config(config, **options).cuda()
     if args.compile:
         for i, block in enumerate(model.model.layers):
             model.model.layers[i] = torch.compile(block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device="cuda")
-    times = []
-    for step in range(args.warmup + args.steps):
+    flops = model_flops(model)
+
+    if args.varlen:
+        batches = packed_batches(args.varlen, args.warmup + args.steps)
+    else:
+        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device="cuda")
+        cu_seqlens = torch.arange(0, args.batch * args.seq + 1, args.seq, device="cuda", dtype=torch.int32)
+        batches = [(tokens[:, :-1], tokens[:, 1:], cu_seqlens, args.seq)] * (args.warmup + args.steps)
+
+    times, step_flops = [], []
+    for step, (ids, labels, cu_seqlens, max_seqlen) in enumerate(batches):
+        lengths = cu_seqlens.diff().tolist()
         torch.cuda.synchronize()
         start = time.perf_counter()
+        if is_fla:
+            kwargs = {"cu_seqlens": cu_seqlens} if args.varlen else {}
+        else:
+            attention.use_batch_documents(cu_seqlens, max_seqlen)
+            positions = torch.cat([torch.arange(n, device="cuda") for n in lengths]).view(ids.shape)
+            kwargs = {"position_ids": positions, "cu_seq_lens_q": cu_seqlens}
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            logits = model(ids, use_cache=False, **kwargs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -48,13 +72,15 @@ def main() -> None:
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            step_flops.append(flops.batch_flops(lengths))
     step_time = statistics.median(times)
-    tps = args.batch * args.seq / step_time
-    flops = flops_per_token(model, args.seq)
+    tps = ids.numel() / step_time
+    achieved = sum(step_flops) / sum(times)
+    shape = f"varlen 1x{args.varlen}" if args.varlen else f"{args.batch}x{args.seq}"
     print(
-        f"plain-loop config={args.config} batch={args.batch}x{args.seq} compile={args.compile} "
-        f"step={step_time * 1000:.1f}ms tok/s={tps:,.0f} TFLOPS={flops * tps / 1e12:.1f} "
-        f"MFU={100 * flops * tps / 989e12:.1f}% peak_mem={torch.cuda.max_memory_reserved() / 2**30:.1f}GiB"
+        f"plain-loop config={args.config} batch={shape} compile={args.compile} "
+        f"step={step_time * 1000:.1f}ms tok/s={tps:,.0f} TFLOPS={achieved / 1e12:.1f} "
+        f"MFU={100 * achieved / 989e12:.1f}% peak_mem={torch.cuda.max_memory_reserved() / 2**30:.1f}GiB"
     )
 
 

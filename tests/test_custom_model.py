@@ -1,0 +1,91 @@
+"""The example user architecture (custom_models/example_lm) registers, masks documents, trains and exports."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
+
+CONFIG = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
+
+
+def python(*args: str) -> subprocess.CompletedProcess:
+    return check(
+        subprocess.run([sys.executable, *args], check=False, cwd=ROOT, env=flame_env(), capture_output=True, text=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    import flame.models  # noqa: F401  imports custom_models, as training does
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG)).eval()
+
+
+def test_flame_registers_the_example_with_the_auto_classes():
+    import flame.models  # noqa: F401
+    from custom_models.example_lm import (
+        ExampleLMConfig,
+        ExampleLMForCausalLM,
+        ExampleLMModel,
+    )
+    from flame.models import load_model_config
+
+    config = load_model_config(CONFIG)
+    assert type(config) is ExampleLMConfig and config.model_type == "flame_example_lm"
+    assert type(AutoConfig.for_model("flame_example_lm")) is ExampleLMConfig
+    assert type(AutoModel.from_config(config)) is ExampleLMModel
+    assert type(AutoModelForCausalLM.from_config(config)) is ExampleLMForCausalLM
+
+
+def test_packed_documents_do_not_see_each_other(model):
+    torch.manual_seed(1)
+    lengths = [5, 9, 2]
+    documents = [torch.randint(0, 4096, (1, n)) for n in lengths]
+    packed = torch.cat(documents, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        logits = model(packed, position_ids=position_ids).logits
+        alone = torch.cat([model(document).logits for document in documents], dim=1)
+        unmasked = model(packed).logits  # one long document: later tokens see earlier documents
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+    assert not torch.allclose(unmasked[:, lengths[0] :], alone[:, lengths[0] :], atol=1e-3)
+
+
+def test_example_trains_exports_and_generates(tmp_path, corpus):
+    dump, logits_file = tmp_path / "run", tmp_path / "logits.pt"
+    os.environ["FLAME_TEST_LOGITS"] = str(logits_file)
+    try:
+        # two ranks: FSDP shards the blocks, and CPU init goes through a full copy (buffers too)
+        args = base_args(CONFIG, corpus, dump, steps=8) + ["--optimizer.lr=1e-2"]
+        check(torchrun(args, nproc=2, module=str(ROOT / "tests" / "scripts" / "train_and_save_logits.py")))
+    finally:
+        del os.environ["FLAME_TEST_LOGITS"]
+    loss = losses(dump)
+    assert all(torch.isfinite(torch.tensor(value)) for value in loss.values()), loss
+    assert max(loss[7], loss[8]) < loss[1] - 0.3, loss
+
+    result = python("-m", "flame.utils.convert_dcp_to_hf", "--path", str(dump), "--sample", "def main(")
+    assert "sample from" in result.stdout  # the converter's own load + sampling generate worked
+    # a fresh process, like a user's: only `import custom_models` makes the model_type known
+    script = (
+        "import sys, torch, custom_models\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "expected = torch.load(sys.argv[2])\n"
+        "with torch.no_grad():\n"
+        "    logits = model(expected['input_ids']).logits\n"
+        "torch.testing.assert_close(logits, expected['logits'], rtol=0, atol=1e-5)\n"
+        "prompt = expected['input_ids'][:1, :6]\n"
+        "out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False)\n"
+        "assert out.shape == (1, 11) and torch.equal(out[:, :6], prompt), out\n"
+        "assert out[0, 6] == expected['logits'][0, 5].argmax(), out  # the trained model's greedy choice\n"
+        "print(type(model).__name__, 'ok')\n"
+    )
+    result = python("-c", script, str(dump / "hf"), str(logits_file))
+    assert "ExampleLMForCausalLM ok" in result.stdout

@@ -1,0 +1,213 @@
+"""Models on CPU: document-masked attention, the fused loss, FLOPs, and refusals of bad model input."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from flame.components.loss import LossHead, chunked_linear_cross_entropy_sum, use_fused_cross_entropy
+from flame.config_manager import ConfigError
+from flame.models import FlameModelArgs, attention, build_model, load_model_config, model_inputs
+from flame.models.flops import causal_pairs, model_flops
+from tests.conftest import base_args, check, losses, torchrun
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256}
+
+
+def per_document_attention(q, k, v, cu_seqlens, window=None):
+    """The reference: SDPA on each document alone (with an explicit sliding-window mask)."""
+    outs = []
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        n = end - start
+        i = torch.arange(n)
+        mask = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+        q_, k_, v_ = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_document_attention_equals_attention_per_document(window):
+    torch.manual_seed(0)
+    q = torch.randn(20, 4, 8)
+    k, v = torch.randn(20, 2, 8), torch.randn(20, 2, 8)  # grouped-query: 2 kv heads
+    cu_seqlens = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    out = attention.document_attention(q, k, v, cu_seqlens, 12, window=window)
+    torch.testing.assert_close(out, per_document_attention(q, k, v, cu_seqlens, window))
+
+
+def test_flash_attn_entry_points_for_fla_layers():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 4, 8) for _ in range(3))
+    # fla's layers call flash_attn_func on [batch, len, heads, dim]: each row is one sequence
+    out = attention.flash_attn_func(q, k, v, causal=True)
+    rows = torch.arange(0, 13, 6, dtype=torch.int32)
+    flat = [t.reshape(12, 4, 8) for t in (q, k, v)]
+    torch.testing.assert_close(out.reshape(12, 4, 8), per_document_attention(*flat, rows))
+    # ... and flash_attn_varlen_func on packed tokens; window_size (w - 1, 0) keeps w keys
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = attention.flash_attn_varlen_func(*flat, cu_seqlens, cu_seqlens, 12, 12, causal=True, window_size=(2, 0))
+    torch.testing.assert_close(out, per_document_attention(*flat, cu_seqlens, window=3))
+    with pytest.raises(NotImplementedError, match="causal"):
+        attention.flash_attn_func(q, k, v, causal=False)
+    import fla.layers.attn
+
+    assert fla.layers.attn.flash_attn_varlen_func is attention.flash_attn_varlen_func
+
+
+def _build(model_type: str, **overrides) -> torch.nn.Module:
+    args = FlameModelArgs(config_path=model_type)
+    args._config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(0)
+    return build_model(args)
+
+
+def _batch(lengths: list[int]) -> tuple[dict, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (1, sum(lengths) + 1))
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    batch = {"input": ids[:, :-1], "cu_seqlens": cu_seqlens, "max_seqlen": max(lengths), "position_ids": positions}
+    return batch, ids[:, 1:]
+
+
+def _loss_and_grads(model, batch, labels):
+    model.zero_grad()
+    inputs, labels, kwargs = model_inputs(model, batch, labels)
+    logits = model(inputs, **kwargs).logits
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    return logits, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_packed_documents_give_the_logits_and_gradients_of_separate_documents(model_type):
+    model = _build(model_type)
+    assert model.config._attn_implementation == attention.HF_ATTENTION
+    lengths = [5, 17, 1, 9]
+    batch, labels = _batch(lengths)
+    packed_logits, packed_grads = _loss_and_grads(model, batch, labels)
+
+    separate_logits, separate_grads = [], None
+    model.zero_grad()
+    for start, end in zip(batch["cu_seqlens"][:-1].tolist(), batch["cu_seqlens"][1:].tolist()):
+        logits = model(batch["input"][:, start:end], use_cache=False).logits  # one document, no packing
+        F.cross_entropy(logits[0], labels[0, start:end], reduction="sum").backward()
+        separate_logits.append(logits)
+    separate_grads = {name: p.grad for name, p in model.named_parameters()}
+    torch.testing.assert_close(packed_logits, torch.cat(separate_logits, 1), atol=2e-5, rtol=1e-4)
+    for name, grad in separate_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_sliding_window_of_hf_configs_is_honoured():
+    model = _build("mistral", sliding_window=4)
+    batch, labels = _batch([12])
+    logits, _ = _loss_and_grads(model, batch, labels)
+    reference = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
+    reference.load_state_dict(model.state_dict())
+    torch.testing.assert_close(logits, reference(batch["input"]).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_chunked_cross_entropy_equals_logits_cross_entropy(monkeypatch):
+    import flame.components.loss as loss
+
+    monkeypatch.setattr(loss, "CHUNK_TOKENS", 7)  # several chunks, the last one partial
+    torch.manual_seed(0)
+    hidden = torch.randn(30, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    bias = torch.randn(50, requires_grad=True)
+    targets = torch.randint(0, 50, (30,))
+    targets[[0, 9, 29]] = -100  # ignored targets
+    expected = F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="sum", ignore_index=-100)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight, bias))
+    got = chunked_linear_cross_entropy_sum(hidden, weight, bias, targets)
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight, bias)), expected_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_loss_head_keeps_parameters_ties_and_plain_logits():
+    model = _build("llama", tie_word_embeddings=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch, labels = _batch([6, 10])
+    inputs, labels, kwargs = model_inputs(model, batch, labels)
+    logits = model(inputs, **kwargs).logits
+    head = use_fused_cross_entropy(model)
+    assert isinstance(head, LossHead) and head.weight is model.get_input_embeddings().weight
+    assert model.state_dict().keys() == state.keys()
+    torch.testing.assert_close(model(inputs, **kwargs).logits, logits)  # no targets: logits as before
+    head.targets = labels
+    loss = model(inputs, **kwargs).logits
+    assert loss.ndim == 0 and head.targets is None  # targets are used once
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+
+
+def test_fused_cross_entropy_refuses_heads_that_post_process_logits():
+    model = _build("gemma2", final_logit_softcapping=30.0, head_dim=16)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        use_fused_cross_entropy(model)
+
+
+def test_fused_cross_entropy_run_matches_the_plain_run(tmp_path, tiny_model, corpus):
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    check(torchrun(base_args(tiny_model, corpus, plain, steps=4) + ["--training.fused_cross_entropy=off"]))
+    result = check(torchrun(base_args(tiny_model, corpus, fused, steps=4) + ["--training.fused_cross_entropy=on"]))
+    output = result.stdout + result.stderr
+    assert "causal softmax attention over each batch's real documents" in output  # the MFU label
+    for step, loss in losses(plain).items():
+        assert math.isclose(losses(fused)[step], loss, rel_tol=1e-5), step
+
+
+def test_flops_of_a_llama_config_by_hand():
+    model = _build("llama", vocab_size=4096)
+    flops = model_flops(model)
+    # per layer: q 64x64 + k, v 64x32 (2 kv heads of 16) + o 64x64 + MLP 3 x 64x128; untied head 4096x64
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    assert flops.matmul_params == 2 * per_layer + 4096 * 64
+    assert flops.dense_per_token == 6 * flops.matmul_params
+    # attention: 12 x (4 heads x 16) per layer x causal pairs of each document
+    assert flops.batch_flops([3, 5]) == 6 * flops.matmul_params * 8 + 12 * 2 * 64 * (6 + 15)
+    assert flops.flops_per_token(4) == 6 * flops.matmul_params + 12 * 2 * 64 * 10 // 4
+    # the embedding is not a matmul; a tied head is its one parameter, counted once
+    tied = model_flops(_build("llama", vocab_size=4096, tie_word_embeddings=True))
+    assert tied.matmul_params == flops.matmul_params
+
+
+def test_flops_of_a_gla_config_by_hand():
+    config = AutoConfig.for_model(
+        "gla", hidden_size=256, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=4096,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    flops = model_flops(model)
+    # attn: q, k 256->128; v, g, o 256->256; low-rank forget gate 256->16->128; MLP 3 x 256x768
+    per_layer = 2 * 128 * 256 + 3 * 256 * 256 + 16 * 256 + 128 * 16 + 3 * 256 * 768
+    assert flops.matmul_params == 2 * per_layer + 4096 * 256
+    # no softmax attention; per layer 3 x heads x (4 dk dv + 64 (dk + dv)), dk 64, dv 128
+    state = 3 * 2 * (4 * 64 * 128 + 64 * (64 + 128))
+    assert flops.attention_widths == {}
+    assert flops.batch_flops([100, 28]) == (6 * flops.matmul_params + 2 * state) * 128
+
+
+def test_causal_pairs_with_a_window():
+    assert causal_pairs(5, None) == 15
+    assert causal_pairs(5, 2) == 1 + 2 + 2 + 2 + 2
+    assert causal_pairs(3, 8) == 6
+
+
+def test_unknown_model_type_lists_types_and_custom_models(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(ConfigError, match="custom_models/.*gated_deltanet.*llama"):
+        load_model_config(str(path))
+
+
+def test_gpu_attention_backend_on_cpu_is_refused(tmp_path, tiny_model, corpus):
+    result = torchrun(base_args(tiny_model, corpus, tmp_path, steps=1) + ["--model.attention=varlen"])
+    assert result.returncode != 0
+    assert "--model.attention varlen runs CUDA kernels" in result.stdout + result.stderr
