@@ -4,18 +4,16 @@ Two ways to get there:
 - from logits (``cross_entropy_sum``): the model's lm_head produces all logits, tokens x vocab;
 - fused (``LossHead``): the lm_head computes the loss from the last hidden states chunk by
   chunk, so the full logits (and their gradient) never exist. At 64K tokens x 32K vocab that
-  is 8 GiB of fp32 logits not allocated. CUDA uses fla's fused linear-cross-entropy kernel,
-  other devices a chunked PyTorch version whose chunks are recomputed in backward.
+  is 8 GiB of fp32 logits (and more for their gradient) not allocated.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torchtitan.components.loss import IGNORE_INDEX
 
-# tokens per chunk of the PyTorch fallback: 4096 x 32K vocab x 4 bytes = 512 MiB of logits at a time
-CHUNK_TOKENS = 4096
+# tokens per chunk: 8192 x 32K vocab x 4 bytes = 1 GiB of fp32 logits at a time
+CHUNK_TOKENS = 8192
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -25,38 +23,59 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
-def _chunk_cross_entropy_sum(hidden, weight, bias, targets):
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, targets, reduction="sum", ignore_index=IGNORE_INDEX)
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum CE(hidden @ weight.T + bias, targets), one chunk of logits at a time.
 
+    The gradients are computed in the forward pass, chunk by chunk (d loss / d logits =
+    softmax - one-hot), so backward only scales them: the same three matmuls as logits + CE,
+    with no logits kept and none recomputed. (Measured on an H200 at 64K tokens x 32K vocab:
+    docs/perf-log.md; fla's fused kernel was slower.)
+    """
 
-def chunked_linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
-) -> torch.Tensor:
-    """sum CE(hidden @ weight.T + bias, targets), holding one chunk of logits at a time."""
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for hidden_chunk, target_chunk in zip(hidden.split(CHUNK_TOKENS), targets.split(CHUNK_TOKENS)):
-        total = total + checkpoint(_chunk_cross_entropy_sum, hidden_chunk, weight, bias, target_chunk, use_reentrant=False)
-    return total
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        for start in range(0, hidden.shape[0], CHUNK_TOKENS):
+            h, t = hidden[start : start + CHUNK_TOKENS], targets[start : start + CHUNK_TOKENS]
+            logits = F.linear(h, weight, bias).float()
+            keep = t != IGNORE_INDEX
+            safe_targets = torch.where(keep, t, 0)
+            log_z = torch.logsumexp(logits, dim=-1)
+            target_logits = logits.gather(1, safe_targets[:, None])[:, 0]
+            total += ((log_z - target_logits) * keep).sum()
+            grad_logits = logits.sub_(log_z[:, None]).exp_()  # softmax, in place of the logits
+            grad_logits.scatter_add_(1, safe_targets[:, None], -torch.ones_like(log_z[:, None]))
+            grad_logits.mul_(keep[:, None])
+            grad_logits = grad_logits.to(hidden.dtype)
+            grad_hidden[start : start + CHUNK_TOKENS] = grad_logits @ weight
+            grad_weight += (grad_logits.T @ h).float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        grad_bias = (grad_bias * grad_output).to(bias_dtype) if grad_bias is not None else None
+        return grad_hidden * grad_output.to(grad_hidden.dtype), (grad_weight * grad_output).to(weight_dtype), grad_bias, None
 
 
 def linear_cross_entropy_sum(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
 ) -> torch.Tensor:
     """Summed CE of the logits ``hidden @ weight.T + bias`` (``[N, H]`` hidden, ``[N]`` targets)."""
-    if torch.is_autocast_enabled(hidden.device.type):  # match what F.linear would compute in
+    if torch.is_autocast_enabled(hidden.device.type):  # compute in what F.linear would use
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-    if hidden.is_cuda:
-        from fla.modules.fused_linear_cross_entropy import (
-            fused_linear_cross_entropy_loss,
-        )
-
-        return fused_linear_cross_entropy_loss(
-            hidden.contiguous(), targets, weight, bias, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-    return chunked_linear_cross_entropy_sum(hidden, weight, bias, targets)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets)
 
 
 class LossHead(nn.Linear):

@@ -237,7 +237,10 @@ def _check_flash_call(causal, dropout_p, window_size, unsupported):
 
 
 # fla modules that import flash-attn at module level and need it only through these two calls
-FLA_FLASH_ATTN_USERS = ("fla.layers.attn", "fla.layers.bitattn", "fla.layers.rodimus")
+FLA_FLASH_ATTN_USERS = (
+    "fla.layers.attn", "fla.layers.bitattn", "fla.layers.mla", "fla.layers.rodimus",
+    "fla.ops.deltaformer.parallel", "fla.ops.nsa.parallel",
+)
 
 
 def install_in_fla() -> None:

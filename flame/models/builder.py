@@ -30,6 +30,7 @@ from flame.config_manager import ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.flops import model_flops
+from flame.models.inputs import FLA_WITHOUT_VARLEN
 
 
 def load_model_config(path: str) -> PretrainedConfig:
@@ -164,6 +165,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
 
 def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Module:
     if type(config).__module__.startswith("fla."):
+        if config.model_type in FLA_WITHOUT_VARLEN:
+            logger.warning(f"fla's {config.model_type} takes no cu_seqlens: packed documents in a row are not isolated")
         return AutoModelForCausalLM.from_config(config)
     try:
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention.HF_ATTENTION)

@@ -5,7 +5,8 @@
 1. Document attention at 340M shapes (16 heads x 64, bf16) on real packed documents of a
    65536-token row: each backend's agreement with per-document SDPA, and its forward +
    backward time; varlen also with the row length as max_seqlen (what fla passes).
-2. Loss at 65536 tokens x 32000 vocab (hidden 1024): logits + CE vs fla's fused linear CE:
+2. Loss at 65536 tokens x 32000 vocab (hidden 1024): logits + CE, fla's fused linear CE and
+   flame's chunked linear CE:
    time and peak memory of forward + backward.
 """
 
@@ -13,6 +14,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
 
 from flame.components.loss import linear_cross_entropy_sum
 from flame.models import attention
@@ -66,10 +69,13 @@ def loss_bench(tokens=65536, hidden=1024, vocab=32000):
     def plain():
         F.cross_entropy(F.linear(x, w).float(), y, reduction="sum").backward()
 
-    def fused():
+    def fla_fused():
+        fused_linear_cross_entropy_loss(x, y, w, reduction="sum").backward()
+
+    def flame_chunked():
         linear_cross_entropy_sum(x, w, None, y).backward()
 
-    for name, fn in (("logits + CE", plain), ("fused linear CE", fused)):
+    for name, fn in (("logits + CE", plain), ("fla fused linear CE", fla_fused), ("flame chunked CE", flame_chunked)):
         fn()
         x.grad = w.grad = None
         torch.cuda.synchronize()
@@ -80,11 +86,16 @@ def loss_bench(tokens=65536, hidden=1024, vocab=32000):
         x.grad = w.grad = None
         print(f"loss {name:16s}: fwd+bwd {ms:.1f} ms, peak extra memory {peak:.2f} GiB")
     plain_loss = F.cross_entropy(F.linear(x, w).float(), y, reduction="sum")
-    fused_loss = linear_cross_entropy_sum(x, w, None, y)
-    print(f"loss values: logits+CE {plain_loss.item():.2f} fused {fused_loss.item():.2f}")
+    chunked_loss = linear_cross_entropy_sum(x, w, None, y)
+    print(f"loss values: logits+CE {plain_loss.item():.2f} flame chunked {chunked_loss.item():.2f}")
 
 
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--loss"]:
+        loss_bench()
+        sys.exit()
     print("varlen_attn signature:", __import__("inspect").signature(__import__("torch.nn.attention.varlen", fromlist=["x"]).varlen_attn))
     attention_bench()
     loss_bench()

@@ -56,10 +56,10 @@ def main() -> None:
         lengths = cu_seqlens.diff().tolist()
         torch.cuda.synchronize()
         start = time.perf_counter()
+        attention.use_batch_documents(cu_seqlens, max_seqlen)  # the longest document, for the kernels
         if is_fla:
             kwargs = {"cu_seqlens": cu_seqlens} if args.varlen else {}
         else:
-            attention.use_batch_documents(cu_seqlens, max_seqlen)
             positions = torch.cat([torch.arange(n, device="cuda") for n in lengths]).view(ids.shape)
             kwargs = {"position_ids": positions, "cu_seq_lens_q": cu_seqlens}
         with torch.autocast("cuda", dtype=torch.bfloat16):

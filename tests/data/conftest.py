@@ -177,8 +177,9 @@ def assert_same_batches(expected: list, actual: list) -> None:
     for step, ((inputs_a, labels_a), (inputs_b, labels_b)) in enumerate(zip(expected, actual)):
         assert torch.equal(labels_a, labels_b), f"labels differ at batch {step}"
         assert inputs_a.keys() == inputs_b.keys()
-        for key in inputs_a:
-            assert torch.equal(inputs_a[key], inputs_b[key]), f"{key} differs at batch {step}"
+        for key, value in inputs_a.items():
+            same = torch.equal(value, inputs_b[key]) if torch.is_tensor(value) else value == inputs_b[key]
+            assert same, f"{key} differs at batch {step}"
 
 
 def batch_tokens(batch_list: list) -> list[int]:
