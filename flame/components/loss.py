@@ -23,6 +23,32 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed CE of one chunk of logits, and its gradient (softmax - one-hot) in the logits' dtype."""
+    scores = logits.float()
+    keep = targets != IGNORE_INDEX
+    safe_targets = torch.where(keep, targets, 0)
+    log_z = torch.logsumexp(scores, dim=-1)
+    loss = ((log_z - scores.gather(1, safe_targets[:, None])[:, 0]) * keep).sum()
+    grad = torch.exp(scores - log_z[:, None])
+    grad = grad.scatter_add(1, safe_targets[:, None], -torch.ones_like(log_z[:, None]))
+    return loss, (grad * keep[:, None]).to(logits.dtype)
+
+
+_compiled_chunk_loss_and_grad = None
+
+
+def _chunk_function(device: torch.device):
+    # On CUDA the elementwise chain is compiled into a couple of kernels (fewer passes over
+    # the chunk's logits); CPU runs it eagerly (debug runs; no compiler toolchain needed).
+    global _compiled_chunk_loss_and_grad
+    if device.type != "cuda":
+        return _chunk_loss_and_grad
+    if _compiled_chunk_loss_and_grad is None:
+        _compiled_chunk_loss_and_grad = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    return _compiled_chunk_loss_and_grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum CE(hidden @ weight.T + bias, targets), one chunk of logits at a time.
 
@@ -34,22 +60,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets):
+        chunk_loss_and_grad = _chunk_function(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
             h, t = hidden[start : start + CHUNK_TOKENS], targets[start : start + CHUNK_TOKENS]
-            logits = F.linear(h, weight, bias).float()
-            keep = t != IGNORE_INDEX
-            safe_targets = torch.where(keep, t, 0)
-            log_z = torch.logsumexp(logits, dim=-1)
-            target_logits = logits.gather(1, safe_targets[:, None])[:, 0]
-            total += ((log_z - target_logits) * keep).sum()
-            grad_logits = logits.sub_(log_z[:, None]).exp_()  # softmax, in place of the logits
-            grad_logits.scatter_add_(1, safe_targets[:, None], -torch.ones_like(log_z[:, None]))
-            grad_logits.mul_(keep[:, None])
-            grad_logits = grad_logits.to(hidden.dtype)
+            loss, grad_logits = chunk_loss_and_grad(F.linear(h, weight, bias), t)
+            total += loss
             grad_hidden[start : start + CHUNK_TOKENS] = grad_logits @ weight
             grad_weight += (grad_logits.T @ h).float()
             if grad_bias is not None:

@@ -91,6 +91,13 @@ def document_attention(
     ``max_seqlen`` may be an upper bound; the batch's recorded value is used when known.
     """
     backend = resolve_backend(query.device)
+    if backend != "sdpa" and query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        # e.g. HF rotary embeddings promote q/k to fp32 under autocast; SDPA would compute in
+        # the autocast dtype, and the flash kernel only takes fp16/bf16
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if backend == "varlen" and query.dtype == torch.float32:
+        backend = "flex"  # fp32 training without autocast: the flash kernel has no fp32
     if backend == "varlen":
         return _varlen(query, key, value, cu_seqlens, _max_seqlen(cu_seqlens, max_seqlen), scale, window)
     if backend == "flex":

@@ -30,7 +30,7 @@ from flame.config_manager import ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.flops import model_flops
-from flame.models.inputs import FLA_WITHOUT_VARLEN
+from flame.models.inputs import FLA_VARLEN_LEAKS, FLA_WITHOUT_VARLEN
 
 
 def load_model_config(path: str) -> PretrainedConfig:
@@ -165,8 +165,11 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
 
 def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Module:
     if type(config).__module__.startswith("fla."):
-        if config.model_type in FLA_WITHOUT_VARLEN:
-            logger.warning(f"fla's {config.model_type} takes no cu_seqlens: packed documents in a row are not isolated")
+        if config.model_type in FLA_WITHOUT_VARLEN | FLA_VARLEN_LEAKS:
+            logger.warning(
+                f"fla's {config.model_type} does not isolate packed documents (its state crosses document "
+                "boundaries in a row); use --training.no-varlen with short rows to limit it"
+            )
         return AutoModelForCausalLM.from_config(config)
     try:
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention.HF_ATTENTION)

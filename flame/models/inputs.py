@@ -7,7 +7,8 @@ A batch holds rows of packed documents: ``position_ids`` restart at every docume
   attention implementations turn restarting position ids into a document mask themselves.
 - fla models take documents only as ``cu_seqlens`` over a single row, so the batch is
   flattened into one row (same tokens, same targets, documents never cross rows anyway).
-  The few fla types without varlen support (FLA_WITHOUT_VARLEN) see each row as one sequence.
+  The fla types that cannot isolate documents (FLA_WITHOUT_VARLEN, FLA_VARLEN_LEAKS) get the
+  rows as they are, each row one sequence.
 """
 
 import torch
@@ -18,6 +19,9 @@ from flame.models import attention
 
 # fla model types whose layers refuse cu_seqlens: they see each row as one sequence
 FLA_WITHOUT_VARLEN = {"abc", "cat"}
+# fla model types that take cu_seqlens but whose state still crosses document boundaries
+# (fla 0.6: the Mamba layers ignore it; linear_attn measured on GPU, docs/models.md)
+FLA_VARLEN_LEAKS = {"mamba", "mamba2", "samba", "linear_attn"}
 
 
 def is_fla_model(model: nn.Module) -> bool:
@@ -36,8 +40,8 @@ def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[t
     """
     input_ids, cu_seqlens = batch["input"], batch["cu_seqlens"]
     attention.use_batch_documents(cu_seqlens, batch["max_seqlen"])
-    if is_fla_model(model) and model.config.model_type in FLA_WITHOUT_VARLEN:
-        return input_ids, labels, {"use_cache": False}
+    if is_fla_model(model) and model.config.model_type in FLA_WITHOUT_VARLEN | FLA_VARLEN_LEAKS:
+        return input_ids, labels, {"use_cache": False}  # rows stay rows: state restarts at each row
     if is_fla_model(model):
         return input_ids.reshape(1, -1), labels.reshape(1, -1), {"cu_seqlens": cu_seqlens, "use_cache": False}
     # no KV cache in training: it costs memory, and activation checkpointing's recompute would append to it
