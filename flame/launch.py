@@ -20,9 +20,15 @@ from flame.config_manager import ConfigError, FlameConfigManager
 def preflight(config) -> None:
     from flame.data.shards import DataPlan
     from flame.data.tokenizer import load_tokenizer
-    from flame.models.builder import check_vocabulary, load_model_config
+    from flame.models.builder import (
+        check_model_options,
+        check_vocabulary,
+        load_model_config,
+    )
 
-    check_vocabulary(load_model_config(config.model.config), config.model.tokenizer_path)
+    model_config = load_model_config(config.model.config)
+    check_vocabulary(model_config, config.model.tokenizer_path)
+    check_model_options(model_config, config)
     DataPlan.from_config(config, load_tokenizer(config.model.tokenizer_path))
 
 

@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
 
-    from flame.trainer import NonFiniteGradientError, Trainer  # after parsing: `-h` and config errors stay fast
+    from flame.trainer import (  # after parsing: `-h` and config errors stay fast
+        NonFiniteGradientError,
+        Trainer,
+    )
 
     trainer = None
     try:

@@ -8,9 +8,19 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from flame.components.loss import LossHead, linear_cross_entropy_sum, use_fused_cross_entropy
+from flame.components.loss import (
+    LossHead,
+    linear_cross_entropy_sum,
+    use_fused_cross_entropy,
+)
 from flame.config_manager import ConfigError
-from flame.models import FlameModelArgs, attention, build_model, load_model_config, model_inputs
+from flame.models import (
+    FlameModelArgs,
+    attention,
+    build_model,
+    load_model_config,
+    model_inputs,
+)
 from flame.models.flops import causal_pairs, model_flops
 from tests.conftest import base_args, check, losses, torchrun
 
@@ -211,3 +221,34 @@ def test_gpu_attention_backend_on_cpu_is_refused(tmp_path, tiny_model, corpus):
     result = torchrun(base_args(tiny_model, corpus, tmp_path, steps=1) + ["--model.attention=varlen"])
     assert result.returncode != 0
     assert "--model.attention varlen runs CUDA kernels" in result.stdout + result.stderr
+
+
+def preflight_error(tmp_path, capsys, model_config: dict, *flags: str) -> str:
+    """train.sh's preflight on a model config: its exit code must be 2; returns the error line."""
+    from flame import launch
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(model_config))
+    args = [f"--model.config={path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+            "--training.dataset=builtin:python-stdlib", *flags]
+    assert launch.main(["--world-size", "1", "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    return capsys.readouterr().err.strip()
+
+
+def test_bad_model_input_is_refused_before_training(tmp_path, capsys):
+    llama = {"model_type": "llama", **TINY, "vocab_size": 4096}
+    error = preflight_error(tmp_path, capsys, {**llama, "vocab_size": 4000})
+    assert error == (
+        "flame: error: model vocab_size 4000 is smaller than the tokenizer's 4096 tokens (builtin:python-stdlib-bpe): "
+        "set vocab_size >= 4096 (a multiple of 64) in the model config"
+    )
+    error = preflight_error(tmp_path, capsys, {"model_type": "gemma2", **TINY, "vocab_size": 4096, "head_dim": 16,
+                                              "attn_logit_softcapping": 50.0})
+    assert "attn_logit_softcapping needs eager/flash-attn attention" in error and "set it to null" in error
+    error = preflight_error(tmp_path, capsys, {**llama, "attention_dropout": 0.1})
+    assert "attention_dropout 0.1 is not supported" in error
+    rwkv7 = {"model_type": "rwkv7", "hidden_size": 64, "num_hidden_layers": 1, "head_dim": 16, "vocab_size": 4096}
+    error = preflight_error(tmp_path, capsys, rwkv7, "--training.compile")
+    assert "fla's rwkv7 does not compile" in error and "without compile" in error
+    error = preflight_error(tmp_path, capsys, {"model_type": "llama_xl", "vocab_size": 4096})
+    assert "unknown model_type 'llama_xl'" in error and "custom_models/" in error

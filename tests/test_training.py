@@ -4,8 +4,12 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
-from tests.conftest import ROOT, base_args, check, losses, metrics, torchrun
+import pytest
+
+from tests.conftest import ROOT, base_args, check, flame_env, losses, metrics, torchrun
 
 
 def test_single_process_loss_falls(tmp_path, tiny_model, corpus):
@@ -155,6 +159,32 @@ def test_compile_and_activation_checkpointing_keep_the_loss_curve(tmp_path, tiny
         got = losses(run)
         for step in range(1, 5):
             assert math.isclose(got[step], expected[step], rel_tol=1e-4), (run.name, step)
+
+
+def test_compiled_varlen_run_never_recompiles(tmp_path, tiny_model, corpus):
+    """Document counts and lengths change every step; the compiled blocks must not recompile."""
+    args = base_args(tiny_model, corpus, tmp_path, steps=8) + [
+        "--training.varlen", "--training.batch_size=1", "--training.seq_len=256", "--training.context_len=64",
+        "--training.compile", "--compile.backend=aot_eager",
+    ]
+    env = flame_env() | {"TORCH_LOGS": "recompiles"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "flame.train"]
+    result = check(subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600))
+    output = result.stdout + result.stderr
+    assert "Compiling each of the 2 decoder blocks" in output
+    assert "Recompiling function" not in output, output[output.index("Recompiling function"):][:2000]
+    assert losses(tmp_path)[8] < losses(tmp_path)[1]
+
+
+@pytest.mark.parametrize("option", ["op", "2"])
+def test_selective_activation_checkpointing_keeps_the_loss_curve(tmp_path, tiny_model, corpus, option):
+    plain, checkpointed = tmp_path / "plain", tmp_path / "sac"
+    check(torchrun(base_args(tiny_model, corpus, plain, steps=3)))
+    flags = ["--activation_checkpoint.mode=selective", f"--activation_checkpoint.selective_ac_option={option}"]
+    result = check(torchrun(base_args(tiny_model, corpus, checkpointed, steps=3) + flags))
+    assert "Applied selective activation checkpointing to 2 blocks" in result.stdout + result.stderr
+    for step, loss in losses(plain).items():
+        assert math.isclose(losses(checkpointed)[step], loss, rel_tol=1e-4), step
 
 
 def test_varlen_run_packs_one_row_and_trains(tmp_path, tiny_model, corpus):

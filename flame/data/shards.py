@@ -14,7 +14,14 @@ import numpy as np
 from torchtitan.tools.logging import logger
 
 from flame.config_manager import ConfigError, split_list
-from flame.data.packing import DOCUMENTS_PER_READ, DocumentMixer, Packer, Row, RowShuffler, TokenizedSource
+from flame.data.packing import (
+    DOCUMENTS_PER_READ,
+    DocumentMixer,
+    Packer,
+    Row,
+    RowShuffler,
+    TokenizedSource,
+)
 from flame.data.sources import SourceSpec, document_column, load_source, source_specs
 from flame.data.streams import IterStream, MapStream
 from flame.data.tokenizer import Delimiters, document_delimiters

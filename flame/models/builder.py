@@ -66,6 +66,32 @@ def check_vocabulary(config: PretrainedConfig, tokenizer_path: str) -> None:
         )
 
 
+# fla model types whose layers fail under torch.compile (measured, docs/models.md)
+FLA_NOT_COMPILABLE = {"rwkv7": "inductor fails on an in-place op on a view returned by fla's custom autograd Function"}
+
+
+def check_model_options(config: PretrainedConfig, job_config) -> None:
+    """Refuse model settings flame cannot honour, before any expensive work."""
+    model_type = config.model_type
+    if job_config.compile.enable and model_type in FLA_NOT_COMPILABLE:
+        raise ConfigError(
+            f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"
+        )
+    if type(config).__module__.startswith("fla."):
+        return
+    # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ConfigError(
+            f"{model_type}: attn_logit_softcapping needs eager/flash-attn attention, which flame's document "
+            "attention does not replace; set it to null in the model config"
+        )
+    if getattr(config, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"{model_type}: attention_dropout {config.attention_dropout} is not supported by flame's document "
+            "attention; set it to 0.0 in the model config"
+        )
+
+
 class TorchtitanInit:
     """Mixin giving an HF model torchtitan's ``init_weights(buffer_device)``."""
 
@@ -120,6 +146,7 @@ class FlameModelArgs(BaseModelArgs):
         self.context_len = job_config.training.context_len
         config = load_model_config(self.config_path)
         check_vocabulary(config, job_config.model.tokenizer_path)
+        check_model_options(config, job_config)
         self._config = config
         self.hf_config = config.to_diff_dict()
         attention.set_backend(job_config.model.attention)

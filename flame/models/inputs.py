@@ -16,7 +16,6 @@ from torch import nn
 
 from flame.models import attention
 
-
 # fla model types whose layers refuse cu_seqlens: they see each row as one sequence
 FLA_WITHOUT_VARLEN = {"abc", "cat"}
 # fla model types that take cu_seqlens but whose state still crosses document boundaries
@@ -40,6 +39,8 @@ def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[t
     """
     input_ids, cu_seqlens = batch["input"], batch["cu_seqlens"]
     attention.use_batch_documents(cu_seqlens, batch["max_seqlen"])
+    # the number of documents changes every batch: compiled blocks must not specialize on it
+    torch._dynamo.mark_dynamic(cu_seqlens, 0)
     if is_fla_model(model) and model.config.model_type in FLA_WITHOUT_VARLEN | FLA_VARLEN_LEAKS:
         return input_ids, labels, {"use_cache": False}  # rows stay rows: state restarts at each row
     if is_fla_model(model):
