@@ -133,13 +133,8 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scale, window):
     global _VARLEN_PARAMETERS
     if _VARLEN_PARAMETERS is None:
         _VARLEN_PARAMETERS = set(inspect.signature(varlen_attn).parameters)
-    options = {"scale": scale}
-    if "window_size" in _VARLEN_PARAMETERS:  # torch >= 2.12: causal = window (-1, 0)
-        options["window_size"] = (-1 if window is None else window - 1, 0)
-    else:
-        if window is not None:
-            raise NotImplementedError("sliding-window attention needs torch >= 2.12 for varlen; use --model.attention flex")
-        options["is_causal"] = True
+    # window (-1, 0) = causal; (w - 1, 0) = causal within w keys
+    options = {"scale": scale, "window_size": (-1 if window is None else window - 1, 0)}
     if key.shape[1] != query.shape[1]:
         if "enable_gqa" in _VARLEN_PARAMETERS:
             options["enable_gqa"] = True
