@@ -48,6 +48,10 @@ def test_document_attention_equals_attention_per_document(window):
     cu_seqlens = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
     out = attention.document_attention(q, k, v, cu_seqlens, 12, window=window)
     torch.testing.assert_close(out, per_document_attention(q, k, v, cu_seqlens, window))
+    # the same tokens as 2 rows of 10 (documents end at the row boundary): the dense path masks per row
+    cu_seqlens = torch.tensor([0, 4, 10, 13, 20], dtype=torch.int32)
+    out = attention.document_attention(q, k, v, cu_seqlens, 7, window=window, rows=2)
+    torch.testing.assert_close(out, per_document_attention(q, k, v, cu_seqlens, window))
 
 
 def test_flash_attn_entry_points_for_fla_layers():

@@ -84,11 +84,14 @@ def document_attention(
     max_seqlen: int,
     scale: float | None = None,
     window: int | None = None,
+    rows: int = 1,
 ) -> torch.Tensor:
     """Causal attention within each document: ``[T, Hq, D]`` queries, ``[T, Hkv, D]`` keys/values.
 
     ``window``: a query sees at most this many keys (itself included); None = the whole document.
     ``max_seqlen`` may be an upper bound; the batch's recorded value is used when known.
+    ``rows``: the tokens are that many equal rows no document crosses (the dense reference
+    path then masks each row, not the whole batch).
     """
     backend = resolve_backend(query.device)
     if backend != "sdpa" and query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
@@ -102,7 +105,7 @@ def document_attention(
         return _varlen(query, key, value, cu_seqlens, _max_seqlen(cu_seqlens, max_seqlen), scale, window)
     if backend == "flex":
         return _flex(query, key, value, cu_seqlens, scale, window)
-    return _sdpa(query, key, value, cu_seqlens, scale, window)
+    return _sdpa(query, key, value, cu_seqlens, scale, window, rows)
 
 
 def _allowed(query_pos, key_pos, documents, window):
@@ -112,16 +115,16 @@ def _allowed(query_pos, key_pos, documents, window):
     return allowed
 
 
-def _sdpa(query, key, value, cu_seqlens, scale, window):
-    total = query.shape[0]
-    documents = document_ids(cu_seqlens, total)
-    positions = torch.arange(total, device=query.device)
-    mask = _allowed(positions[:, None], positions[None, :], documents, window)
+def _sdpa(query, key, value, cu_seqlens, scale, window, rows):
+    total, length = query.shape[0], query.shape[0] // rows
+    documents = document_ids(cu_seqlens, total).view(rows, length)
+    positions = torch.arange(length, device=query.device)
+    mask = torch.stack([_allowed(positions[:, None], positions[None, :], row, window) for row in documents])
+    q, k, v = (t.view(rows, length, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1],
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=key.shape[1] != query.shape[1]
     )
-    return out.transpose(0, 1)
+    return out.transpose(1, 2).reshape(query.shape[0], query.shape[1], value.shape[-1])
 
 
 _VARLEN_PARAMETERS: set[str] | None = None
@@ -199,7 +202,7 @@ def hf_document_attention(
         )
         return out.transpose(1, 2), None
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value)]
-    out = document_attention(*flat, cu_seq_lens_q, length, scale=scaling, window=sliding_window)
+    out = document_attention(*flat, cu_seq_lens_q, length, scale=scaling, window=sliding_window, rows=batch)
     return out.view(batch, length, heads, head_dim), None
 
 
@@ -226,7 +229,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     cu_seqlens = torch.arange(0, (batch + 1) * length, length, device=q.device, dtype=torch.int32)
     flat = [t.reshape(batch * length, *t.shape[2:]) for t in (q, k, v)]
     window = None if window_size[0] < 0 else window_size[0] + 1
-    out = document_attention(*flat, cu_seqlens, length, scale=softmax_scale, window=window)
+    out = document_attention(*flat, cu_seqlens, length, scale=softmax_scale, window=window, rows=batch)
     return out.view(batch, length, *out.shape[1:])
 
 
