@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
 
 from flame.components.loss import linear_cross_entropy_sum

@@ -1,13 +1,14 @@
 """Does each model type train under flame on a GPU? One config per process, one JSON line out.
 
-    python scripts/bench/model_zoo.py configs/tiny/gla.json [--compile] >> zoo.jsonl
+    python scripts/bench/model_zoo.py configs/tiny/gla.json [--no-compile] >> zoo.jsonl
 
 With flame's own pieces (build_model: flame's attention and fused loss head; model_inputs:
 how the family takes packed documents; per-block torch.compile as parallelize_model does),
 in bf16 autocast on real packed documents (8192-token varlen rows of the builtin corpus):
 1. varlen parity: a packed row of 3 documents vs each document alone, logits and gradients;
-2. 30 AdamW steps: the loss must be finite and fall; tokens/s and peak memory of the last 10;
-   with --compile, graphs compiled after step 5 are counted (recompilations).
+2. 30 AdamW steps eager: the loss must be finite and fall; tokens/s and peak memory of the last 10;
+3. the same with per-block torch.compile (a fresh model, same process: fla's kernels are
+   autotuned once), counting graphs compiled after step 5 (recompilations).
 """
 
 import argparse
@@ -111,21 +112,28 @@ def train(model, batches, compile_blocks: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled run")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    result = {"config": args.config, "compile": args.compile}
+    result = {"config": args.config}
+    stage = "build"
     try:
         torch.manual_seed(0)
         batches = packed_batches(8192, args.steps)
         model = build(args.config)
         result["model_type"] = model.config.model_type
         result["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
-        if not args.compile:
-            result.update(parity(model, *batches[0][:2]))
-        result.update(train(model, batches, args.compile))
+        stage = "parity"
+        result.update(parity(model, *batches[0][:2]))
+        stage = "eager"
+        result["eager"] = train(model, batches, compile_blocks=False)
+        if not args.no_compile:
+            stage = "compile"
+            del model
+            torch.manual_seed(0)
+            result["compile"] = train(build(args.config), batches, compile_blocks=True)
     except Exception as error:  # one line per model, failures included
-        result["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        result["error"] = f"{stage}: {type(error).__name__}: {str(error)[:300]}"
         result["traceback"] = traceback.format_exc()[-1500:]
     print(json.dumps(result), flush=True)
 
