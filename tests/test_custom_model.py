@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from flame.models import attention, load_model_config
 from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
 
 CONFIG = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
@@ -55,6 +56,15 @@ def test_packed_documents_do_not_see_each_other(model):
         unmasked = model(packed).logits  # one long document: later tokens see earlier documents
     torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
     assert not torch.allclose(unmasked[:, lengths[0] :], alone[:, lengths[0] :], atol=1e-3)
+
+    # as flame builds it: transformers' registry with flame's attention, documents from cu_seqlens
+    flame_built = AutoModelForCausalLM.from_config(load_model_config(CONFIG), attn_implementation=attention.HF_ATTENTION)
+    flame_built.load_state_dict(model.state_dict())
+    cu_seqlens = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
+    attention.use_batch_documents(cu_seqlens, 9)
+    with torch.no_grad():
+        logits = flame_built(packed, position_ids=position_ids, cu_seq_lens_q=cu_seqlens).logits
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
 
 
 def test_example_trains_exports_and_generates(tmp_path, corpus):

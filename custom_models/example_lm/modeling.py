@@ -9,6 +9,10 @@ What flame relies on, and where it is met:
   initialization, so anything left out here would start as garbage;
 - ``forward(input_ids, position_ids=...)`` returns an output with ``.logits``; position ids
   restart at 0 at every document packed into a row, and attention must not cross them.
+
+Attention goes through transformers' attention registry: flame builds models with its own
+``flame`` implementation (document-masked varlen kernels on GPU, given ``cu_seq_lens_q``);
+``sdpa``/``eager`` (e.g. a plain ``from_pretrained``) use a dense document mask built here.
 """
 
 from typing import ClassVar
@@ -16,7 +20,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -80,20 +84,27 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class ExampleLMAttention(nn.Module):
+    is_causal = True  # read by transformers' attention functions
+
     def __init__(self, config: ExampleLMConfig):
         super().__init__()
+        self.config = config
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask: torch.Tensor | None, **attention_kwargs) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (batch, heads, seq, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        if mask is not None:  # sdpa/eager: the dense document mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        else:  # a registered attention function, e.g. flame's (documents from cu_seq_lens_q)
+            attention = AttentionInterface()[self.config._attn_implementation]
+            out, _ = attention(self, q, k, v, None, **attention_kwargs)  # (batch, seq, heads, head_dim)
+        return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
 class ExampleLMMLP(nn.Module):
@@ -119,8 +130,8 @@ class ExampleLMBlock(nn.Module):
         self.mlp_norm = ExampleLMRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = ExampleLMMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask: torch.Tensor | None, **attention_kwargs) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, **attention_kwargs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -128,6 +139,8 @@ class ExampleLMPreTrainedModel(PreTrainedModel):
     config_class = ExampleLMConfig
     base_model_prefix = "model"  # the attribute of ExampleLMForCausalLM that holds ExampleLMModel
     _no_split_modules: ClassVar[list[str]] = ["ExampleLMBlock"]  # device_map="auto" keeps a block on one device
+    _supports_attention_backend = True  # any function of transformers' attention registry (flame's too)
+    _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
         # transformers.initialization functions skip tensors that from_pretrained already loaded.
@@ -161,7 +174,8 @@ class ExampleLMModel(ExampleLMPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        **kwargs,  # e.g. flame's cu_seq_lens_*, generate's use_cache: the position ids say it all
+        cu_seq_lens_q: torch.Tensor | None = None,  # flame's document boundaries, for its attention
+        **kwargs,  # e.g. generate's use_cache (this example keeps no KV cache)
     ) -> BaseModelOutputWithPast:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
@@ -173,9 +187,12 @@ class ExampleLMModel(ExampleLMPreTrainedModel):
             else:
                 position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
         cos, sin = self.rotary(position_ids, x.dtype)
-        mask = document_causal_mask(position_ids)
+        if self.config._attn_implementation in ("sdpa", "eager"):
+            mask, attention_kwargs = document_causal_mask(position_ids), {}
+        else:
+            mask, attention_kwargs = None, {"cu_seq_lens_q": cu_seq_lens_q}
         for block in self.layers:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, mask, **attention_kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x))
 
 
@@ -206,7 +223,7 @@ class ExampleLMForCausalLM(ExampleLMPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        hidden = self.model(input_ids, position_ids, attention_mask, inputs_embeds).last_hidden_state
+        hidden = self.model(input_ids, position_ids, attention_mask, inputs_embeds, **kwargs).last_hidden_state
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:  # HF convention (flame computes its own loss from the logits)
