@@ -24,20 +24,23 @@ per-batch lengths never cause recompilation.
 """
 
 import inspect
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 
 BACKENDS = ("auto", "varlen", "flex", "sdpa")
 HF_ATTENTION = "flame"
 
 _backend = "auto"
-# The current batch's cu_seqlens (weakly held) and its longest document.
-_batch_documents: tuple[weakref.ref, int] | None = None
-_block_masks: dict = {}
+# The current batch's cu_seqlens and its longest document, and the masks built for the batch
+# (every layer of a forward pass reuses them).
+_batch_documents: tuple[torch.Tensor, int] | None = None
+_batch_masks: dict = {}
+# torch 2.11's varlen_attn has no grouped-query option; later versions do
+_VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def set_backend(name: str) -> None:
@@ -56,17 +59,30 @@ def resolve_backend(device: torch.device) -> str:
 def use_batch_documents(cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
     """Record the batch's longest document, for kernels that size their grid by it."""
     global _batch_documents
-    _batch_documents = (weakref.ref(cu_seqlens), int(max_seqlen))
-    _block_masks.clear()
+    _batch_documents = (cu_seqlens, int(max_seqlen))
+    _batch_masks.clear()
+
+
+def _is_recorded_batch(cu_seqlens: torch.Tensor) -> bool:
+    # the recorded tensor is held, so its memory cannot be another tensor's meanwhile
+    if _batch_documents is None:
+        return False
+    recorded = _batch_documents[0]
+    return recorded.data_ptr() == cu_seqlens.data_ptr() and recorded.numel() == cu_seqlens.numel()
 
 
 def _max_seqlen(cu_seqlens: torch.Tensor, upper_bound: int) -> int:
-    if _batch_documents is not None:
-        recorded, max_seqlen = _batch_documents
-        known = recorded()
-        if known is not None and known.data_ptr() == cu_seqlens.data_ptr() and known.numel() == cu_seqlens.numel():
-            return max_seqlen
-    return upper_bound
+    return _batch_documents[1] if _is_recorded_batch(cu_seqlens) else upper_bound
+
+
+def _batch_mask(kind: str, cu_seqlens: torch.Tensor, total: int, window: int | None, rows: int, build):
+    """The mask of the recorded batch's documents, built by the first layer that asks for it."""
+    if not _is_recorded_batch(cu_seqlens):
+        return build()
+    key = (kind, total, window, rows)
+    if key not in _batch_masks:
+        _batch_masks[key] = build()
+    return _batch_masks[key]
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -115,11 +131,16 @@ def _allowed(query_pos, key_pos, documents, window):
     return allowed
 
 
+def _dense_mask(cu_seqlens, total, window, rows):
+    length = total // rows
+    documents = document_ids(cu_seqlens, total).view(rows, length)
+    positions = torch.arange(length, device=cu_seqlens.device)
+    return torch.stack([_allowed(positions[:, None], positions[None, :], row, window) for row in documents])
+
+
 def _sdpa(query, key, value, cu_seqlens, scale, window, rows):
     total, length = query.shape[0], query.shape[0] // rows
-    documents = document_ids(cu_seqlens, total).view(rows, length)
-    positions = torch.arange(length, device=query.device)
-    mask = torch.stack([_allowed(positions[:, None], positions[None, :], row, window) for row in documents])
+    mask = _batch_mask("dense", cu_seqlens, total, window, rows, lambda: _dense_mask(cu_seqlens, total, window, rows))
     q, k, v = (t.view(rows, length, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=key.shape[1] != query.shape[1]
@@ -127,19 +148,11 @@ def _sdpa(query, key, value, cu_seqlens, scale, window, rows):
     return out.transpose(1, 2).reshape(query.shape[0], query.shape[1], value.shape[-1])
 
 
-_VARLEN_PARAMETERS: set[str] | None = None
-
-
 def _varlen(query, key, value, cu_seqlens, max_seqlen, scale, window):
-    from torch.nn.attention.varlen import varlen_attn
-
-    global _VARLEN_PARAMETERS
-    if _VARLEN_PARAMETERS is None:
-        _VARLEN_PARAMETERS = set(inspect.signature(varlen_attn).parameters)
     # window (-1, 0) = causal; (w - 1, 0) = causal within w keys
     options = {"scale": scale, "window_size": (-1 if window is None else window - 1, 0)}
     if key.shape[1] != query.shape[1]:
-        if "enable_gqa" in _VARLEN_PARAMETERS:
+        if _VARLEN_HAS_GQA:
             options["enable_gqa"] = True
         else:
             groups = query.shape[1] // key.shape[1]
@@ -156,14 +169,14 @@ def _flex(query, key, value, cu_seqlens, scale, window):
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
     total = query.shape[0]
-    cache_key = (cu_seqlens.data_ptr(), cu_seqlens.numel(), total, window)
-    block_mask = _block_masks.get(cache_key)
-    if block_mask is None:
+
+    def build():
         documents = document_ids(cu_seqlens, total)
-        block_mask = create_block_mask(
+        return create_block_mask(
             lambda b, h, q, k: _allowed(q, k, documents, window), None, None, total, total, device=query.device
         )
-        _block_masks[cache_key] = block_mask
+
+    block_mask = _batch_mask("flex", cu_seqlens, total, window, 1, build)
     out = _compiled_flex_attention(
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         block_mask=block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1],
@@ -216,9 +229,8 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported,
 ):
+    # fla calls this for self-attention only: cu_seqlens_k describes the same documents
     _check_flash_call(causal, dropout_p, window_size, unsupported)
-    if cu_seqlens_q is not cu_seqlens_k and not torch.equal(cu_seqlens_q, cu_seqlens_k):
-        raise NotImplementedError("flame's attention needs the same documents for queries and keys")
     window = None if window_size[0] < 0 else window_size[0] + 1
     return document_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale=softmax_scale, window=window)
 

@@ -30,7 +30,7 @@ from flame.config_manager import ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.flops import model_flops
-from flame.models.inputs import FLA_VARLEN_LEAKS, FLA_WITHOUT_VARLEN
+from flame.models.inputs import FLA_DOCUMENTS_NOT_ISOLATED, is_fla_config
 
 
 def load_model_config(path: str) -> PretrainedConfig:
@@ -77,7 +77,7 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
         raise ConfigError(
             f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"
         )
-    if type(config).__module__.startswith("fla."):
+    if is_fla_config(config):
         return
     # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
     if getattr(config, "attn_logit_softcapping", None):
@@ -170,7 +170,7 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     """The causal LM for ``model_args`` (on whatever device/dtype context is active).
 
     HF models get flame's document-masked attention; a model that cannot take a registered
-    attention function keeps transformers' SDPA, which masks documents with a dense mask.
+    attention function keeps its own (with a warning: documents may see each other).
     """
     config = model_args.config
     try:
@@ -191,11 +191,11 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
 
 
 def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Module:
-    if type(config).__module__.startswith("fla."):
-        if config.model_type in FLA_WITHOUT_VARLEN | FLA_VARLEN_LEAKS:
+    if is_fla_config(config):
+        if config.model_type in FLA_DOCUMENTS_NOT_ISOLATED:
             logger.warning(
-                f"fla's {config.model_type} does not isolate packed documents (its state crosses document "
-                "boundaries in a row); use --training.no-varlen with short rows to limit it"
+                f"fla's {config.model_type} does not isolate packed documents ({FLA_DOCUMENTS_NOT_ISOLATED[config.model_type]}): "
+                "its state crosses the documents of a row; use --training.no-varlen with short rows to limit it"
             )
         return AutoModelForCausalLM.from_config(config)
     try:
@@ -203,7 +203,10 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
     except ValueError as error:
         if "attn_implementation" not in str(error) and "attention" not in str(error):
             raise
-        logger.warning(f"{config.model_type} cannot use flame's attention ({error}); documents are masked by SDPA with a dense mask")
+        logger.warning(
+            f"{config.model_type} cannot use flame's attention ({error}); its own attention gets restarting "
+            "position ids, which does not reliably keep packed documents apart (docs/models.md)"
+        )
         return AutoModelForCausalLM.from_config(config)
 
 

@@ -79,12 +79,13 @@ class ModelFlops:
 
 
 def model_flops(model: nn.Module) -> ModelFlops:
+    from flame.models.inputs import is_fla_config
     from flame.models.parallelize import decoder_layers
 
     params = matmul_parameters(model)
     flops = ModelFlops(dense_per_token=6 * params, matmul_params=params)
     config = model.config
-    if not type(config).__module__.startswith("fla."):
+    if not is_fla_config(config):
         _add_hf_attention(flops, config)
         return flops
     for block in decoder_layers(model):

@@ -7,8 +7,8 @@ A batch holds rows of packed documents: ``position_ids`` restart at every docume
   attention implementations turn restarting position ids into a document mask themselves.
 - fla models take documents only as ``cu_seqlens`` over a single row, so the batch is
   flattened into one row (same tokens, same targets, documents never cross rows anyway).
-  The fla types that cannot isolate documents (FLA_WITHOUT_VARLEN, FLA_VARLEN_LEAKS) get the
-  rows as they are, each row one sequence.
+  The fla types that cannot isolate documents (FLA_DOCUMENTS_NOT_ISOLATED) get the rows as
+  they are, each row one sequence.
 """
 
 import torch
@@ -16,15 +16,23 @@ from torch import nn
 
 from flame.models import attention
 
-# fla model types whose layers refuse cu_seqlens: they see each row as one sequence
-FLA_WITHOUT_VARLEN = {"abc", "cat"}
-# fla model types that take cu_seqlens but whose state still crosses document boundaries
-# (fla 0.6: the Mamba layers ignore it; linear_attn measured on GPU, docs/models.md)
-FLA_VARLEN_LEAKS = {"mamba", "mamba2", "samba", "linear_attn"}
+# fla model types (fla 0.6) whose state crosses the documents of a packed row, and why
+FLA_DOCUMENTS_NOT_ISOLATED = {
+    "abc": "its layers refuse cu_seqlens",
+    "cat": "its layers refuse cu_seqlens",
+    "mamba": "its Mamba layers ignore cu_seqlens",
+    "mamba2": "its Mamba2 layers ignore cu_seqlens",
+    "samba": "its Mamba layers ignore cu_seqlens",
+    "linear_attn": "packed and separate documents differ (measured, docs/models.md)",
+}
+
+
+def is_fla_config(config) -> bool:
+    return type(config).__module__.startswith("fla.")
 
 
 def is_fla_model(model: nn.Module) -> bool:
-    return type(model.config).__module__.startswith("fla.")
+    return is_fla_config(model.config)
 
 
 def uses_flame_attention(model: nn.Module) -> bool:
@@ -41,7 +49,7 @@ def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[t
     attention.use_batch_documents(cu_seqlens, batch["max_seqlen"])
     # the number of documents changes every batch: compiled blocks must not specialize on it
     torch._dynamo.mark_dynamic(cu_seqlens, 0)
-    if is_fla_model(model) and model.config.model_type in FLA_WITHOUT_VARLEN | FLA_VARLEN_LEAKS:
+    if is_fla_model(model) and model.config.model_type in FLA_DOCUMENTS_NOT_ISOLATED:
         return input_ids, labels, {"use_cache": False}  # rows stay rows: state restarts at each row
     if is_fla_model(model):
         return input_ids.reshape(1, -1), labels.reshape(1, -1), {"cu_seqlens": cu_seqlens, "use_cache": False}

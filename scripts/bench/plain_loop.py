@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from flame.models import attention, load_model_config
 from flame.models.flops import model_flops
+from flame.models.inputs import is_fla_config
 from scripts.bench.packed_data import packed_batches
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = load_model_config(args.config)
-    is_fla = type(config).__module__.startswith("fla.")
+    is_fla = is_fla_config(config)
     options = {} if is_fla else {"attn_implementation": attention.HF_ATTENTION}
     model = AutoModelForCausalLM.from_config(config, **options).cuda()
     if args.compile:
