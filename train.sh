@@ -9,12 +9,20 @@
 # Environment:
 #   NGPU         processes per node (default: the visible GPUs, or 1 on a machine without GPU)
 #   NNODE        nodes (default 1); NODE_RANK this node's rank (default 0)
-#   MASTER_ADDR, MASTER_PORT   rendezvous of a multi-node run (node 0's address, default port 29500)
+#   MASTER_ADDR, MASTER_PORT   rendezvous of a multi-node run: node 0's address and a free port
+#                (default 29500) where node 0 hosts torchrun's c10d rendezvous
 #   LOG_RANK     local ranks whose output shows on the console (default 0; all ranks log to files)
 #   FLAME_PYTHON use this interpreter as it is instead of the managed .venv (see 3rdparty/install.sh)
+#   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
 #
-# Per-rank logs go to <dump_folder>/logs. After a successful run with checkpoints, node 0
-# exports the latest checkpoint as a Hugging Face model to <dump_folder>/hf.
+# Multi-node: run train.sh on every node with the same arguments and its NODE_RANK. Inside a
+# Slurm job step (SLURM_JOB_ID set; run once per node: srun --ntasks-per-node=1, as
+# scripts/slurm/train.sbatch does) NNODE, NODE_RANK, MASTER_ADDR, MASTER_PORT and NGPU default to
+# the step's nodes, node id, first host, a port derived from the job id and SLURM_GPUS_ON_NODE.
+#
+# Per-rank logs go to <dump_folder>/logs (<dump_folder>/logs/node<NODE_RANK> on several nodes).
+# After a successful run with checkpoints, node 0 exports the latest checkpoint as a Hugging
+# Face model to <dump_folder>/hf.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=$(bash "$root/3rdparty/install.sh") || exit 1
@@ -31,6 +39,10 @@ if [ $# -eq 0 ]; then
   export_args=(--sample "def __init__(self")
 fi
 
+if [ -n "${SLURM_JOB_ID:-}" ]; then # what the user did not set comes from the Slurm step
+  slurm=$("$python" -m flame.slurm) || exit $?
+  eval "$slurm"
+fi
 NGPU=${NGPU:-$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 NNODE=${NNODE:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -42,19 +54,28 @@ trap 'rm -f "$plan"' EXIT
 # shellcheck disable=SC1090
 source "$plan" # FLAME_DUMP_FOLDER, FLAME_CHECKPOINT
 
+logs=$FLAME_DUMP_FOLDER/logs
 if [ "$NNODE" -gt 1 ]; then
-  rendezvous=(--nnodes "$NNODE" --node_rank "$NODE_RANK"
-    --master_addr "${MASTER_ADDR:?set MASTER_ADDR to node 0 for a multi-node run}" --master_port "${MASTER_PORT:-29500}")
+  # c10d rendezvous, hosted by node 0 (explicitly: MASTER_ADDR may be an address its hostname
+  # does not resolve to); torchrun numbers the nodes itself, so NODE_RANK only picks the host
+  rendezvous=(--nnodes "$NNODE" --rdzv_backend c10d --rdzv_id "${SLURM_JOB_ID:-flame}"
+    --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR to node 0 for a multi-node run}:${MASTER_PORT:-29500}"
+    --rdzv_conf "is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)")
+  logs+=/node$NODE_RANK
 else
   rendezvous=(--standalone)
 fi
-mkdir -p "$FLAME_DUMP_FOLDER/logs"
-"$python" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NGPU" \
-  --log-dir "$FLAME_DUMP_FOLDER/logs" --redirects 3 --tee 3 --local-ranks-filter "$LOG_RANK" \
-  -m flame.train "$@"
+launch=("$python" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NGPU"
+  --log-dir "$logs" --redirects 3 --tee 3 --local-ranks-filter "$LOG_RANK" -m flame.train "$@")
+if [ "${FLAME_DRY_RUN:-0}" = 1 ]; then
+  echo "flame: dry run, node $NODE_RANK of $NNODE would run: $(printf '%q ' "${launch[@]}")"
+  exit 0
+fi
+mkdir -p "$logs"
+"${launch[@]}"
 status=$?
 if [ $status -ne 0 ]; then
-  echo "flame: training failed (exit $status); per-rank logs are in $FLAME_DUMP_FOLDER/logs" >&2
+  echo "flame: training failed (exit $status); per-rank logs are in $logs" >&2
   exit $status
 fi
 

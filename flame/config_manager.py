@@ -272,9 +272,8 @@ def data_parallel_degree(config: JobConfig, world_size: int) -> int:
 
 
 def _check_available_parallelism(p, shard: int) -> None:
-    """flame shards with FSDP2 (and HSDP); the other layouts are refused rather than run wrong."""
-    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                 "expert_parallel_degree"):
+    """flame shards with FSDP2 (and HSDP) and tensor parallelism; the other layouts are refused rather than run wrong."""
+    for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         if getattr(p, name) > 1:
             raise ConfigError(
                 f"--parallelism.{name} {getattr(p, name)}: flame does not provide this parallelism yet; "

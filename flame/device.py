@@ -109,6 +109,8 @@ def check_supported(job_config) -> None:
         )
     if job_config.training.enable_cpu_offload:
         raise ConfigError("--training.enable_cpu_offload offloads GPU memory; on a CPU machine leave it off")
+    if job_config.parallelism.enable_async_tensor_parallel:
+        raise ConfigError("--parallelism.enable_async_tensor_parallel needs CUDA (inductor's symmetric-memory kernels); leave it off on CPU")
     if job_config.model.attention in ("varlen", "flex"):
         raise ConfigError(f"--model.attention {job_config.model.attention} runs CUDA kernels; on a CPU machine use sdpa (or auto)")
 

@@ -156,8 +156,8 @@ def test_parallel_degrees_must_multiply_to_world_size(job_toml, monkeypatch):
 
 
 def test_parallelisms_flame_does_not_provide_are_refused(job_toml, monkeypatch):
-    with pytest.raises(ConfigError, match="tensor_parallel_degree 2: flame does not provide"):
-        parse("--job.config_file", str(job_toml), "--parallelism.tensor_parallel_degree=2", world_size=2,
+    with pytest.raises(ConfigError, match="context_parallel_degree 2: flame does not provide"):
+        parse("--job.config_file", str(job_toml), "--parallelism.context_parallel_degree=2", world_size=2,
               monkeypatch=monkeypatch)
     with pytest.raises(ConfigError, match="replicate-only data parallelism"):
         parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=2,

@@ -31,6 +31,7 @@ from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.flops import model_flops
 from flame.models.inputs import FLA_DOCUMENTS_NOT_ISOLATED, is_fla_config
+from flame.models.tensor_parallel import check_tensor_parallel
 
 
 def load_model_config(path: str) -> PretrainedConfig:
@@ -67,12 +68,18 @@ def check_vocabulary(config: PretrainedConfig, tokenizer_path: str) -> None:
 
 
 # fla model types whose layers fail under torch.compile (measured, docs/models.md)
-FLA_NOT_COMPILABLE = {"rwkv7": "inductor fails on an in-place op on a view returned by fla's custom autograd Function"}
+FLA_NOT_COMPILABLE = {
+    "rwkv7": "inductor fails on an in-place op on a view returned by fla's custom autograd Function",
+    "parallax": "inductor fails to compile fla's parallel_parallax_fwd_kernel",
+    "nsa": "the compiled blocks give a NaN loss",
+    "stickbreaking_attn": "the compiled blocks give a NaN loss",
+}
 
 
 def check_model_options(config: PretrainedConfig, job_config) -> None:
     """Refuse model settings flame cannot honour, before any expensive work."""
     model_type = config.model_type
+    check_tensor_parallel(config, job_config)
     if job_config.compile.enable and model_type in FLA_NOT_COMPILABLE:
         raise ConfigError(
             f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"

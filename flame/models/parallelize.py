@@ -1,9 +1,10 @@
-"""Activation checkpointing, torch.compile and FSDP2 for any HF/fla causal LM.
+"""Tensor parallelism, activation checkpointing, torch.compile and FSDP2 for any HF/fla causal LM.
 
 The one thing flame needs to know about a model is where its decoder blocks are; the
 stack is found generically (the ModuleList holding most parameters), so any HF model that
-keeps its blocks in a ModuleList works without a model-specific entry. Order follows
-torchtitan: AC wraps each block, compile wraps each (wrapped) block, FSDP shards last.
+keeps its blocks in a ModuleList works without a model-specific entry (tensor parallelism
+needs a plan per model_type: flame.models.tensor_parallel). Order follows torchtitan: TP
+shards the blocks, AC wraps each block, compile wraps each (wrapped) block, FSDP shards last.
 """
 
 import torch
@@ -22,6 +23,7 @@ from torchtitan.tools.logging import logger
 
 from flame import device
 from flame.config_manager import ConfigError
+from flame.models.tensor_parallel import apply_tensor_parallel
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -37,23 +39,30 @@ def _wrap_blocks(layers: nn.ModuleList, wrap) -> None:
         layers[index] = wrap(index, block)
 
 
+def checkpoint_blocks(layers: nn.ModuleList, ac_config, model_compile_enabled: bool) -> None:
+    """Wrap each decoder block in activation checkpointing (full, or selective per-N-blocks / op-level)."""
+    _wrap_blocks(
+        layers,
+        lambda index, block: _apply_ac_to_transformer_block(
+            block,
+            ac_config,
+            base_fqn=f"layers.{index}",
+            model_compile_enabled=model_compile_enabled,
+            op_sac_save_list=_op_sac_save_list,
+        ),
+    )
+    logger.info(f"Applied {ac_config.mode} activation checkpointing to {len(layers)} blocks")
+
+
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    if parallel_dims.tp_enabled:  # first, on the unwrapped blocks (flame.models.tensor_parallel)
+        apply_tensor_parallel(model, parallel_dims.get_mesh("tp"), job_config)
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
     if ac_config.mode == "memory_budget" and not job_config.compile.enable:
         raise ConfigError("--activation_checkpoint.mode memory_budget needs --compile.enable (--training.compile)")
     if ac_config.mode in ("full", "selective"):
-        _wrap_blocks(
-            layers,
-            lambda index, block: _apply_ac_to_transformer_block(
-                block,
-                ac_config,
-                base_fqn=f"layers.{index}",
-                model_compile_enabled=job_config.compile.enable,
-                op_sac_save_list=_op_sac_save_list,
-            ),
-        )
-        logger.info(f"Applied {ac_config.mode} activation checkpointing to {len(layers)} blocks")
+        checkpoint_blocks(layers, ac_config, job_config.compile.enable)
     elif ac_config.mode == "memory_budget":
         torch._functorch.config.activation_memory_budget = ac_config.memory_budget
 

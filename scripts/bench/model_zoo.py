@@ -8,7 +8,9 @@ in bf16 autocast on real packed documents (8192-token varlen rows of the builtin
 1. varlen parity: a packed row of 3 documents vs each document alone, logits and gradients;
 2. 30 AdamW steps eager: the loss must be finite and fall; tokens/s and peak memory of the last 10;
 3. the same with per-block torch.compile (a fresh model, same process: fla's kernels are
-   autotuned once), counting graphs compiled after step 5 (recompilations).
+   autotuned once), counting graphs compiled after step 5 (recompilations);
+4. activation checkpointing as parallelize_model applies it (full, and selective op-level):
+   8 steps each from the same init, the largest loss difference from the eager run.
 """
 
 import argparse
@@ -19,10 +21,11 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from torchtitan.config.job_config import ActivationCheckpoint
 
 from flame.components.loss import LossHead
 from flame.models import FlameModelArgs, build_model, load_model_config, model_inputs
-from flame.models.parallelize import decoder_layers
+from flame.models.parallelize import checkpoint_blocks, decoder_layers
 from scripts.bench.packed_data import packed_batches
 
 
@@ -76,7 +79,9 @@ def parity(model, ids, labels) -> dict:
     return {"parity_logits": logit_error, "parity_grads": grad_error}
 
 
-def train(model, batches, compile_blocks: bool) -> dict:
+def train(model, batches, compile_blocks: bool = False, ac_mode: str | None = None) -> dict:
+    if ac_mode:
+        checkpoint_blocks(decoder_layers(model), ActivationCheckpoint(mode=ac_mode, selective_ac_option="op"), False)
     if compile_blocks:
         layers = decoder_layers(model)
         for index, block in enumerate(list(layers)):
@@ -99,6 +104,7 @@ def train(model, batches, compile_blocks: bool) -> dict:
             torch.cuda.reset_peak_memory_stats()
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     result = {
+        "losses": losses,
         "loss_first": first, "loss_last": last,
         "trains": all(math.isfinite(x) for x in losses) and last < first - 0.5,
         "tokens_per_s": batches[0][0].numel() * 10 / sum(times[-10:]),
@@ -118,8 +124,8 @@ def main() -> None:
     result = {"config": args.config}
     stage = "build"
     try:
-        torch.manual_seed(0)
         batches = packed_batches(8192, args.steps)
+        torch.manual_seed(0)  # every run below starts from these same weights
         model = build(args.config)
         result["model_type"] = model.config.model_type
         result["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
@@ -132,9 +138,17 @@ def main() -> None:
             del model
             torch.manual_seed(0)
             result["compile"] = train(build(args.config), batches, compile_blocks=True)
+        for mode in ("full", "selective"):
+            stage = f"ac {mode}"
+            torch.manual_seed(0)
+            run = train(build(args.config), batches[:8], ac_mode=mode)
+            eager = result["eager"]["losses"][:8]
+            result[f"ac_{mode}_max_loss_diff"] = max(abs(a - b) for a, b in zip(run["losses"], eager))
     except Exception as error:  # one line per model, failures included
         result["error"] = f"{stage}: {type(error).__name__}: {str(error)[:300]}"
         result["traceback"] = traceback.format_exc()[-1500:]
+    for mode in ("eager", "compile"):
+        result.get(mode, {}).pop("losses", None)
     print(json.dumps(result), flush=True)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every model config under configs/tiny on the GPU: varlen parity, eager and compiled training
 # (`bash scripts/bench/zoo_check.sh [--no-compile] [config ...]`); one JSON line per config in
-# $OUT/zoo.jsonl. Four processes share the GPU (tiny models; tokens/s is indicative).
+# $OUT/zoo.jsonl. ZOO_JOBS (default 4) processes share the GPU (tiny models; tokens/s is indicative).
 set -uo pipefail
 out=${OUT:-/tmp/flame-gpu}; mkdir -p "$out"
 mode=""; [ "${1:-}" = "--no-compile" ] && { mode="--no-compile"; shift; }
@@ -16,7 +16,7 @@ run_one() {  # config -> one JSON line (or an error line when it timed out or cr
   echo "$line" >> "$log"
 }
 export -f run_one; export out mode log
-printf '%s\n' "${configs[@]}" | xargs -P 4 -I{} bash -c 'run_one {}'
+printf '%s\n' "${configs[@]}" | xargs -P "${ZOO_JOBS:-4}" -I{} bash -c 'run_one {}'
 python3 - "$log" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

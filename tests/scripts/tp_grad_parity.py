@@ -1,0 +1,163 @@
+"""Under torchrun (2 ranks, gloo): one forward/backward per model config, unsharded vs tensor parallel.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/scripts/tp_grad_parity.py CONFIG[:fused] ...
+
+For each config, rank 0 prints ``parity <config> <loss rel err> <worst grad rel err>``: the
+summed loss of a packed batch and every parameter's gradient, from a model sharded with
+flame's plan (inputs from flame.models.inputs, as the trainer makes them) against an
+unsharded copy with the same weights. fla's Triton norms and activation are swapped for
+PyTorch equivalents in both models (CPU has no Triton driver), so the fla models whose token
+mixer is plain PyTorch run on CPU: ``transformer`` (softmax attention through flame's
+attention) and ``mamba2`` (fla's PyTorch path, used without mamba_ssm).
+"""
+
+import contextlib
+import sys
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+warnings.simplefilter("ignore")
+
+from flame.components.loss import build_loss, use_fused_cross_entropy
+from flame.models import attention, load_model_config, model_inputs
+from flame.models.builder import _trainable_class
+from flame.models.tensor_parallel import apply_tensor_parallel
+
+
+def _rms_norm(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+    if residual is not None:
+        x = x + residual
+    residual = x
+    y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype) * self.weight
+    y = y + self.bias if self.bias is not None else y
+    return (y, residual) if prenorm else y
+
+
+def _rms_norm_gated(self, x, z=None):
+    if z is not None and not self.norm_before_gate:
+        x = x * F.silu(z)
+    groups = x.unflatten(-1, (-1, self.group_size))
+    y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+    return y * F.silu(z) if z is not None and self.norm_before_gate else y
+
+
+def _rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, chunk_indices=None):
+    assert not interleaved and isinstance(seqlen_offsets, int)
+    rows, length = x.shape[:2]
+    positions = torch.arange(rows * length) + seqlen_offsets
+    if cu_seqlens is not None:  # positions restart at each sequence of the packed row
+        positions = positions - cu_seqlens[torch.searchsorted(cu_seqlens[1:], positions, right=True)]
+    cos, sin = (t[positions.view(rows, length)][:, :, None] for t in (cos, sin))
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+
+def _swiglu_linear(x, y, weight, bias):
+    return F.linear(F.silu(x) * y, weight, bias)
+
+
+def use_torch_kernels(model: torch.nn.Module) -> None:
+    from fla.layers.mamba2 import Mamba2
+    from fla.modules import RMSNorm, mlp
+    from fla.modules.norm.layernorm_gated import RMSNormGated
+    from fla.modules.rotary import ops as rotary
+
+    rotary.rotary_embedding = _rotary
+    mlp.swiglu = lambda x, y: F.silu(x) * y
+    mlp.swiglu_linear = _swiglu_linear
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = types.MethodType(_rms_norm, module)
+        elif isinstance(module, RMSNormGated):
+            module.forward = types.MethodType(_rms_norm_gated, module)
+        elif isinstance(module, Mamba2):
+            module.act = F.silu
+
+
+def build(config, fused: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from flame.models.inputs import is_fla_config
+
+    options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
+    model = AutoModelForCausalLM.from_config(config, **options)
+    model.__class__ = _trainable_class(type(model))
+    if fused:
+        use_fused_cross_entropy(model)
+    use_torch_kernels(model)
+    return model
+
+
+def parity(path: str, fused: bool, mesh) -> tuple[float, float]:
+    config = load_model_config(path)
+    torch.manual_seed(0)
+    reference = build(config, fused)
+    with torch.device("meta"):
+        sharded = build(config, fused)
+    job = types.SimpleNamespace(
+        parallelism=types.SimpleNamespace(disable_loss_parallel=False, enable_async_tensor_parallel=False),
+        compile=types.SimpleNamespace(enable=False, components=[]),
+    )
+    apply_tensor_parallel(sharded, mesh, job)
+    sharded.to_empty(device="cpu")
+    set_model_state_dict(sharded, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+    for name, buffer in reference.named_buffers():
+        sharded.get_buffer(name).copy_(buffer)
+
+    generator = torch.Generator().manual_seed(1)
+    rows, length = 2, 32
+    ids = torch.randint(0, config.vocab_size, (rows, length), generator=generator)
+    labels = torch.randint(0, config.vocab_size, (rows, length), generator=generator)
+    labels[0, :5] = -100
+    lengths = [20, 12, 7, 25]
+    batch = {
+        "input": ids,
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]).view(rows, length),
+        "cu_seqlens": torch.tensor([0, 20, 32, 39, 64], dtype=torch.int32),
+        "max_seqlen": 25,
+    }
+    loss_fn = build_loss(job)
+    losses = []
+    for model, context in ((reference, contextlib.nullcontext()), (sharded, loss_parallel())):
+        inputs, targets, kwargs = model_inputs(model, batch, labels)
+        if fused:
+            model.get_output_embeddings().targets = targets
+        with context:
+            loss = loss_fn(model(inputs, **kwargs), targets)
+            loss.backward()
+        losses.append(loss.item())
+    worst = 0.0
+    sharded_params = dict(sharded.named_parameters())
+    for name, param in reference.named_parameters():
+        grad = sharded_params[name].grad
+        grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        worst = max(worst, ((grad - param.grad).abs().max() / param.grad.abs().max()).item())
+    return abs(losses[1] - losses[0]) / abs(losses[0]), worst
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    for spec in sys.argv[1:]:
+        path, _, mode = spec.partition(":")
+        loss_err, grad_err = parity(path, mode == "fused", mesh)
+        if dist.get_rank() == 0:
+            print(f"parity {spec} {loss_err:.3e} {grad_err:.3e}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
