@@ -93,6 +93,12 @@ class Training:
 
 
 @dataclass
+class Parallelism:
+    pipeline_parallel_split_points: str = ""
+    """Comma list: the index of the first decoder block of every pipeline stage after the first (e.g. 4,8,12). Empty = a balanced split (see pipeline_parallel_{first,last}_stage_less_layers)"""
+
+
+@dataclass
 class LRScheduler:
     lr_min: float | None = None
     """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * lr_min"""
@@ -121,6 +127,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
@@ -153,4 +160,6 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "experimental.custom_args_module": "flame sets the config module itself",
     "comm.mode": "fake/local-tensor comm modes are not supported by flame",
     "optimizer.early_step_in_backward": "it steps before gradient clipping and the non-finite check",
+    "parallelism.module_fqns_per_model_part": "use --parallelism.pipeline_parallel_split_points",
+    "parallelism.pipeline_parallel_layers_per_stage": "use --parallelism.pipeline_parallel_split_points",
 }

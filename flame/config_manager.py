@@ -244,9 +244,14 @@ def data_parallel_degree(config: JobConfig, world_size: int) -> int:
         "context_parallel_degree": p.context_parallel_degree,
         "pipeline_parallel_degree": p.pipeline_parallel_degree,
     }
-    for name, degree in fixed.items():
-        if degree < 1:
+    for name, degree in {**fixed, "data_parallel_shard_degree": p.data_parallel_shard_degree}.items():
+        if degree < 1 and name != "data_parallel_shard_degree":
             raise ConfigError(f"--parallelism.{name} must be >= 1, got {degree}")
+        if degree > 1 and world_size % degree:
+            raise ConfigError(
+                f"--parallelism.{name} {degree} does not divide the {world_size} processes: "
+                f"make it a divisor of {world_size}, or run a multiple of {degree} processes (NGPU x NNODE)"
+            )
     others = 1
     for degree in fixed.values():
         others *= degree
@@ -272,17 +277,38 @@ def data_parallel_degree(config: JobConfig, world_size: int) -> int:
 
 
 def _check_available_parallelism(p, shard: int) -> None:
-    """flame shards with FSDP2 (and HSDP) and tensor parallelism; the other layouts are refused rather than run wrong."""
-    for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+    """flame runs FSDP2, HSDP, DDP, tensor, context and pipeline parallelism; other layouts are refused rather than run wrong."""
+    for name in ("expert_parallel_degree",):
         if getattr(p, name) > 1:
             raise ConfigError(
                 f"--parallelism.{name} {getattr(p, name)}: flame does not provide this parallelism yet; "
                 "use data parallelism (FSDP: data_parallel_shard_degree)"
             )
-    if p.data_parallel_replicate_degree > 1 and shard == 1:
+    # DDP replicates plain tensors (no DTensor shards), and its reducer runs wrong when a pipeline
+    # schedule takes several forwards before their backwards (measured: replicas drift apart)
+    replicas = p.data_parallel_replicate_degree
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        if replicas > 1 and shard == 1 and p.context_parallel_degree == 1 and getattr(p, name) > 1:
+            raise ConfigError(
+                f"DDP (--parallelism.data_parallel_replicate_degree {replicas} with data_parallel_shard_degree 1) "
+                f"does not combine with --parallelism.{name} {getattr(p, name)}: shard instead "
+                f"(FSDP: data_parallel_shard_degree {replicas}, replicate degree 1; or HSDP: both degrees > 1)"
+            )
+
+
+def _check_fsdp_options(config: JobConfig, shard: int) -> None:
+    """Options that only FSDP acts on are refused without it (torchtitan would ignore them)."""
+    p = config.parallelism
+    if shard > 1 or p.context_parallel_degree > 1:
+        return
+    without = "DDP" if p.data_parallel_replicate_degree > 1 else "a run without data-parallel sharding"
+    fix = "shard the weights with --parallelism.data_parallel_shard_degree > 1"
+    if config.training.enable_cpu_offload:
+        raise ConfigError(f"--training.enable_cpu_offload offloads FSDP-sharded weights, but this is {without}: {fix}, or leave it off")
+    if p.fsdp_reshard_after_forward != "default":
         raise ConfigError(
-            "replicate-only data parallelism (DDP) is not available yet: use FSDP "
-            "(--parallelism.data_parallel_shard_degree) or HSDP (replicate and shard degrees both > 1)"
+            f"--parallelism.fsdp_reshard_after_forward {p.fsdp_reshard_after_forward} applies to FSDP, but this is {without}: "
+            f"{fix}, or leave it at default"
         )
 
 
@@ -297,5 +323,6 @@ def finalize(config: JobConfig, world_size: int) -> None:
     _check_training(config)
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
+    _check_fsdp_options(config, dp // config.parallelism.data_parallel_replicate_degree)
     t = config.training
     t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps

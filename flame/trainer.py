@@ -3,7 +3,10 @@
 torchtitan builds everything from the "flame" TrainSpec registered below (HF model from a
 config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
 overrides:
-- ``post_dataloading_process``: hands the model the inputs its family understands;
+- ``post_dataloading_process``: hands the model the inputs its family understands (under
+  context parallelism, this rank's share of the tokens: flame.models.context_parallel);
+- ``forward_backward_step``: under pipeline parallelism, the schedule gets each stage's
+  document and label inputs and a loss over the step's global target count;
 - ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), richer metrics (per-source data counts among them);
@@ -36,6 +39,8 @@ from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 from flame.models import AnyFlavor, build_model, model_inputs, parallelize_model
+from flame.models.context_parallel import ContextParallel
+from flame.models.pipeline import pipeline_model
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -54,7 +59,7 @@ def register_flame_train_spec() -> None:
             model_cls=build_model,
             model_args=AnyFlavor(),
             parallelize_fn=parallelize_model,
-            pipelining_fn=None,
+            pipelining_fn=pipeline_model,
             build_optimizers_fn=build_optimizers,
             build_lr_schedulers_fn=build_lr_schedulers,
             build_dataloader_fn=build_dataloader,
@@ -74,6 +79,7 @@ class Trainer(TorchtitanTrainer):
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
         super().__init__(job_config)
+        self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
         if torch.distributed.get_rank() == 0:
@@ -83,11 +89,36 @@ class Trainer(TorchtitanTrainer):
 
     def post_dataloading_process(self, input_dict, labels):
         model = self.model_parts[0]
+        if self.context_parallel is not None:  # this rank's share of the batch's tokens
+            input_dict, labels = self.context_parallel.shard(input_dict, labels)
         inputs, labels, kwargs = model_inputs(model, input_dict, labels)
         head = model.get_output_embeddings()
         if isinstance(head, LossHead):
             head.targets = labels  # the head returns the loss of these targets (fused CE)
         return inputs, labels, kwargs, {}
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        if not self.parallel_dims.pp_enabled:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        # Every stage gets the position ids (its documents) and the labels (the last stage's
+        # fused loss); the schedule splits them into microbatches like the inputs.
+        self.pp_schedule.flame_loss.global_valid_tokens = global_valid_tokens
+        losses = [] if self.pp_has_last_stage else None
+        inputs = (input_dict["input"],) if self.pp_has_first_stage else ()
+        with self.train_context():
+            self.pp_schedule.step(
+                *inputs,
+                position_ids=input_dict["position_ids"],
+                labels=labels,
+                target=labels if self.pp_has_last_stage else None,
+                losses=losses,
+                return_outputs=False,
+            )
+        if not self.pp_has_last_stage:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().to(self.device)  # each microbatch's loss is already over the global count
 
     def train(self) -> None:
         super().train()
@@ -131,10 +162,15 @@ class Trainer(TorchtitanTrainer):
         microbatches, local_valid_tokens, global_valid_tokens = self._next_microbatches(data_iterator)
 
         losses = []
+        # pipeline stages find each microbatch's documents in its position ids, read on the CPU
+        on_cpu = {"position_ids"} if self.parallel_dims.pp_enabled else set()
         for input_dict, labels in microbatches:
             documents = input_dict["cu_seqlens"].diff().tolist()  # on CPU still: no sync
             self.metrics_processor.flops_since_last_log += self.model_args.flops.batch_flops(documents)
-            input_dict = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in input_dict.items()}
+            input_dict = {
+                k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k not in on_cpu else v
+                for k, v in input_dict.items()
+            }
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens
             )
@@ -169,15 +205,15 @@ class Trainer(TorchtitanTrainer):
             return
         loss, self._loss_window = self._loss_window / self._window_steps, None
         self._window_steps = 0
-        if self.parallel_dims.dp_cp_enabled:
-            loss_mesh = self.parallel_dims.get_optional_mesh("loss")
-            local_avg = loss * global_valid_tokens / local_valid_tokens
-            global_avg_loss = dist_utils.dist_sum(loss, loss_mesh)
-            global_max_loss = dist_utils.dist_max(local_avg, loss_mesh)
-            tokens_seen = dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), loss_mesh)
-        else:
-            global_avg_loss = global_max_loss = loss.item()
-            tokens_seen = self.ntokens_seen
+        if self.parallel_dims.pp_enabled:  # the last stage holds the loss, the others 0
+            torch.distributed.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
+        if self.parallel_dims.cp_enabled:  # a data-parallel rank's loss is spread over its CP ranks
+            torch.distributed.all_reduce(loss, group=self.parallel_dims.get_mesh("cp").get_group())
+        # over the data-parallel ranks (every CP, TP or pipeline rank of one holds the same batch)
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
+        global_avg_loss = dist_utils.dist_sum(loss, batch_mesh)
+        global_max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, batch_mesh)
+        tokens_seen = int(dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), batch_mesh))
         self.metrics_processor.log(
             self.step,
             global_avg_loss,
@@ -200,8 +236,15 @@ class Trainer(TorchtitanTrainer):
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+        # ntokens_seen as the run's total (torchtitan saves rank 0's own count), so that another layout resumes it
+        tokens = self.ntokens_seen
+        if self.parallel_dims.dp_enabled:
+            tokens = int(dist_utils.dist_sum(torch.tensor(tokens, device=self.device), self.parallel_dims.get_mesh("batch")))
+        return {**super().state_dict(), "ntokens_seen": tokens, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
+        # the total carries on in the first data-parallel rank's count; the log sums them
+        if self.parallel_dims.dp_enabled and self.parallel_dims.get_mesh("batch").get_local_rank() != 0:
+            self.ntokens_seen = 0

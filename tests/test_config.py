@@ -150,17 +150,14 @@ def test_parallel_degrees_must_multiply_to_world_size(job_toml, monkeypatch):
     with pytest.raises(ConfigError, match="multiply to 2 .* but there are 4 processes"):
         parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_shard_degree=2", world_size=4,
               monkeypatch=monkeypatch)
-    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+    with pytest.raises(ConfigError, match="data_parallel_replicate_degree 2 does not divide the 3 processes"):
         parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=3,
               monkeypatch=monkeypatch)
 
 
 def test_parallelisms_flame_does_not_provide_are_refused(job_toml, monkeypatch):
-    with pytest.raises(ConfigError, match="context_parallel_degree 2: flame does not provide"):
-        parse("--job.config_file", str(job_toml), "--parallelism.context_parallel_degree=2", world_size=2,
-              monkeypatch=monkeypatch)
-    with pytest.raises(ConfigError, match="replicate-only data parallelism"):
-        parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=2,
+    with pytest.raises(ConfigError, match="expert_parallel_degree 2: flame does not provide"):
+        parse("--job.config_file", str(job_toml), "--parallelism.expert_parallel_degree=2", world_size=2,
               monkeypatch=monkeypatch)
     config = parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2",
                    world_size=4, monkeypatch=monkeypatch)

@@ -19,6 +19,9 @@ The attention is plugged into
 
 Kernels need the longest document as a Python int; flame records it for each batch
 (``use_batch_documents``) so that no layer has to synchronize with the GPU to find it.
+Under context parallelism the batch's record also holds the CP layout
+(``use_context_parallel``): the layers then attend their ranks' queries to every key of
+their documents (flame.models.context_parallel).
 The attention call runs outside torch.compile graphs (a graph break per layer), so the
 per-batch lengths never cause recompilation.
 """
@@ -39,6 +42,8 @@ _backend = "auto"
 # (every layer of a forward pass reuses them).
 _batch_documents: tuple[torch.Tensor, int] | None = None
 _batch_masks: dict = {}
+# The current batch's context-parallel layout (flame.models.context_parallel), if any
+_batch_context = None
 # torch 2.11's varlen_attn has no grouped-query option; later versions do
 _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
@@ -61,6 +66,20 @@ def use_batch_documents(cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
     global _batch_documents
     _batch_documents = (cu_seqlens, int(max_seqlen))
     _batch_masks.clear()
+
+
+def use_context_parallel(context) -> None:
+    """Record the batch's context-parallel layout: attention given ``context.cu_seqlens`` uses it."""
+    global _batch_context
+    _batch_context = context
+
+
+def _context_of(cu_seqlens: torch.Tensor):
+    # the context holds its tensor, so its memory cannot be another tensor's meanwhile
+    held = None if _batch_context is None else _batch_context.cu_seqlens
+    if held is not None and held.data_ptr() == cu_seqlens.data_ptr() and held.numel() == cu_seqlens.numel():
+        return _batch_context
+    return None
 
 
 def _is_recorded_batch(cu_seqlens: torch.Tensor) -> bool:
@@ -117,8 +136,12 @@ def document_attention(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if backend == "varlen" and query.dtype == torch.float32:
         backend = "flex"  # fp32 training without autocast: the flash kernel has no fp32
+    context = _context_of(cu_seqlens)
+    if context is not None:  # this rank's queries, all ranks' keys
+        return context.attention(query, key, value, backend, scale, window)
     if backend == "varlen":
-        return _varlen(query, key, value, cu_seqlens, _max_seqlen(cu_seqlens, max_seqlen), scale, window)
+        max_seqlen = _max_seqlen(cu_seqlens, max_seqlen)
+        return _varlen(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, window)
     if backend == "flex":
         return _flex(query, key, value, cu_seqlens, scale, window)
     return _sdpa(query, key, value, cu_seqlens, scale, window, rows)
@@ -148,8 +171,9 @@ def _sdpa(query, key, value, cu_seqlens, scale, window, rows):
     return out.transpose(1, 2).reshape(query.shape[0], query.shape[1], value.shape[-1])
 
 
-def _varlen(query, key, value, cu_seqlens, max_seqlen, scale, window):
-    # window (-1, 0) = causal; (w - 1, 0) = causal within w keys
+def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window):
+    # window (-1, 0) = causal; (w - 1, 0) = causal within w keys. Where a sequence has fewer
+    # queries than keys, the queries are its last tokens (flash-attn's bottom-right alignment).
     options = {"scale": scale, "window_size": (-1 if window is None else window - 1, 0)}
     if key.shape[1] != query.shape[1]:
         if _VARLEN_HAS_GQA:
@@ -157,17 +181,14 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scale, window):
         else:
             groups = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    cu_seqlens = cu_seqlens.to(torch.int32)
-    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    return varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
 
 
 _compiled_flex_attention = None
 
 
 def _flex(query, key, value, cu_seqlens, scale, window):
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
     total = query.shape[0]
 
     def build():
@@ -176,7 +197,14 @@ def _flex(query, key, value, cu_seqlens, scale, window):
             lambda b, h, q, k: _allowed(q, k, documents, window), None, None, total, total, device=query.device
         )
 
-    block_mask = _batch_mask("flex", cu_seqlens, total, window, 1, build)
+    return _flex_attention(query, key, value, _batch_mask("flex", cu_seqlens, total, window, 1, build), scale)
+
+
+def _flex_attention(query, key, value, block_mask, scale):
+    """FlexAttention of ``[Tq, Hq, D]`` queries and ``[Tk, Hkv, D]`` keys/values under ``block_mask``."""
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
     out = _compiled_flex_attention(
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         block_mask=block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1],

@@ -29,6 +29,7 @@ from flame.components.loss import use_fused_cross_entropy
 from flame.config_manager import ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
+from flame.models.context_parallel import check_context_parallel
 from flame.models.flops import model_flops
 from flame.models.inputs import FLA_DOCUMENTS_NOT_ISOLATED, is_fla_config
 from flame.models.tensor_parallel import check_tensor_parallel
@@ -80,6 +81,12 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
     """Refuse model settings flame cannot honour, before any expensive work."""
     model_type = config.model_type
     check_tensor_parallel(config, job_config)
+    check_context_parallel(config, job_config)
+    from flame.models.pipeline import (
+        check_pipeline_parallel,  # pipeline imports this module's neighbours
+    )
+
+    check_pipeline_parallel(config, job_config)
     if job_config.compile.enable and model_type in FLA_NOT_COMPILABLE:
         raise ConfigError(
             f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"
@@ -102,8 +109,11 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
 class TorchtitanInit:
     """Mixin giving an HF model torchtitan's ``init_weights(buffer_device)``."""
 
+    flame_init_seed: int | None = None  # the job's seed (debug.seed), set by build_model
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        if device.sharded_init_differs_from_full_init(self):
+        # a pipeline stage holds part of the model: it takes its part of a whole model's init
+        if device.sharded_init_differs_from_full_init(self) or hasattr(self, "flame_stage"):
             self._init_from_full_copy()
         else:
             _reinitialize(self)
@@ -114,10 +124,16 @@ class TorchtitanInit:
         with torch.device("meta"):
             twin = self._hf_class(self.config)
         twin.to_empty(device="cpu")
-        _reinitialize(twin)
-        set_model_state_dict(self, twin.state_dict(), options=StateDictOptions(full_state_dict=True))
+        # from the job's seed, as a single process draws it (torchtitan seeds pipeline ranks apart)
+        with torch.random.fork_rng(devices=[]):
+            if self.flame_init_seed is not None:
+                torch.manual_seed(self.flame_init_seed)
+            _reinitialize(twin)
+        own = dict(self.named_buffers())
+        set_model_state_dict(self, twin.state_dict(), options=StateDictOptions(full_state_dict=True, strict=False))
         for name, buffer in twin.named_buffers():
-            self.get_buffer(name).copy_(buffer)
+            if name in own:
+                own[name].copy_(buffer)
 
 
 def _reinitialize(model: nn.Module) -> None:
@@ -147,10 +163,12 @@ class FlameModelArgs(BaseModelArgs):
     context_len: int = 0
     fused_cross_entropy: bool = False
     fused_cross_entropy_required: bool = False
+    seed: int | None = None
 
     def update_from_config(self, job_config, **kwargs) -> None:
         self.config_path = job_config.model.config
         self.context_len = job_config.training.context_len
+        self.seed = job_config.debug.seed
         config = load_model_config(self.config_path)
         check_vocabulary(config, job_config.model.tokenizer_path)
         check_model_options(config, job_config)
@@ -185,6 +203,7 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     except ValueError as error:
         raise ConfigError(f"cannot build a causal LM from {model_args.config_path}: {error}") from None
     model.__class__ = _trainable_class(type(model))
+    model.flame_init_seed = model_args.seed
     if model_args.fused_cross_entropy:
         try:
             use_fused_cross_entropy(model)

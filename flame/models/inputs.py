@@ -41,22 +41,44 @@ def uses_flame_attention(model: nn.Module) -> bool:
     return getattr(model.config, "_attn_implementation", None) == attention.HF_ATTENTION
 
 
-def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(input ids, labels, keyword inputs) for ``model(input_ids, **kwargs)``.
+def flattens_rows(model: nn.Module) -> bool:
+    """fla models that isolate documents take a batch as one row with ``cu_seqlens``."""
+    return is_fla_model(model) and model.config.model_type not in FLA_DOCUMENTS_NOT_ISOLATED
+
+
+def document_kwargs(model: nn.Module, batch: dict) -> dict:
+    """The keyword inputs telling ``model`` where the batch's attention segments are.
 
     ``cu_seqlens`` always describes the attention segments: the documents, or with
     --training.no-document_mask the context_len pieces of each row.
     """
-    input_ids, cu_seqlens = batch["input"], batch["cu_seqlens"]
+    cu_seqlens = batch["cu_seqlens"]
     attention.use_batch_documents(cu_seqlens, batch["max_seqlen"])
     # the number of documents changes every batch: compiled blocks must not specialize on it
     torch._dynamo.mark_dynamic(cu_seqlens, 0)
-    if is_fla_model(model) and model.config.model_type in FLA_DOCUMENTS_NOT_ISOLATED:
-        return input_ids, labels, {"use_cache": False}  # rows stay rows: state restarts at each row
-    if is_fla_model(model):
-        return input_ids.reshape(1, -1), labels.reshape(1, -1), {"cu_seqlens": cu_seqlens, "use_cache": False}
     # no KV cache in training: it costs memory, and activation checkpointing's recompute would append to it
+    if is_fla_model(model):
+        return {"cu_seqlens": cu_seqlens, "use_cache": False} if flattens_rows(model) else {"use_cache": False}
     kwargs = {"position_ids": batch["position_ids"], "use_cache": False}
     if uses_flame_attention(model):
         kwargs["cu_seq_lens_q"] = cu_seqlens
-    return input_ids, labels, kwargs
+    return kwargs
+
+
+def segments_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest segment) of a batch whose position ids restart at every segment (on the CPU)."""
+    starts = torch.nonzero(position_ids.flatten() == 0).flatten()
+    cu_seqlens = torch.cat([starts, torch.tensor([position_ids.numel()])]).to(torch.int32)
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
+def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input ids, labels, keyword inputs) for ``model(input_ids, **kwargs)``.
+
+    fla types that cannot isolate documents (FLA_DOCUMENTS_NOT_ISOLATED) get the rows as they
+    are: their state restarts at each row.
+    """
+    kwargs = document_kwargs(model, batch)
+    if flattens_rows(model):
+        return batch["input"].reshape(1, -1), labels.reshape(1, -1), kwargs
+    return batch["input"], labels, kwargs

@@ -1,14 +1,16 @@
-"""Tensor parallelism, activation checkpointing, torch.compile and FSDP2 for any HF/fla causal LM.
+"""Tensor parallelism, activation checkpointing, torch.compile and FSDP2/DDP for any HF/fla causal LM.
 
 The one thing flame needs to know about a model is where its decoder blocks are; the
 stack is found generically (the ModuleList holding most parameters), so any HF model that
 keeps its blocks in a ModuleList works without a model-specific entry (tensor parallelism
 needs a plan per model_type: flame.models.tensor_parallel). Order follows torchtitan: TP
-shards the blocks, AC wraps each block, compile wraps each (wrapped) block, FSDP shards last.
+shards the blocks, AC wraps each block, compile wraps each (wrapped) block, FSDP shards (or
+DDP replicates) last.
 """
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -74,6 +76,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         apply_fsdp(model, layers, parallel_dims.get_mesh(names), job_config)
+    elif parallel_dims.dp_replicate_enabled:  # replicate only (config_manager refuses it with TP/PP)
+        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
     return model
 
 
@@ -87,13 +91,16 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobCon
     options = {"mesh": mesh, "mp_policy": policy}
     if training.enable_cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
+    # default: reshard after forward, except under pipeline parallelism, whose microbatches would
+    # all-gather the same weights again for every forward (torchtitan's policy)
+    pipelined = job_config.parallelism.pipeline_parallel_degree > 1
+    reshard = {"default": not pipelined, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
 
     for block in layers:
         fully_shard(block, **options, reshard_after_forward=reshard)
-    embeddings = model.get_input_embeddings()
-    output = model.get_output_embeddings()
-    if output is None or output.weight is not embeddings.weight:
+    embeddings = model.get_input_embeddings()  # None on pipeline stages after the first
+    output_weight = getattr(model.get_output_embeddings(), "weight", None)
+    if embeddings is not None and output_weight is not embeddings.weight:
         fully_shard(embeddings, **options, reshard_after_forward=reshard)
     fully_shard(model, **options)
     # flame normalizes the loss by the global token count; FSDP must sum, not average.
@@ -103,3 +110,27 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobCon
             module.set_force_sum_reduction_for_comms(not device.COLLECTIVES_SCALE_IN_REDUCTION)
     shape = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
     logger.info(f"Applied FSDP2 over {mesh.size()} ranks ({shape}) to {len(layers)} blocks")
+
+
+def apply_ddp(model: nn.Module, mesh) -> None:
+    """Replicate the model (torch's composable DDP): every rank holds all weights, gradients are all-reduced.
+
+    Parameters and gradients stay in fp32 (the all-reduce too: torchtitan's only
+    --training.mixed_precision_reduce); on GPU torchtitan's trainer runs the forward under
+    autocast in --training.mixed_precision_param, as for a single GPU.
+    """
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    # flame's loss is already divided by the global token count, so replicas must sum their
+    # gradients; DDP averages. DDP also reduces the accumulated .grad at every micro-batch's
+    # backward, so a summing comm hook would count earlier micro-batches again: scale each new
+    # gradient by the replica count instead (before it is accumulated), and the average is the sum.
+    replicas = mesh.size()
+
+    def scale_new_gradients(module: nn.Module, args) -> None:  # once, on the materialized parameters
+        hook.remove()
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_hook(lambda grad: grad * replicas)
+
+    hook = model.register_forward_pre_hook(scale_new_gradients)
+    logger.info(f"Applied DDP over {replicas} ranks")

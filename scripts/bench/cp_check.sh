@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Context parallelism on 2 GPUs against 1 GPU, at long context (one packed row of SEQ tokens):
+#   bash scripts/bench/cp_check.sh [config ...]    default: configs/tiny/{llama,transformer,kda}.json
+# First tests/gpu/test_context_parallel_kernels.py (the varlen and flex paths of the local-query
+# attention against the whole batch's). Then each config trains STEPS (default 10) steps of
+# SEQ (default 32768) tokens with `bash train.sh` on 1 GPU and with NGPU=2
+# --parallelism.context_parallel_degree 2, head-tail balanced and contiguous, in fp32 (so the
+# curves agree to rounding; fp32 attention runs FlexAttention); llama also in bf16 (the varlen
+# kernel), kda (fla's CP kernels) also with compiled blocks. Logs and metrics under $OUT/cp;
+# last, one line per run: its losses and the largest relative difference from 1 GPU in the
+# same precision. About 30-60 s per run: pass fewer configs to stay within one device command.
+set -uo pipefail
+out=${OUT:-/tmp/flame-gpu}/cp
+mkdir -p "$out"
+steps=${STEPS:-10}
+seq=${SEQ:-32768}
+configs=("$@")
+[ ${#configs[@]} -eq 0 ] && configs=(configs/tiny/{llama,transformer,kda}.json)
+export FLAME_CACHE=${FLAME_CACHE:-/tmp/flame-cache} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+
+python3 -m pytest -q -p no:cacheprovider tests/gpu/test_context_parallel_kernels.py > "$out/kernels.log" 2>&1
+echo "tests/gpu/test_context_parallel_kernels.py: exit $? ($(tail -1 "$out/kernels.log"))"
+
+common=(--job.config_file configs/debug.toml --training.steps "$steps" --metrics.log_freq 1 --checkpoint.no-enable
+  --lr_scheduler.warmup_steps 2 --training.varlen --training.batch_size 1 --training.seq_len "$seq")
+fp32=(--training.mixed_precision_param float32)
+cp2=(--parallelism.context_parallel_degree 2)
+
+run() { # name ngpu config [flags...]
+  local name=$1 ngpu=$2 config=$3
+  shift 3
+  rm -rf "${out:?}/$name"
+  NGPU=$ngpu timeout 500 bash train.sh "${common[@]}" --model.config "$config" --job.dump_folder "$out/$name" "$@" \
+    > "$out/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+
+for config in "${configs[@]}"; do
+  name=$(basename "$config" .json)
+  run "$name-1gpu" 1 "$config" "${fp32[@]}"
+  run "$name-cp2" 2 "$config" "${fp32[@]}" "${cp2[@]}"
+  run "$name-cp2contiguous" 2 "$config" "${fp32[@]}" "${cp2[@]}" --parallelism.context_parallel_load_balancer None
+  case $name in
+    llama)
+      run "$name-1gpu_bf16" 1 "$config"
+      run "$name-cp2_bf16" 2 "$config" "${cp2[@]}" ;;
+    kda) run "$name-cp2compiled" 2 "$config" "${fp32[@]}" "${cp2[@]}" --training.compile ;;
+  esac
+done
+
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+
+out = pathlib.Path(sys.argv[1])
+
+def curve(name):
+    path = out / name / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = {json.loads(line)["step"]: json.loads(line) for line in path.read_text().splitlines()}
+    return {step: row["loss_metrics/global_avg_loss"] for step, row in sorted(rows.items())}
+
+print(f"=== context parallel vs 1 GPU ===")
+for run in sorted(p.name for p in out.iterdir() if p.is_dir()):
+    model, variant = run.split("-", 1)
+    reference = f"{model}-1gpu" + ("_bf16" if variant.endswith("_bf16") else "")
+    got, ref = curve(run), curve(reference)
+    if got is None:
+        print(f"{run:28s} no metrics (see {out / run}.log)")
+        continue
+    diff = max((abs(got[s] - ref[s]) / abs(ref[s]) for s in got if s in ref), default=float("nan")) if ref else float("nan")
+    losses = " ".join(f"{v:.4f}" for v in got.values())
+    print(f"{run:28s} max rel diff {diff:.1e}  losses {losses}")
+PY
