@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,9 +38,16 @@ def test_export_reproduces_the_trained_models_logits(tmp_path, tiny_model, corpu
     assert AutoTokenizer.from_pretrained(exported).eos_token == "<|endoftext|>"
 
 
-def test_export_dtype_is_honoured(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory, tiny_model, corpus):
+    """A 2-step run whose config asks for bfloat16 exports (shared by the tests below)."""
+    dump = tmp_path_factory.mktemp("export") / "run"
     check(torchrun(base_args(tiny_model, corpus, dump, steps=2) + ["--checkpoint.export_dtype=bfloat16"]))
+    return dump
+
+
+def test_export_dtype_is_honoured(bf16_run):
+    dump = bf16_run
     convert("flame.utils.convert_dcp_to_hf", "--path", str(dump))
     with safe_open(dump / "hf" / "model.safetensors", "pt") as f:
         assert {f.get_tensor(key).dtype for key in f.keys()} == {torch.bfloat16}
@@ -83,20 +91,17 @@ def test_hf_to_dcp_refuses_to_overwrite(tmp_path):
     assert (target / "keep").read_text() == "x"
 
 
-def test_dcp_to_hf_names_missing_steps(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
-    check(torchrun(base_args(tiny_model, corpus, dump, steps=2)))
+def test_dcp_to_hf_names_missing_steps(bf16_run):
     result = subprocess.run(
-        [sys.executable, "-m", "flame.utils.convert_dcp_to_hf", "--path", str(dump), "--step", "7"],
+        [sys.executable, "-m", "flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--step", "7"],
         cwd=ROOT, env=flame_env(), capture_output=True, text=True,
     )
     assert result.returncode == 2 and "no complete checkpoint for step 7" in result.stderr and "[2]" in result.stderr
 
 
-def test_large_models_export_as_sharded_safetensors(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
-    check(torchrun(base_args(tiny_model, corpus, dump, steps=1)))
-    convert("flame.utils.convert_dcp_to_hf", "--path", str(dump), "--max-shard-size", "300KB")
-    index = json.loads((dump / "hf" / "model.safetensors.index.json").read_text())
+def test_large_models_export_as_sharded_safetensors(tmp_path, bf16_run):
+    out = tmp_path / "hf_sharded"
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--max-shard-size", "150KB", "--out", str(out))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    AutoModelForCausalLM.from_pretrained(dump / "hf")
+    AutoModelForCausalLM.from_pretrained(out)

@@ -23,25 +23,6 @@ def test_single_process_loss_falls(tmp_path, tiny_model, corpus):
     assert (dump / "checkpoint" / "step-30" / ".metadata").is_file()
 
 
-def test_two_process_fsdp_run_trains(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "fsdp"
-    result = check(torchrun(base_args(tiny_model, corpus, dump, steps=20), nproc=2))
-    assert "Applied FSDP2 over 2 ranks" in result.stdout + result.stderr
-    rows = metrics(dump)
-    assert rows[20]["n_tokens_seen"] == 20 * 2 * 2 * 64  # steps x ranks x rows x seq_len
-    assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
-
-
-def test_hsdp_two_replicas_of_two_shards_trains(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "hsdp"
-    result = check(torchrun(base_args(tiny_model, corpus, dump, steps=12)
-                            + ["--parallelism.data_parallel_replicate_degree=2"], nproc=4))
-    assert "Applied FSDP2 over 4 ranks (dp_replicate 2 x fsdp 2)" in result.stdout + result.stderr
-    rows = metrics(dump)
-    assert rows[12]["n_tokens_seen"] == 12 * 4 * 2 * 64
-    assert rows[12]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
-
-
 def _resume_args(model, data, dump, steps, workers=0):
     # the LR schedule spans 12 steps whatever training.steps says, so a short first run and
     # its resumption follow the same schedule as the uninterrupted run

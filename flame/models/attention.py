@@ -38,9 +38,11 @@ BACKENDS = ("auto", "varlen", "flex", "sdpa")
 HF_ATTENTION = "flame"
 
 _backend = "auto"
-# The current batch's cu_seqlens and its longest document, and the masks built for the batch
-# (every layer of a forward pass reuses them).
-_batch_documents: tuple[torch.Tensor, int] | None = None
+# The recent batches' cu_seqlens and longest documents, newest last: a pipeline stage has
+# several microbatches in flight, and activation checkpointing recomputes an older one. The
+# masks built for the newest batch (every layer of a forward pass reuses them).
+_RECENT_BATCHES = 16
+_batch_documents: list[tuple[torch.Tensor, int]] = []
 _batch_masks: dict = {}
 # The current batch's context-parallel layout (flame.models.context_parallel), if any
 _batch_context = None
@@ -63,8 +65,8 @@ def resolve_backend(device: torch.device) -> str:
 
 def use_batch_documents(cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
     """Record the batch's longest document, for kernels that size their grid by it."""
-    global _batch_documents
-    _batch_documents = (cu_seqlens, int(max_seqlen))
+    _batch_documents.append((cu_seqlens, int(max_seqlen)))
+    del _batch_documents[:-_RECENT_BATCHES]
     _batch_masks.clear()
 
 
@@ -75,23 +77,25 @@ def use_context_parallel(context) -> None:
 
 
 def _context_of(cu_seqlens: torch.Tensor):
-    # the context holds its tensor, so its memory cannot be another tensor's meanwhile
     held = None if _batch_context is None else _batch_context.cu_seqlens
-    if held is not None and held.data_ptr() == cu_seqlens.data_ptr() and held.numel() == cu_seqlens.numel():
-        return _batch_context
-    return None
+    return _batch_context if held is not None and _same_tensor(held, cu_seqlens) else None
+
+
+def _same_tensor(held: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    # the record holds its tensor, so that memory cannot be another tensor's meanwhile
+    return held.data_ptr() == cu_seqlens.data_ptr() and held.numel() == cu_seqlens.numel()
 
 
 def _is_recorded_batch(cu_seqlens: torch.Tensor) -> bool:
-    # the recorded tensor is held, so its memory cannot be another tensor's meanwhile
-    if _batch_documents is None:
-        return False
-    recorded = _batch_documents[0]
-    return recorded.data_ptr() == cu_seqlens.data_ptr() and recorded.numel() == cu_seqlens.numel()
+    """Whether ``cu_seqlens`` is the newest recorded batch's."""
+    return bool(_batch_documents) and _same_tensor(_batch_documents[-1][0], cu_seqlens)
 
 
 def _max_seqlen(cu_seqlens: torch.Tensor, upper_bound: int) -> int:
-    return _batch_documents[1] if _is_recorded_batch(cu_seqlens) else upper_bound
+    for held, longest in reversed(_batch_documents):
+        if _same_tensor(held, cu_seqlens):
+            return longest
+    return upper_bound
 
 
 def _batch_mask(kind: str, cu_seqlens: torch.Tensor, total: int, window: int | None, rows: int, build):
