@@ -28,8 +28,8 @@ flame hands the layers fla's ``FLACPContext`` for the same layout.
 
 The loss: each rank's loss covers its tokens, divided by the step's global target count
 (counted before sharding, over the data-parallel ranks); FSDP's mesh (torchtitan's ``fsdp`` =
-dp_shard x cp) sums the gradients over the CP ranks as well, and the logged loss is summed
-over torchtitan's ``loss`` mesh (batch x cp).
+dp_shard x cp) sums the gradients over the CP ranks as well; the trainer sums the logged loss
+over the CP ranks, then over the data-parallel ranks.
 """
 
 import functools

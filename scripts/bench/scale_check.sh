@@ -3,9 +3,9 @@
 #   bash scripts/bench/scale_check.sh transformer        (needs 4 GPUs; layouts that need more are skipped)
 # Layouts, 20 steps each, real packed documents of the builtin corpus, context 4096:
 #   fsdp1, fsdp2, fsdp4   varlen rows of $TOKENS tokens per GPU (weak scaling: same work per GPU)
-#   tp2                   TP 2 (+ FSDP over the rest), varlen
-#   pp2                   PP 2 (+ FSDP over the rest), 4 rows of $TOKENS/4 per data-parallel rank
-#   cp2                   CP 2 (+ FSDP over the rest), varlen rows of 2 x $TOKENS tokens
+#   tp2                   TP 2 x FSDP 2 (4 GPUs: without FSDP, TP would train in fp32), varlen
+#   pp2                   PP 2 x FSDP 2 (4 GPUs), 4 rows of $TOKENS/4 per data-parallel rank
+#   cp2                   CP 2 (FSDP over the CP ranks), varlen rows of 2 x $TOKENS tokens
 # Logs and metrics under $OUT/scale; last, a table: tokens/s per GPU, MFU, memory, the loss at
 # steps 10 and 20, and weak-scaling efficiency against fsdp1.
 set -uo pipefail
@@ -33,7 +33,7 @@ run() { # name gpus [flags...]
 run fsdp1 1 "${varlen[@]}" --training.seq_len "$tokens"
 run fsdp2 2 "${varlen[@]}" --training.seq_len "$tokens"
 run fsdp4 4 "${varlen[@]}" --training.seq_len "$tokens"
-run tp2 2 "${varlen[@]}" --training.seq_len "$tokens" --parallelism.tensor_parallel_degree 2
+run tp2 4 "${varlen[@]}" --training.seq_len "$tokens" --parallelism.tensor_parallel_degree 2
 run pp2 4 --training.batch_size 4 --training.seq_len $((tokens / 4)) --parallelism.pipeline_parallel_degree 2
 run cp2 2 "${varlen[@]}" --training.seq_len $((2 * tokens)) --parallelism.context_parallel_degree 2
 
