@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny llama, a small real-text corpus, and a way to run real training jobs."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,6 +96,16 @@ def metrics(dump: Path) -> dict[int, dict]:
     """step -> logged metrics, from <dump>/metrics.jsonl (later lines win, as after a resume)."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row for row in rows}
+
+
+def assert_same_curve(got: dict, expected: dict, rel: float = 1e-4, steps=None) -> None:
+    """Logged loss and grad norm equal (relative ``rel``) at ``steps`` (default: the same steps, all)."""
+    if steps is None:
+        assert sorted(got) == sorted(expected)
+        steps = sorted(expected)
+    for step in steps:
+        for key in ("loss_metrics/global_avg_loss", "grad_norm"):
+            assert math.isclose(got[step][key], expected[step][key], rel_tol=rel), (step, key, got[step][key], expected[step][key])
 
 
 def losses(dump: Path) -> dict[int, float]:

@@ -8,7 +8,6 @@ gradient norm.
 """
 
 import json
-import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from flame import device, launch
 from flame.config_manager import ConfigError, FlameConfigManager
 from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
-from tests.conftest import base_args, check, metrics, torchrun
+from tests.conftest import assert_same_curve, base_args, check, metrics, torchrun
 
 DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"]
 # name: (processes, flags); every layout reads 4 rows of 64 tokens per step
@@ -70,12 +69,6 @@ def resumed(runs, tmp_path_factory, tiny_model, corpus) -> dict[str, tuple[Path,
     return _train_all(RESUME_LAYOUTS, tmp_path_factory.mktemp("resumed"), 6, tiny_model, corpus, load)
 
 
-def assert_same_curve(got: dict, expected: dict, steps, rel: float = 1e-4) -> None:
-    for step in steps:
-        for key in ("loss_metrics/global_avg_loss", "grad_norm"):
-            assert math.isclose(got[step][key], expected[step][key], rel_tol=rel), (step, key, got[step][key], expected[step][key])
-
-
 def assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     # Adam turns last-bit differences of near-zero gradients (another summation order) into up to
     # ~1% of a step (lr 1e-2); weights loaded wrong or not at all differ by whole steps (and init is std 0.02)
@@ -97,7 +90,7 @@ def test_every_data_parallel_layout_trains_the_single_process_curve(runs):
     for name, (dump, _) in runs.items():
         got = metrics(dump)
         assert sorted(got) == [1, 2, 3, 4], name
-        assert_same_curve(got, expected, range(1, 5))
+        assert_same_curve(got, expected, steps=range(1, 5))
         assert got[4]["n_tokens_seen"] == 4 * TOKENS_PER_STEP, name
     assert "Applied DDP over 2 ranks" in runs["ddp2"][1]
     assert "Applied FSDP2" not in runs["ddp2"][1]
@@ -124,7 +117,7 @@ def test_a_checkpoint_resumes_under_other_layouts(runs, resumed):
         assert "resuming 64 data shards saved by 4 ranks x 1 workers" in output, name
         # the same batch on the same loaded weights (a layout that loaded other weights, or fresh
         # ones, would differ), then the same update (optimizer state) on every layout
-        assert_same_curve(got, expected, (5, 6))
+        assert_same_curve(got, expected, steps=(5, 6))
     assert expected[5]["loss_metrics/global_avg_loss"] < trained[1]["loss_metrics/global_avg_loss"] - 0.1
 
 

@@ -1,7 +1,6 @@
 """Pipeline parallelism on CPU (gloo): stages give the losses of one process, checkpoints move across layouts."""
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from safetensors.torch import load_file
 
 from flame import launch
 from flame.models.pipeline import stage_layers
-from tests.conftest import ROOT, base_args, check, metrics, torchrun
+from tests.conftest import ROOT, assert_same_curve, base_args, check, metrics, torchrun
 
 LLAMA_4_LAYERS = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -30,13 +29,6 @@ def write_config(directory: Path, config: dict) -> str:
 def run(args: list[str], nproc: int) -> dict[int, dict]:
     check(torchrun(args, nproc=nproc))
     return metrics(Path(next(a.split("=", 1)[1] for a in args if a.startswith("--job.dump_folder="))))
-
-
-def assert_same_curve(got: dict, expected: dict, rel: float = 1e-4) -> None:
-    assert sorted(got) == sorted(expected)
-    for step, row in expected.items():
-        for key in ("loss_metrics/global_avg_loss", "grad_norm"):
-            assert math.isclose(got[step][key], row[key], rel_tol=rel), (step, key, got[step][key], row[key])
 
 
 @pytest.fixture(scope="module")

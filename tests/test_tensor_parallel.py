@@ -7,7 +7,6 @@ tests/test_layouts.py: resumed from an FSDP 4 checkpoint, it trains the single p
 """
 
 import json
-import math
 import warnings
 from pathlib import Path
 
@@ -23,19 +22,12 @@ from flame.models.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
 )
-from tests.conftest import ROOT, base_args, check, metrics, torchrun
+from tests.conftest import ROOT, assert_same_curve, base_args, check, metrics, torchrun
 
 TP2 = ["--parallelism.tensor_parallel_degree=2"]
 EXAMPLE = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
 TINY = {name: str(ROOT / "configs" / "tiny" / f"{name}.json") for name in PLANS if name != "flame_example_lm"}
 TINY["flame_example_lm"] = EXAMPLE
-
-
-def assert_same_curve(got: dict, expected: dict, rel: float = 1e-4) -> None:
-    assert sorted(got) == sorted(expected)
-    for step, row in expected.items():
-        for key in ("loss_metrics/global_avg_loss", "grad_norm"):
-            assert math.isclose(got[step][key], row[key], rel_tol=rel), (step, key, got[step][key], row[key])
 
 
 @pytest.fixture(scope="module")
