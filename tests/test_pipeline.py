@@ -124,6 +124,7 @@ def preflight_error(tmp_path, capsys, model: str, *flags: str, world_size: int =
          "leave a stage without blocks"),
         (["--training.batch_size=3", "--parallelism.pipeline_parallel_microbatch_size=2"], "not a multiple of"),
         (["--parallelism.module_fqns_per_model_part=[['layers.0']]"], "use --parallelism.pipeline_parallel_split_points"),
+        (["--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"], "not in the V this schedule needs"),
     ],
 )
 def test_impossible_pipeline_layouts_are_refused_before_launch(tmp_path, capsys, llama, flags, message):

@@ -113,6 +113,10 @@ def stage_layers(num_layers: int, num_stages: int, job_config) -> list[tuple[int
     return stages
 
 
+# schedules that place a rank's two stages as a V (r and 2 * degree - 1 - r)
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
 def stages_per_rank(job_config) -> int:
     schedule = get_schedule_class(job_config.parallelism.pipeline_parallel_schedule)
     return 1 if issubclass(schedule, PipelineScheduleSingle) else 2
@@ -124,10 +128,17 @@ def check_pipeline_parallel(config, job_config) -> None:
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
         return
+    schedule = parallelism.pipeline_parallel_schedule
     try:
         per_rank = stages_per_rank(job_config)
     except ValueError as error:
         raise ConfigError(f"--parallelism.pipeline_parallel_schedule: {error}") from None
+    if get_schedule_class(schedule).__name__ in V_SCHEDULES:
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_schedule {schedule}: flame places stages in loops (rank r holds stages "
+            "r, r + degree, ...), not in the V this schedule needs; use 1F1B, GPipe, Interleaved1F1B, LoopedBFS or "
+            "InterleavedZeroBubble"
+        )
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if num_layers is None:
         raise ConfigError(f"--parallelism.pipeline_parallel_degree: {config.model_type} has no num_hidden_layers to split")
