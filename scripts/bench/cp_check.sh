@@ -26,49 +26,19 @@ common=(--job.config_file configs/debug.toml --training.steps "$steps" --metrics
 fp32=(--training.mixed_precision_param float32)
 cp2=(--parallelism.context_parallel_degree 2)
 
-run() { # name ngpu config [flags...]
-  local name=$1 ngpu=$2 config=$3
-  shift 3
-  rm -rf "${out:?}/$name"
-  NGPU=$ngpu timeout 500 bash train.sh "${common[@]}" --model.config "$config" --job.dump_folder "$out/$name" "$@" \
-    > "$out/$name.log" 2>&1
-  echo "$name: exit $?"
-}
+source scripts/bench/train_run.sh
 
 for config in "${configs[@]}"; do
   name=$(basename "$config" .json)
-  run "$name-1gpu" 1 "$config" "${fp32[@]}"
-  run "$name-cp2" 2 "$config" "${fp32[@]}" "${cp2[@]}"
-  run "$name-cp2contiguous" 2 "$config" "${fp32[@]}" "${cp2[@]}" --parallelism.context_parallel_load_balancer None
+  train_run "$name-1gpu" 1 "$config" "${fp32[@]}"
+  train_run "$name-cp2" 2 "$config" "${fp32[@]}" "${cp2[@]}"
+  train_run "$name-cp2contiguous" 2 "$config" "${fp32[@]}" "${cp2[@]}" --parallelism.context_parallel_load_balancer None
   case $name in
     llama)
-      run "$name-1gpu_bf16" 1 "$config"
-      run "$name-cp2_bf16" 2 "$config" "${cp2[@]}" ;;
-    kda) run "$name-cp2compiled" 2 "$config" "${fp32[@]}" "${cp2[@]}" --training.compile ;;
+      train_run "$name-1gpu_bf16" 1 "$config"
+      train_run "$name-cp2_bf16" 2 "$config" "${cp2[@]}" ;;
+    kda) train_run "$name-cp2compiled" 2 "$config" "${fp32[@]}" "${cp2[@]}" --training.compile ;;
   esac
 done
 
-python3 - "$out" <<'PY'
-import json, pathlib, sys
-
-out = pathlib.Path(sys.argv[1])
-
-def curve(name):
-    path = out / name / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    rows = {json.loads(line)["step"]: json.loads(line) for line in path.read_text().splitlines()}
-    return {step: row["loss_metrics/global_avg_loss"] for step, row in sorted(rows.items())}
-
-print(f"=== context parallel vs 1 GPU ===")
-for run in sorted(p.name for p in out.iterdir() if p.is_dir()):
-    model, variant = run.split("-", 1)
-    reference = f"{model}-1gpu" + ("_bf16" if variant.endswith("_bf16") else "")
-    got, ref = curve(run), curve(reference)
-    if got is None:
-        print(f"{run:28s} no metrics (see {out / run}.log)")
-        continue
-    diff = max((abs(got[s] - ref[s]) / abs(ref[s]) for s in got if s in ref), default=float("nan")) if ref else float("nan")
-    losses = " ".join(f"{v:.4f}" for v in got.values())
-    print(f"{run:28s} max rel diff {diff:.1e}  losses {losses}")
-PY
+python3 scripts/bench/compare_runs.py "$out" "context parallel vs 1 GPU"
