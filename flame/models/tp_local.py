@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
@@ -113,20 +114,44 @@ def _local_view(param: DTensor, layout: Layout, ranges, first: bool) -> torch.Te
     return full
 
 
+def _settled(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class _Settle(torch.autograd.Function):
+    """Identity that waits for a pending collective's result, in forward and in backward.
+
+    DTensor redistributions hand out AsyncCollectiveTensors, which wait when a torch op first
+    reads them, but not on view ops; fla's Triton kernels take the raw pointer of such a wrapper
+    after a ``reshape`` and read an illegal address (an H200 crash in fla's norm backward). Every
+    tensor crossing a TP collective, either way, passes here before fla can see it.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return _settled(x).view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _settled(grad)
+
+
 def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Sequence shards -> whole rows; the gradient (a partial sum per rank) is reduce-scattered back."""
-    gathered = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
-    return gathered.to_local(grad_placements=[Partial()])
+    gathered = DTensor.from_local(_Settle.apply(x), mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+    return _Settle.apply(gathered.to_local(grad_placements=[Partial()]))
 
 
 def _scatter_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Partial sums of whole rows -> sequence shards of the sum."""
-    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+    partial = DTensor.from_local(_Settle.apply(x), mesh, [Partial()], run_check=False)
+    return _Settle.apply(partial.redistribute(mesh, [Shard(1)]).to_local())
 
 
 def heads_to_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's heads (last dim) of whole rows -> all heads of this rank's sequence shard (all-to-all)."""
-    return DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+    heads = DTensor.from_local(_Settle.apply(x), mesh, [Shard(x.ndim - 1)], run_check=False)
+    return _Settle.apply(heads.redistribute(mesh, [Shard(1)]).to_local())
 
 
 class LocalRun:
@@ -199,6 +224,13 @@ class HeadParallel(ColwiseParallel):
                          use_local_output=not loss_parallel)
 
     @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        # the final norm's output gradient comes back through this gather: settle it for fla's norm
+        return ColwiseParallel._prepare_input_fn(
+            input_layouts, desired_input_layouts, mod, (_Settle.apply(inputs[0]), *inputs[1:]), device_mesh
+        )
+
+    @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         if not isinstance(outputs, DTensor):
             return outputs
@@ -217,7 +249,7 @@ class EmbeddingParallel(RowwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return outputs.redistribute(placements=output_layouts).to_local()
+        return _Settle.apply(outputs.redistribute(placements=output_layouts).to_local())
 
 
 def maybe_enable_async_tp(job_config, mesh: DeviceMesh) -> None:

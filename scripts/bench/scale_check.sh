@@ -1,62 +1,47 @@
 #!/usr/bin/env bash
-# Multi-GPU scaling of a 340M model with `bash train.sh` (one device command per model):
+# Multi-GPU loss parity and scaling of a 340M model with `bash train.sh` (one device command per model):
 #   bash scripts/bench/scale_check.sh transformer        (needs 4 GPUs; layouts that need more are skipped)
-# Layouts, 20 steps each, real packed documents of the builtin corpus, context 4096:
-#   fsdp1, fsdp2, fsdp4   varlen rows of $TOKENS tokens per GPU (weak scaling: same work per GPU)
-#   tp2                   TP 2 x FSDP 2 (4 GPUs: without FSDP, TP would train in fp32), varlen
-#   pp2                   PP 2 x FSDP 2 (4 GPUs), 4 rows of $TOKENS/4 per data-parallel rank
-#   cp2                   CP 2 (FSDP over the CP ranks), varlen rows of 2 x $TOKENS tokens
-# Logs and metrics under $OUT/scale; last, a table: tokens/s per GPU, MFU, memory, the loss at
-# steps 10 and 20, and weak-scaling efficiency against fsdp1.
+# 20 steps per layout, bf16, real documents of the builtin corpus, context 4096, $TOKENS (65536)
+# tokens per data-parallel rank and step:
+#   fsdp1, fsdp2, fsdp4   one varlen row per GPU (weak scaling: the same work per GPU)
+#   tp2                   TP 2 x FSDP 2: the same rows as fsdp2, so the same losses
+#   pp2                   PP 2 x FSDP 2, 4 microbatches of $TOKENS/4; its reference rows2 is FSDP 2
+#                         on the same rows without a pipeline
+#   cp2                   CP 2: fsdp1's row split over 2 GPUs, so fsdp1's losses
+#   cp2long               CP 2 at 2 x $TOKENS context (one document-masked row of 128K tokens)
+# LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones (CUDA_VISIBLE_DEVICES), so two
+# subsets can share a machine. Logs and metrics under $OUT/scale-<model>; last, a table (scripts/bench/compare_runs.py): the largest
+# relative loss difference from the reference, tokens/s per GPU, MFU, memory, and tokens/s per
+# GPU against fsdp1 (weak-scaling efficiency).
 set -uo pipefail
 model=${1:?model type, e.g. transformer or gla}
-out=${OUT:-/tmp/flame-gpu}/scale
+out=${OUT:-/tmp/flame-gpu}/scale-$model
 mkdir -p "$out"
 tokens=${TOKENS:-65536}
-ngpu=$(nvidia-smi -L | wc -l)
-export FLAME_PYTHON=${FLAME_PYTHON:-python3} FLAME_CACHE=${FLAME_CACHE:-/tmp/flame-cache} NCCL_NVLS_ENABLE=0
-export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRANSFORMERS_VERBOSITY=error
-common=(--job.config_file configs/debug.toml --model.config "configs/${model}_340M.json" --training.context_len 4096
-  --training.steps 20 --metrics.log_freq 10 --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4 --training.num_workers 4
-  --checkpoint.no-enable)
-varlen=(--training.varlen --training.batch_size 1)
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+layouts=" ${LAYOUTS:-fsdp1 fsdp2 fsdp4 tp2 rows2 pp2 cp2 cp2long} "
+export FLAME_CACHE=${FLAME_CACHE:-/tmp/flame-cache} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export TRITON_CACHE_AUTOTUNING=1 TRANSFORMERS_VERBOSITY=error RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+common=(--job.config_file configs/debug.toml --training.context_len 4096 --training.steps 20 --metrics.log_freq 1
+  --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4 --training.num_workers 4 --checkpoint.no-enable)
+row=(--training.varlen --training.batch_size 1 --training.seq_len "$tokens")
+rows4=(--training.batch_size 4 --training.seq_len $((tokens / 4)))
 
-run() { # name gpus [flags...]
-  local name=$1 gpus=$2
-  shift 2
-  if [ "$gpus" -gt "$ngpu" ]; then echo "$name: skipped ($gpus GPUs)"; return; fi
-  rm -rf "${out:?}/$name"
-  NGPU=$gpus timeout 300 bash train.sh "${common[@]}" --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1
-  echo "$name: exit $?"
+source scripts/bench/train_run.sh
+layout() { # name gpus [flags...]: train_run if selected and the machine has enough GPUs
+  [[ $layouts == *" $1 "* ]] || return 0
+  if [ "$2" -gt "$ngpu" ]; then echo "$1: skipped ($2 GPUs)"; else train_run "$1" "$2" "configs/${model}_340M.json" "${@:3}"; fi
 }
 
-run fsdp1 1 "${varlen[@]}" --training.seq_len "$tokens"
-run fsdp2 2 "${varlen[@]}" --training.seq_len "$tokens"
-run fsdp4 4 "${varlen[@]}" --training.seq_len "$tokens"
-run tp2 4 "${varlen[@]}" --training.seq_len "$tokens" --parallelism.tensor_parallel_degree 2
-run pp2 4 --training.batch_size 4 --training.seq_len $((tokens / 4)) --parallelism.pipeline_parallel_degree 2
-run cp2 2 "${varlen[@]}" --training.seq_len $((2 * tokens)) --parallelism.context_parallel_degree 2
+layout fsdp1 1 "${row[@]}"
+layout fsdp2 2 "${row[@]}"
+layout fsdp4 4 "${row[@]}"
+layout tp2 4 "${row[@]}" --parallelism.tensor_parallel_degree 2
+layout rows2 2 "${rows4[@]}"
+layout pp2 4 "${rows4[@]}" --parallelism.pipeline_parallel_degree 2
+layout cp2 2 "${row[@]}" --parallelism.context_parallel_degree 2
+layout cp2long 2 --training.varlen --training.batch_size 1 --training.seq_len $((2 * tokens)) \
+  --parallelism.context_parallel_degree 2
 
-python3 - "$out" <<'PY'
-import json, pathlib, sys
-
-out = pathlib.Path(sys.argv[1])
-rows = {}
-for run in ("fsdp1", "fsdp2", "fsdp4", "tp2", "pp2", "cp2"):
-    path = out / run / "metrics.jsonl"
-    if path.is_file():
-        rows[run] = {json.loads(l)["step"]: json.loads(l) for l in path.read_text().splitlines()}
-base = rows.get("fsdp1", {}).get(20, {}).get("throughput(tps)")
-print(f"{'layout':8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'mem GiB':>8s} {'loss@10':>8s} {'loss@20':>8s} {'vs fsdp1':>8s}")
-for run, steps in rows.items():
-    last = steps.get(20)
-    if not last:
-        print(f"{run:8s} (no step 20: see {out / run}.log)")
-        continue
-    tps = last["throughput(tps)"]
-    mfu = 100 * (last.get("tflops") or 0) / 989
-    mem = last.get("memory/max_reserved(GiB)") or 0
-    eff = f"{100 * tps / base:.0f}%" if base else ""
-    loss10 = steps.get(10, {}).get("loss_metrics/global_avg_loss", float("nan"))
-    print(f"{run:8s} {tps:10,.0f} {mfu:6.1f} {mem:8.1f} {loss10:8.3f} {last['loss_metrics/global_avg_loss']:8.3f} {eff:>8s}")
-PY
+python3 scripts/bench/compare_runs.py "$out" "$model 340M: layouts vs references (bf16)" --baseline fsdp1 \
+  fsdp1=- fsdp2=- fsdp4=- tp2=fsdp2 rows2=- pp2=rows2 cp2=fsdp1 cp2long=-
