@@ -70,13 +70,14 @@ def test_interleaved_stages_with_fsdp_activation_checkpointing_and_the_fused_los
     assert_same_curve(run(args, nproc=4), metrics(one_process))
 
 
-def test_custom_model_pipelines_like_one_process(tmp_path, corpus):
+def test_custom_model_pipelines_with_tensor_parallel_stages_like_one_process(tmp_path, corpus):
+    # 4 ranks: 2 pipeline stages, each tensor-parallel over 2 ranks (stages pass sequence shards)
     config = json.loads((ROOT / "custom_models" / "example_lm" / "config_tiny.json").read_text())
     model = write_config(tmp_path, {**config, "tie_word_embeddings": False, "num_hidden_layers": 3})
     common = ["--checkpoint.no-enable", "--training.batch_size=2"]
     one = run([*base_args(model, corpus, tmp_path / "one", steps=3), *common], nproc=1)
-    split = ["--parallelism.pipeline_parallel_split_points=1"]  # blocks 0 | 1, 2
-    pp = run([*base_args(model, corpus, tmp_path / "pp", steps=3), *common, *PP2, *split], nproc=2)
+    split = ["--parallelism.pipeline_parallel_split_points=1", "--parallelism.tensor_parallel_degree=2"]  # blocks 0 | 1, 2
+    pp = run([*base_args(model, corpus, tmp_path / "pp", steps=3), *common, *PP2, *split], nproc=4)
     assert_same_curve(pp, one)
 
 
@@ -136,6 +137,11 @@ def test_tied_embeddings_are_refused_under_pipeline_parallelism(tmp_path, capsys
     model = write_config(tmp_path, {**LLAMA_4_LAYERS, "tie_word_embeddings": True})
     error = preflight_error(tmp_path, capsys, model, *PP2)
     assert "ties its lm_head to the input embedding" in error and "tie_word_embeddings to false" in error
+
+
+def test_context_parallel_pipelines_are_refused(tmp_path, capsys, llama):
+    error = preflight_error(tmp_path, capsys, llama, *PP2, "--parallelism.context_parallel_degree=2", world_size=4)
+    assert "context" in error and error.count("\n") == 0
 
 
 def test_pipeline_degree_beyond_the_blocks_is_refused(tmp_path, capsys, llama):

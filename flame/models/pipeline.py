@@ -14,6 +14,9 @@ loss) reaches every stage as keyword inputs that torch's schedule splits into mi
 each stage derives the microbatch's documents from its position ids (they restart at every
 attention segment) on the CPU, so nothing waits for the GPU.
 
+With tensor parallelism, each stage is sharded by the model type's TP plan like a whole model
+(flame.models.tensor_parallel); between stages every TP rank passes its sequence shard.
+
 Stage inputs and outputs are declared up front (their shapes follow from the microbatch
 size, seq_len and hidden size), because torch's shape inference would run the stage on meta
 tensors, which neither document bookkeeping nor fla's Triton kernels can take.
@@ -148,10 +151,10 @@ def check_pipeline_parallel(config, job_config) -> None:
             f"--parallelism.pipeline_parallel_degree {pp}: {config.model_type} ties its lm_head to the input embedding, "
             "which live on different pipeline stages; set tie_word_embeddings to false in the model config"
         )
-    if parallelism.tensor_parallel_degree > 1 or parallelism.context_parallel_degree > 1:
+    if parallelism.context_parallel_degree > 1:
         raise ConfigError(
-            "--parallelism.pipeline_parallel_degree combines with FSDP/HSDP only in flame so far; "
-            "set tensor_parallel_degree and context_parallel_degree to 1"
+            "--parallelism.pipeline_parallel_degree combines with FSDP/HSDP and TP in flame, not with context "
+            "parallelism; set context_parallel_degree to 1"
         )
     microbatch = parallelism.pipeline_parallel_microbatch_size
     if job_config.training.local_batch_size % microbatch:
@@ -225,8 +228,10 @@ def _stage_metadata(model: nn.Module, spec: StageSpec, job_config, parallel_dims
     tokens = (1, microbatch * seq_len) if flattens_rows(model) else (microbatch, seq_len)
     # FSDP casts parameters to the compute dtype; without it a pipeline stage computes in fp32 (torchtitan)
     dtype = device.compute_dtype(job_config) if parallel_dims.fsdp_enabled else torch.float32
+    # under TP, stages pass sequence shards: each TP rank sends and receives its part of every row
+    shard = (*tokens[:-1], tokens[-1] // parallel_dims.tp)
     # requires_grad: the gradient of a received activation is sent back to the stage before
-    hidden = torch.empty(*tokens, model.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(*shard, model.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     inputs = torch.empty(*tokens, dtype=torch.long, device="meta") if spec.first else hidden
     if not spec.last:
         return inputs, hidden

@@ -262,7 +262,8 @@ def plan_layout(model: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[Local,
     """
     problems: list[str] = []
     entries = {plan.norm: (NORM, {})}
-    for index, block in enumerate(model.get_submodule(plan.layers)):
+    # blocks by name: a pipeline stage holds some of them, under their whole-model indices
+    for index, block in model.get_submodule(plan.layers).named_children():
         for path, local in plan.block.items():
             entry_path, module = f"{plan.layers}.{index}.{path}", submodule(block, path)
             if module is None:
@@ -354,10 +355,14 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, job_config) -> Non
     plan = plan_for(model.config.model_type)
     entries = plan_layout(model, plan, mesh.size())
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight is embedding.weight
     names = {id(module): name for name, module in model.named_modules()}
     loss_parallel = not job_config.parallelism.disable_loss_parallel
-    parallelize_module(model, mesh, {names[id(embedding)]: EmbeddingParallel(), names[id(head)]: HeadParallel(loss_parallel)})
+    # a pipeline stage may hold neither (no embedding after the first stage, an identity head before the last)
+    styles = {names[id(embedding)]: EmbeddingParallel()} if isinstance(embedding, nn.Embedding) else {}
+    if isinstance(head, nn.Linear):
+        styles[names[id(head)]] = HeadParallel(loss_parallel)
+    tied = bool(styles) and getattr(head, "weight", None) is getattr(embedding, "weight", False)
+    parallelize_module(model, mesh, styles)
     if tied:
         head.weight = embedding.weight  # both are vocabulary-row shards
     for path, (local, layouts) in entries.items():

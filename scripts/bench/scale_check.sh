@@ -7,19 +7,22 @@
 #   tp2                   TP 2 x FSDP 2: the same rows as fsdp2, so the same losses
 #   pp2                   PP 2 x FSDP 2, 4 microbatches of $TOKENS/4; its reference rows2 is FSDP 2
 #                         on the same rows without a pipeline
+#   pptp                  PP 2 x TP 2, 4 microbatches of $TOKENS/4, in fp32 (without FSDP torchtitan applies
+#                         no mixed precision); its reference rows1 is 1 GPU on the same rows in fp32
 #   cp2                   CP 2: fsdp1's row split over 2 GPUs, so fsdp1's losses
 #   cp2long               CP 2 at 2 x $TOKENS context (one document-masked row of 128K tokens)
 # LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones (CUDA_VISIBLE_DEVICES), so two
-# subsets can share a machine. Logs and metrics under $OUT/scale-<model>; last, a table (scripts/bench/compare_runs.py): the largest
-# relative loss difference from the reference, tokens/s per GPU, MFU, memory, and tokens/s per
-# GPU against fsdp1 (weak-scaling efficiency).
+# subsets can share a machine. Logs and metrics go to /tmp/flame-gpu/scale-<model>, packed after
+# every layout into $OUT/scale-<model>.tgz (the device tool returns few files); last, a table
+# (scripts/bench/compare_runs.py): the largest relative loss difference from the reference,
+# tokens/s per GPU, MFU, memory, and tokens/s per GPU against fsdp1 (weak-scaling efficiency).
 set -uo pipefail
 model=${1:?model type, e.g. transformer or gla}
-out=${OUT:-/tmp/flame-gpu}/scale-$model
+out=/tmp/flame-gpu/scale-$model
 mkdir -p "$out"
 tokens=${TOKENS:-65536}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-layouts=" ${LAYOUTS:-fsdp1 fsdp2 fsdp4 tp2 rows2 pp2 cp2 cp2long} "
+layouts=" ${LAYOUTS:-fsdp1 fsdp2 fsdp4 tp2 rows2 pp2 rows1 pptp cp2 cp2long} "
 export FLAME_CACHE=${FLAME_CACHE:-/tmp/flame-cache} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1 TRANSFORMERS_VERBOSITY=error RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 common=(--job.config_file configs/debug.toml --training.context_len 4096 --training.steps 20 --metrics.log_freq 1
@@ -31,6 +34,7 @@ source scripts/bench/train_run.sh
 layout() { # name gpus [flags...]: train_run if selected and the machine has enough GPUs
   [[ $layouts == *" $1 "* ]] || return 0
   if [ "$2" -gt "$ngpu" ]; then echo "$1: skipped ($2 GPUs)"; else train_run "$1" "$2" "configs/${model}_340M.json" "${@:3}"; fi
+  if [ -n "${OUT:-}" ]; then tar czf "$OUT/scale-$model.tgz" -C "$out" .; fi
 }
 
 layout fsdp1 1 "${row[@]}"
@@ -39,9 +43,12 @@ layout fsdp4 4 "${row[@]}"
 layout tp2 4 "${row[@]}" --parallelism.tensor_parallel_degree 2
 layout rows2 2 "${rows4[@]}"
 layout pp2 4 "${rows4[@]}" --parallelism.pipeline_parallel_degree 2
+layout rows1 1 "${rows4[@]}" --training.mixed_precision_param float32
+layout pptp 4 "${rows4[@]}" --training.mixed_precision_param float32 --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.tensor_parallel_degree 2
 layout cp2 2 "${row[@]}" --parallelism.context_parallel_degree 2
 layout cp2long 2 --training.varlen --training.batch_size 1 --training.seq_len $((2 * tokens)) \
   --parallelism.context_parallel_degree 2
 
-python3 scripts/bench/compare_runs.py "$out" "$model 340M: layouts vs references (bf16)" --baseline fsdp1 \
-  fsdp1=- fsdp2=- fsdp4=- tp2=fsdp2 rows2=- pp2=rows2 cp2=fsdp1 cp2long=-
+python3 scripts/bench/compare_runs.py "$out" "$model 340M: layouts vs references" --baseline fsdp1 \
+  fsdp1=- fsdp2=- fsdp4=- tp2=fsdp2 rows2=- pp2=rows2 rows1=- pptp=rows1 cp2=fsdp1 cp2long=-
