@@ -6,11 +6,11 @@
 # SEQ (default 32768) tokens with `bash train.sh` on 1 GPU and with NGPU=2
 # --parallelism.context_parallel_degree 2, head-tail balanced and contiguous, in fp32 (so the
 # curves agree to rounding; fp32 attention runs FlexAttention); llama also in bf16 (the varlen
-# kernel), kda (fla's CP kernels) also with compiled blocks. Logs and metrics under $OUT/cp;
+# kernel), kda (fla's CP kernels) also with compiled blocks. Logs and metrics under /tmp/flame-gpu/cp;
 # last, one line per run: its losses and the largest relative difference from 1 GPU in the
 # same precision. About 30-60 s per run: pass fewer configs to stay within one device command.
 set -uo pipefail
-out=${OUT:-/tmp/flame-gpu}/cp
+out=/tmp/flame-gpu/cp  # packed into $OUT/cp.tgz after every run (train_run.sh)
 mkdir -p "$out"
 steps=${STEPS:-10}
 seq=${SEQ:-32768}

@@ -13,7 +13,7 @@
 #   cp2long               CP 2 at 2 x $TOKENS context (one document-masked row of 128K tokens)
 # LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones (CUDA_VISIBLE_DEVICES), so two
 # subsets can share a machine. Logs and metrics go to /tmp/flame-gpu/scale-<model>, packed after
-# every layout into $OUT/scale-<model>.tgz (the device tool returns few files); last, a table
+# every layout into $OUT/scale-<model>.tgz (scripts/bench/train_run.sh); last, a table
 # (scripts/bench/compare_runs.py): the largest relative loss difference from the reference,
 # tokens/s per GPU, MFU, memory, and tokens/s per GPU against fsdp1 (weak-scaling efficiency).
 set -uo pipefail
@@ -34,7 +34,6 @@ source scripts/bench/train_run.sh
 layout() { # name gpus [flags...]: train_run if selected and the machine has enough GPUs
   [[ $layouts == *" $1 "* ]] || return 0
   if [ "$2" -gt "$ngpu" ]; then echo "$1: skipped ($2 GPUs)"; else train_run "$1" "$2" "configs/${model}_340M.json" "${@:3}"; fi
-  if [ -n "${OUT:-}" ]; then tar czf "$OUT/scale-$model.tgz" -C "$out" .; fi
 }
 
 layout fsdp1 1 "${row[@]}"

@@ -4,10 +4,10 @@
 # Each config trains STEPS (default 10) steps with `bash train.sh` on 1 GPU and with NGPU=2
 # --parallelism.tensor_parallel_degree 2 (logits + CE under loss_parallel); llama and gla also
 # with the fused loss; llama also with async TP (compiled blocks). Logs and metrics under
-# $OUT/tp; last, one line per run: its losses and the largest relative difference from 1 GPU.
+# /tmp/flame-gpu/tp; last, one line per run: its losses and the largest relative difference from 1 GPU.
 # About 30-60 s per run: pass fewer configs to stay within one device command.
 set -uo pipefail
-out=${OUT:-/tmp/flame-gpu}/tp
+out=/tmp/flame-gpu/tp  # packed into $OUT/tp.tgz after every run (train_run.sh)
 mkdir -p "$out"
 steps=${STEPS:-10}
 configs=("$@")
