@@ -361,7 +361,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, job_config) -> Non
     styles = {names[id(embedding)]: EmbeddingParallel()} if isinstance(embedding, nn.Embedding) else {}
     if isinstance(head, nn.Linear):
         styles[names[id(head)]] = HeadParallel(loss_parallel)
-    tied = bool(styles) and getattr(head, "weight", None) is getattr(embedding, "weight", False)
+    tied = isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear) and head.weight is embedding.weight
     parallelize_module(model, mesh, styles)
     if tied:
         head.weight = embedding.weight  # both are vocabulary-row shards
