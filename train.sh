@@ -14,6 +14,10 @@
 #   LOG_RANK     local ranks whose output shows on the console (default 0; all ranks log to files)
 #   FLAME_PYTHON use this interpreter as it is instead of the managed .venv (see 3rdparty/install.sh)
 #   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
+#   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
+#
+# A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)" makes every rank
+# print its Python stacks to its stderr.log and go on.
 #
 # Multi-node: run train.sh on every node with the same arguments and its NODE_RANK. Inside a
 # Slurm job step (SLURM_JOB_ID set; run once per node: srun --ntasks-per-node=1, as
@@ -27,6 +31,9 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=$(bash "$root/3rdparty/install.sh") || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# fla's kernels autotune on their first call per shape (minutes for gla on a new machine);
+# kept in Triton's cache (~/.triton/cache), the choices let a resumed run start at once
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 
 for arg in "$@"; do
   case $arg in -h | --help) exec "$python" -m flame.train "$@" ;; esac

@@ -3,6 +3,8 @@
     torchrun ... -m flame.train --job.config_file configs/debug.toml --training.steps 100
 """
 
+import faulthandler
+import signal
 import sys
 
 import torch
@@ -11,8 +13,18 @@ from torchtitan.tools.logging import init_logger, logger
 from flame.config_manager import ConfigError, FlameConfigManager
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's Python stack to stderr and training goes on.
+
+    A hung multi-GPU run shows where each rank waits (each rank's stderr.log under
+    <dump_folder>/logs): ``pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)"``.
+    """
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     init_logger()
+    dump_stacks_on_sigusr1()
     try:
         config = FlameConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as error:

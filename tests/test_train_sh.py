@@ -69,3 +69,19 @@ def test_help_prints_every_option():
     assert result.returncode == 0
     assert "--training.gradient-accumulation-steps" in result.stdout
     assert "--parallelism.data-parallel-shard-degree" in result.stdout
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
+    # how a stuck rank shows where it waits (README: "If a run seems stuck")
+    code = (
+        "import os, signal\n"
+        "from flame.train import dump_stacks_on_sigusr1\n"
+        "dump_stacks_on_sigusr1()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('still running')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=flame_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "still running"
+    assert "Current thread" in result.stderr and 'File "<string>", line 4' in result.stderr

@@ -1,15 +1,29 @@
 # Sourced by the GPU check scripts: `train_run name ngpu config [flags...]` trains with
 # `bash train.sh "${common[@]}"` plus the flags, into $out/<name> (log: $out/<name>.log).
 # Only the log and metrics.jsonl stay; after a failure, every rank's stderr is kept as
-# $out/<name>.rank<N>.err. With $OUT set (a device-tool run, which returns few files), $out is
+# $out/<name>.rank<N>.err (at the time limit, RUN_TIMEOUT seconds (default 500), with every
+# rank's Python stacks). With $OUT set (a device-tool run, which returns few files), $out is
 # packed after every run into $OUT/<basename of $out>.tgz, so what finished comes back.
+#
+# fla's kernels autotune on a fresh machine for minutes. Their choices (Triton's
+# *.autotune.json, a few hundred KB) come back as $OUT/autotune.tgz after every run; saved as
+# .kernel-cache/autotune.tgz (git-excluded, carried to the device), they are unpacked here first.
+triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .kernel-cache/autotune.tgz ]; then mkdir -p "$triton_cache" && tar xzf .kernel-cache/autotune.tgz -C "$triton_cache"; fi
+
 train_run() {
   local name=$1 ngpu=$2 config=$3 status
   shift 3
   rm -rf "${out:?}/$name"
-  NGPU=$ngpu timeout "${RUN_TIMEOUT:-500}" bash train.sh "${common[@]}" --model.config "$config" \
+  local limit=${RUN_TIMEOUT:-500} watcher
+  # 10 s before the limit, every rank of this run prints its Python stacks (flame.train's
+  # SIGUSR1), so a run that hangs shows where each rank waits in its stderr (kept below)
+  (sleep $((limit - 10)) && pkill -USR1 -P "$(pgrep -d, -f "torch.distributed.run.*$out/$name( |$)")") &
+  watcher=$!
+  NGPU=$ngpu timeout "$limit" bash train.sh "${common[@]}" --model.config "$config" \
     --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1
   status=$?
+  kill $watcher 2>/dev/null
   echo "$name: exit $status"
   if [ $status -ne 0 ]; then
     for err in "$out/$name"/logs/*/attempt_*/*/stderr.log; do
@@ -17,6 +31,9 @@ train_run() {
     done
   fi
   find "$out/$name" -mindepth 1 -maxdepth 1 ! -name metrics.jsonl -exec rm -rf {} +
-  if [ -n "${OUT:-}" ]; then tar czf "$OUT/$(basename "$out").tgz" -C "$out" .; fi
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/$(basename "$out").tgz" -C "$out" .
+    (cd "$triton_cache" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
+  fi
   return $status
 }

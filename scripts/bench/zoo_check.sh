@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every model config under configs/tiny on the GPU: varlen parity, eager and compiled training
 # (`bash scripts/bench/zoo_check.sh [--no-compile] [config ...]`); one JSON line per config in
-# $OUT/zoo.jsonl. ZOO_JOBS (default 4) processes share the GPU (tiny models; tokens/s is indicative).
+# $OUT/zoo.jsonl. ZOO_JOBS (default 4) processes share the GPU (tiny models; tokens/s is indicative);
+# ZOO_TIMEOUT (default 400) seconds per config.
 set -uo pipefail
 out=${OUT:-/tmp/flame-gpu}; mkdir -p "$out"
 mode=""; [ "${1:-}" = "--no-compile" ] && { mode="--no-compile"; shift; }
@@ -11,7 +12,7 @@ python3 -c "from flame.data import builtin; builtin.resolve('builtin:python-stdl
 log="$out/zoo.jsonl"
 run_one() {  # config -> one JSON line (or an error line when it timed out or crashed)
   local line
-  line=$(timeout 400 python3 scripts/bench/model_zoo.py "$1" $mode 2>>"$out/zoo-stderr.log" | tail -1)
+  line=$(timeout "${ZOO_TIMEOUT:-400}" python3 scripts/bench/model_zoo.py "$1" $mode 2>>"$out/zoo-stderr.log" | tail -1)
   [ -n "$line" ] || line="{\"config\": \"$1\", \"error\": \"timeout or crash (see zoo-stderr.log)\"}"
   echo "$line" >> "$log"
 }
