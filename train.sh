@@ -31,8 +31,7 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=$(bash "$root/3rdparty/install.sh") || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# fla's kernels autotune on their first call per shape (minutes for gla on a new machine);
-# kept in Triton's cache (~/.triton/cache), the choices let a resumed run start at once
+# fla's autotuning takes minutes on a new machine; cached, a resumed run starts at once
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 
 for arg in "$@"; do

@@ -16,8 +16,8 @@ from flame.config_manager import ConfigError, FlameConfigManager
 def dump_stacks_on_sigusr1() -> None:
     """SIGUSR1 prints every thread's Python stack to stderr and training goes on.
 
-    A hung multi-GPU run shows where each rank waits (each rank's stderr.log under
-    <dump_folder>/logs): ``pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)"``.
+    A hung multi-GPU run then shows where each rank waits, in each rank's stderr.log under
+    <dump_folder>/logs (the command is in README's "Training your own model").
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 

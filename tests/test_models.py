@@ -66,7 +66,7 @@ def test_flash_attn_entry_points_for_fla_layers():
     cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
     out = attention.flash_attn_varlen_func(*flat, cu_seqlens, cu_seqlens, 12, 12, causal=True, window_size=(2, 0))
     torch.testing.assert_close(out, per_document_attention(*flat, cu_seqlens, window=3))
-    with pytest.raises(NotImplementedError, match="causal"):
+    with pytest.raises(ValueError, match="causal"):
         attention.flash_attn_func(q, k, v, causal=False)
     import fla.layers.attn
 

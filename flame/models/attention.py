@@ -237,11 +237,11 @@ def hf_document_attention(
     flattened batch; without it (e.g. ``generate``) this is plain causal SDPA.
     """
     if dropout > 0:
-        raise NotImplementedError("flame's document attention has no attention dropout; set attention_dropout to 0")
+        raise ValueError("flame's document attention has no attention dropout; set attention_dropout to 0")
     batch, heads, length, head_dim = query.shape
     if cu_seq_lens_q is None:
         if attention_mask is not None or key.shape[2] != length and length > 1:
-            raise NotImplementedError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")
+            raise ValueError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=length > 1, scale=scaling, enable_gqa=key.shape[1] != heads
         )
@@ -279,7 +279,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def _check_flash_call(causal, dropout_p, window_size, unsupported):
     if not causal or dropout_p or window_size[1] > 0 or any(v not in (None, False) for v in unsupported.values()):
-        raise NotImplementedError(
+        raise ValueError(
             "flame's attention (in place of flash-attn) supports causal attention without dropout, "
             f"softcap or alibi; got causal={causal}, dropout_p={dropout_p}, window_size={window_size}, {unsupported}"
         )

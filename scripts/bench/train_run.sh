@@ -7,7 +7,7 @@
 #
 # fla's kernels autotune on a fresh machine for minutes. Their choices (Triton's
 # *.autotune.json, a few hundred KB) come back as $OUT/autotune.tgz after every run; saved as
-# .kernel-cache/autotune.tgz (git-excluded, carried to the device), they are unpacked here first.
+# .kernel-cache/autotune.tgz (gitignored, carried to the device), they are unpacked here first.
 triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .kernel-cache/autotune.tgz ]; then mkdir -p "$triton_cache" && tar xzf .kernel-cache/autotune.tgz -C "$triton_cache"; fi
 
