@@ -6,6 +6,7 @@
 import faulthandler
 import signal
 import sys
+import traceback
 
 import torch
 from torchtitan.tools.logging import init_logger, logger
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     trainer = None
+    every_rank_stops = True  # the errors caught by name are raised on every rank alike
     try:
         trainer = Trainer(config)
         trainer.train()
@@ -46,10 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteGradientError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 1
+    except Exception:
+        # Maybe only this rank failed, and its peers wait for it in a collective. Destroying the
+        # NCCL process group would wait for them, so the job would hang with the error unprinted
+        # (seen on H200s). Print it and exit: torchrun then stops the other ranks.
+        every_rank_stops = False
+        traceback.print_exc()
+        return 1
     finally:
         if trainer is not None:
             trainer.close()
-        if torch.distributed.is_initialized():
+        if every_rank_stops and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     logger.info("Training finished")
     return 0

@@ -85,3 +85,31 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "still running"
     assert "Current thread" in result.stderr and 'File "<string>", line 4' in result.stderr
+
+
+def test_an_error_on_one_rank_is_printed_and_the_process_group_left_for_torchrun(tmp_path, tiny_model, corpus,
+                                                                                  monkeypatch, capfd):
+    # The other ranks may wait for the failed one in a collective; destroying the NCCL process
+    # group would then wait for them and hang the job with the error unprinted.
+    import torch.distributed
+
+    import flame.trainer
+    from flame.train import main
+
+    class TrainerFailingOnThisRank:
+        def __init__(self, config):
+            self.closed = False
+
+        def train(self):
+            raise RuntimeError("stage 0 failed")
+
+        def close(self):
+            self.closed = True
+
+    destroyed = []
+    monkeypatch.setattr(flame.trainer, "Trainer", TrainerFailingOnThisRank)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: destroyed.append(True))
+    assert main(["--job.config_file", str(job_toml(tmp_path, tiny_model, corpus))]) == 1
+    assert "RuntimeError: stage 0 failed" in capfd.readouterr().err
+    assert not destroyed

@@ -202,7 +202,9 @@ class PipelineStageModel:
 
     def forward(self, activations: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         spec = self.flame_stage
-        cu_seqlens, longest = segments_from_positions(position_ids)  # position ids stay on the CPU: no sync
+        # the schedule passes the position ids on the CPU, so finding the documents needs no sync; under
+        # PP x FSDP, FSDP's root has already copied them to the GPU (a copy that waits for the stream)
+        cu_seqlens, longest = segments_from_positions(position_ids.cpu())
         batch = {"position_ids": position_ids.to(self.device), "cu_seqlens": cu_seqlens.to(self.device), "max_seqlen": longest}
         kwargs = document_kwargs(self, batch)
         flatten = flattens_rows(self)
