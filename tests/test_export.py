@@ -79,6 +79,19 @@ def test_hf_to_dcp_to_training_to_hf_round_trip(tmp_path, tiny_model, corpus):
         torch.testing.assert_close(roundtrip(input_ids).logits, original(input_ids).logits, rtol=0, atol=0)
 
 
+def test_hf_to_dcp_converts_an_fla_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from flame.models import load_model_config
+
+    model = AutoModelForCausalLM.from_config(load_model_config(str(ROOT / "configs" / "tiny" / "gla.json")))
+    model.save_pretrained(tmp_path / "hf_in")
+    # a fresh process, which imports fla only because the model directory holds an fla model
+    convert("flame.utils.convert_hf_to_dcp", "--model", str(tmp_path / "hf_in"), "--checkpoint", str(tmp_path / "dcp"))
+    saved = dcp.FileSystemReader(tmp_path / "dcp").read_metadata().state_dict_metadata
+    assert saved.keys() == model.state_dict().keys()
+
+
 def test_hf_to_dcp_refuses_to_overwrite(tmp_path):
     target = tmp_path / "step-0"
     target.mkdir()

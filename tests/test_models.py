@@ -2,6 +2,9 @@
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,9 +23,10 @@ from flame.models import (
     build_model,
     load_model_config,
     model_inputs,
+    registry,
 )
 from flame.models.flops import causal_pairs, model_flops
-from tests.conftest import base_args, check, losses, torchrun
+from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256}
@@ -68,6 +72,7 @@ def test_flash_attn_entry_points_for_fla_layers():
     torch.testing.assert_close(out, per_document_attention(*flat, cu_seqlens, window=3))
     with pytest.raises(ValueError, match="causal"):
         attention.flash_attn_func(q, k, v, causal=False)
+    registry.import_fla()
     import fla.layers.attn
 
     assert fla.layers.attn.flash_attn_varlen_func is attention.flash_attn_varlen_func
@@ -75,6 +80,7 @@ def test_flash_attn_entry_points_for_fla_layers():
 
 def _build(model_type: str, **overrides) -> torch.nn.Module:
     args = FlameModelArgs(config_path=model_type)
+    registry.ensure_model_type(model_type)
     args._config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(0)
     return build_model(args)
@@ -192,6 +198,7 @@ def test_flops_of_a_llama_config_by_hand():
 
 
 def test_flops_of_a_gla_config_by_hand():
+    registry.ensure_model_type("gla")
     config = AutoConfig.for_model(
         "gla", hidden_size=256, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=4096,
         tie_word_embeddings=False,
@@ -219,6 +226,50 @@ def test_unknown_model_type_lists_types_and_custom_models(tmp_path):
     path.write_text(json.dumps({"model_type": "no_such_model"}))
     with pytest.raises(ConfigError, match="custom_models/.*gated_deltanet.*llama"):
         load_model_config(str(path))
+
+
+def test_fla_is_imported_for_its_model_types_and_unknown_ones_only(monkeypatch):
+    imports = []
+    monkeypatch.setattr(registry, "import_fla", lambda: imports.append(True))
+    for model_type, imported in [("llama", False), ("flame_example_lm", False), ("gla", True),
+                                 ("mamba", True), ("no_such_model", True)]:
+        imports.clear()
+        registry.ensure_model_type(model_type)
+        assert bool(imports) == imported, model_type
+
+
+def test_fla_model_types_are_the_types_fla_registers():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    registry.import_fla()
+    registered = {name for name in CONFIG_MAPPING if CONFIG_MAPPING[name].__module__.startswith("fla.")}
+    assert registry.fla_model_types() == registered
+    assert {"gla", "mamba", "mamba2", "cyclic_flow_attention"} <= registered  # the last in fla/models/cyfa
+
+
+def test_fla_is_imported_when_a_config_needs_it_not_at_startup(tmp_path):
+    # a fresh process: this one imported fla already. "mamba" is also transformers' own type;
+    # fla registers its Mamba over it on import, and in flame the name means fla's.
+    shutil.copy(ROOT / "configs" / "tiny" / "mamba.json", tmp_path / "config.json")
+    script = f"""
+import sys
+import flame.trainer
+from flame.models import load_model_config
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+print("mamba" in CONFIG_MAPPING_NAMES, "fla" in sys.modules)
+load_model_config("configs/llama_4M.json")
+print("fla" in sys.modules)
+print(type(load_model_config({str(tmp_path)!r})).__module__)
+print(type(load_model_config("configs/gla_340M.json")).__module__)
+"""
+    result = check(subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=flame_env(), capture_output=True,
+                                  text=True))
+    assert result.stdout.split("\n")[:4] == [
+        "True False",  # HF has a mamba; importing the trainer did not import fla
+        "False",  # nor did an HF model's config
+        "fla.models.mamba.configuration_mamba",  # a model directory of fla's mamba
+        "fla.models.gla.configuration_gla",
+    ]
 
 
 def test_gpu_attention_backend_on_cpu_is_refused(tmp_path, tiny_model, corpus):

@@ -1,15 +1,15 @@
-"""Models: any HF causal LM, every fla model type, and the architectures under custom_models/."""
+"""Models: any HF causal LM, every fla model type, and the architectures under custom_models/.
 
-import warnings
+fla is imported only when a config needs it (flame.models.registry).
+"""
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # fla warns at import when no GPU is present
-    import fla  # noqa: F401  registers fla's model types with transformers' Auto classes
+import sys
 
-import custom_models  # noqa: F401, E402  registers user architectures
-from flame.models import attention  # noqa: E402
+import custom_models  # noqa: F401  registers user architectures
+from flame.models import registry
 
-attention.install_in_fla()  # fla's softmax-attention layers need flash-attn otherwise
+if "fla" in sys.modules:  # a custom architecture built from fla's layers: they get flame's attention too
+    registry.import_fla()
 
 from flame.models.builder import (  # noqa: E402
     AnyFlavor,

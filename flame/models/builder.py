@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.protocols import BaseModelArgs
 from torchtitan.tools.logging import logger
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from flame import device
 from flame.components.loss import use_fused_cross_entropy
@@ -32,28 +33,27 @@ from flame.models import attention
 from flame.models.context_parallel import check_context_parallel
 from flame.models.flops import model_flops
 from flame.models.inputs import FLA_DOCUMENTS_NOT_ISOLATED, is_fla_config
+from flame.models.registry import ensure_model_type
 from flame.models.tensor_parallel import check_tensor_parallel
 
 
 def load_model_config(path: str) -> PretrainedConfig:
     """The HF config at ``path`` (a config.json or a directory holding one)."""
-    config_dir = path if os.path.isdir(path) else None
     try:
-        if config_dir:
-            return AutoConfig.from_pretrained(config_dir)
         config_dict, _ = PretrainedConfig.get_config_dict(path)
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot read model config {path}: {error}") from None
     model_type = config_dict.get("model_type")
     if model_type is None:
         raise ConfigError(f"model config {path} has no 'model_type'; add one (e.g. \"llama\")")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
+    ensure_model_type(model_type)  # imports fla for its types and unknown ones, so the list below has fla's
     if model_type not in CONFIG_MAPPING:
         known = ", ".join(sorted(CONFIG_MAPPING.keys()))
         raise ConfigError(
             f"unknown model_type '{model_type}' in {path}; custom architectures go under custom_models/. Known: {known}"
         )
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path)  # as transformers loads a model directory
     return CONFIG_MAPPING[model_type].from_dict(config_dict)
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
-import flame.models  # noqa: F401  registers fla and custom model types
+from flame.models import load_model_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_hf_to_dcp: error: {args.checkpoint} exists and is not empty; choose a new path", file=sys.stderr)
         return 2
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        # the config through flame (which imports fla when the model is fla's), then the weights
+        config = load_model_config(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, config=config, dtype=torch.float32)
     except (OSError, ValueError) as error:
         print(f"convert_hf_to_dcp: error: cannot load {args.model}: {error}", file=sys.stderr)
         return 2

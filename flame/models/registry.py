@@ -1,0 +1,48 @@
+"""Where model types come from: transformers, custom_models/ (imported with flame.models), and fla.
+
+``import fla`` costs ~1.5 s (it imports all its layers, kernels and models), so flame imports it
+only for a config that needs it: one whose model_type is fla's, or one transformers does not know
+(the unknown-type error then lists fla's types too). fla re-registers a few of transformers' own
+types ("bitnet", "mamba", "mamba2") over HF's; in flame those names mean fla's models, as they
+did when fla was imported at startup. fla's types are read from its sources, without importing it.
+"""
+
+import functools
+import importlib.util
+import re
+import warnings
+from pathlib import Path
+
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from flame.models import attention
+
+# the class attribute each fla config declares, e.g. ``model_type = 'gla'`` in fla/models/gla/configuration_gla.py
+_MODEL_TYPE = re.compile(r"""^\s+model_type\s*=\s*['"](\w+)['"]""", re.MULTILINE)
+
+
+@functools.cache
+def fla_model_types() -> frozenset[str]:
+    """The model types fla registers with transformers, found without importing fla."""
+    # fla is a top-level name: finding it imports nothing
+    spec = importlib.util.find_spec("fla")
+    types = set()
+    for root in spec.submodule_search_locations if spec else []:
+        for source in Path(root).glob("models/*/configuration_*.py"):
+            types.update(_MODEL_TYPE.findall(source.read_text()))
+    return frozenset(types)
+
+
+@functools.cache
+def import_fla() -> None:
+    """Import fla once: it registers its model types, and its softmax-attention layers get flame's kernels."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fla warns at import when no GPU is present
+        import fla  # noqa: F401
+    attention.install_in_fla()  # those layers need flash-attn otherwise
+
+
+def ensure_model_type(model_type: str) -> None:
+    """Make ``model_type`` resolve through transformers' Auto classes as flame means it (importing fla if needed)."""
+    if model_type in fla_model_types() or model_type not in CONFIG_MAPPING:
+        import_fla()
