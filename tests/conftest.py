@@ -59,6 +59,14 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def single_process_run(tmp_path_factory, tiny_model, corpus) -> Path:
+    """The dump folder of base_args' 4 steps of the tiny llama in one process: the reference of several layouts."""
+    dump = tmp_path_factory.mktemp("reference") / "single"
+    check(torchrun(base_args(tiny_model, corpus, dump, steps=4)))
+    return dump
+
+
 def base_args(model: str, data: str, dump: Path, steps: int = 6) -> list[str]:
     return [
         f"--model.config={model}",

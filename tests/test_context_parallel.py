@@ -118,10 +118,8 @@ def test_models_match_the_whole_batch_under_context_parallel():
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_model, corpus):
-    dump = tmp_path_factory.mktemp("cp") / "single"
-    check(torchrun(base_args(tiny_model, corpus, dump, steps=4) + ["--checkpoint.no-enable"]))
-    return metrics(dump)
+def one_process(single_process_run):
+    return metrics(single_process_run)
 
 
 def _assert_same_curve(got: dict, expected: dict) -> None:

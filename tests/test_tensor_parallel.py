@@ -89,9 +89,8 @@ def test_sharded_gradients_equal_unsharded_gradients():
         assert float(loss_error) < 1e-5 and float(grad_error) < 1e-4, (spec, loss_error, grad_error)
 
 
-def test_tensor_parallel_run_matches_one_process(tmp_path, tiny_model, corpus):
-    single, fused, compiled = tmp_path / "single", tmp_path / "tp_fused", tmp_path / "tp_compiled"
-    check(torchrun(base_args(tiny_model, corpus, single, steps=4)))
+def test_tensor_parallel_run_matches_one_process(tmp_path, tiny_model, corpus, single_process_run):
+    single, fused, compiled = single_process_run, tmp_path / "tp_fused", tmp_path / "tp_compiled"
     result = check(torchrun(base_args(tiny_model, corpus, fused, steps=4) + TP2 + ["--training.fused_cross_entropy=on"],
                             nproc=2))
     assert "Applied tensor parallelism over 2 ranks with sequence parallelism to 2 blocks" in result.stdout + result.stderr
