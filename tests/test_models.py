@@ -272,6 +272,18 @@ print(type(load_model_config("configs/gla_340M.json")).__module__)
     ]
 
 
+def test_fla_layers_imported_before_flame_get_flames_attention():
+    # a package under custom_models/ built from fla's layers imports fla before flame.models is done
+    script = """
+import fla.layers.attn
+from flame.models import attention
+print(fla.layers.attn.flash_attn_varlen_func is attention.flash_attn_varlen_func)
+"""
+    result = check(subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=flame_env(), capture_output=True,
+                                  text=True))
+    assert result.stdout.split() == ["True"]
+
+
 def test_gpu_attention_backend_on_cpu_is_refused(tmp_path, tiny_model, corpus):
     result = torchrun(base_args(tiny_model, corpus, tmp_path, steps=1) + ["--model.attention=varlen"])
     assert result.returncode != 0
