@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,13 @@ def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeo
     return subprocess.run(
         command, cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def torchrun_two_at_a_time(jobs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
+    """Independent single-process jobs, two at a time: most of a tiny job is single-threaded start-up."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(torchrun, args) for name, args in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

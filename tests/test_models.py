@@ -26,7 +26,7 @@ from flame.models import (
     registry,
 )
 from flame.models.flops import causal_pairs, model_flops
-from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
+from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun, torchrun_two_at_a_time
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256}
@@ -174,8 +174,12 @@ def test_fused_cross_entropy_refuses_heads_that_post_process_logits():
 
 def test_fused_cross_entropy_run_matches_the_plain_run(tmp_path, tiny_model, corpus):
     plain, fused = tmp_path / "plain", tmp_path / "fused"
-    check(torchrun(base_args(tiny_model, corpus, plain, steps=4) + ["--training.fused_cross_entropy=off"]))
-    result = check(torchrun(base_args(tiny_model, corpus, fused, steps=4) + ["--training.fused_cross_entropy=on"]))
+    runs = torchrun_two_at_a_time({
+        "plain": base_args(tiny_model, corpus, plain, steps=4) + ["--training.fused_cross_entropy=off"],
+        "fused": base_args(tiny_model, corpus, fused, steps=4) + ["--training.fused_cross_entropy=on"],
+    })
+    check(runs["plain"])
+    result = check(runs["fused"])
     output = result.stdout + result.stderr
     assert "causal softmax attention over each batch's real documents" in output  # the MFU label
     for step, loss in losses(plain).items():

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT, base_args, check, flame_env, losses, metrics, torchrun
+from tests.conftest import ROOT, base_args, check, flame_env, losses, metrics, torchrun, torchrun_two_at_a_time
 
 
 def test_single_process_loss_falls(tmp_path, tiny_model, corpus):
@@ -84,9 +84,12 @@ def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path, tiny_model,
 def test_gradient_accumulation_matches_a_larger_batch(tmp_path, tiny_model, corpus):
     # the packer hands out rows in order, so 2 micro-batches of 1 row hold the rows of 1 batch of 2
     big, accumulated = tmp_path / "big", tmp_path / "accumulated"
-    check(torchrun(base_args(tiny_model, corpus, big, steps=5)))
-    check(torchrun(base_args(tiny_model, corpus, accumulated, steps=5)
-                   + ["--training.batch_size=1", "--training.gradient_accumulation_steps=2"]))
+    for result in torchrun_two_at_a_time({
+        "big": base_args(tiny_model, corpus, big, steps=5),
+        "accumulated": base_args(tiny_model, corpus, accumulated, steps=5)
+        + ["--training.batch_size=1", "--training.gradient_accumulation_steps=2"],
+    }).values():
+        check(result)
     expected, got = losses(big), losses(accumulated)
     for step in range(1, 6):
         assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
@@ -131,8 +134,10 @@ def test_compile_and_activation_checkpointing_keep_the_loss_curve(tmp_path, tiny
         "selective_every_2": (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
                               selective),
     }
-    for name, (flags, log_line) in variants.items():
-        result = check(torchrun(base_args(tiny_model, corpus, tmp_path / name, steps=4) + flags))
+    runs = torchrun_two_at_a_time({name: base_args(tiny_model, corpus, tmp_path / name, steps=4) + flags
+                                   for name, (flags, _) in variants.items()})
+    for name, (_, log_line) in variants.items():
+        result = check(runs[name])
         assert log_line in result.stdout + result.stderr, name
         got = losses(tmp_path / name)
         for step in range(1, 5):
