@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from flame.models import attention, load_model_config
-from flame.models.inputs import is_fla_config
+from flame.models.inputs import document_kwargs, is_fla_config
 from scripts.bench.packed_data import packed_batches
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -52,20 +52,16 @@ def main() -> None:
     args = parser.parse_args()
 
     config = load_model_config(args.config)
-    is_fla = is_fla_config(config)
-    options = {} if is_fla else {"attn_implementation": attention.HF_ATTENTION}
+    options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, **options).to(args.device, DTYPES[args.dtype])
     for index, (ids, labels, cu_seqlens, max_seqlen) in enumerate(packed_batches(args.tokens, args.batches, device=args.device)):
-        attention.use_batch_documents(cu_seqlens, max_seqlen)
-        if is_fla:
-            kwargs = {"cu_seqlens": cu_seqlens}
-        else:
-            positions = torch.cat([torch.arange(n, device=args.device) for n in cu_seqlens.diff().tolist()])
-            kwargs = {"position_ids": positions[None], "cu_seq_lens_q": cu_seqlens}
+        positions = torch.cat([torch.arange(n, device=args.device) for n in cu_seqlens.diff().tolist()])[None]
+        # the documents as flame's trainer gives them to this model
+        kwargs = document_kwargs(model, {"position_ids": positions, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
         for repeat in range(args.repeats):
             model.zero_grad(set_to_none=True)
-            logits = model(ids, use_cache=False, **kwargs).logits
+            logits = model(ids, **kwargs).logits  # kwargs hold use_cache=False
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             loss.backward()
             norms = module_grad_norms(model)
