@@ -88,5 +88,5 @@ fi
 if [ "$FLAME_CHECKPOINT" = 1 ] && [ "$NODE_RANK" = 0 ]; then
   "$python" -m flame.utils.convert_dcp_to_hf --path "$FLAME_DUMP_FOLDER" "${export_args[@]}" || exit $?
 elif [ "$FLAME_CHECKPOINT" != 1 ]; then
-  echo "flame: checkpoints are off (--checkpoint.enable), so there is nothing to export to HF"
+  echo "flame: this run saves no checkpoint (--checkpoint.enable off, or --checkpoint.load_only), so there is nothing to export to HF"
 fi

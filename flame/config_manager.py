@@ -312,6 +312,18 @@ def _check_fsdp_options(config: JobConfig, shard: int) -> None:
         )
 
 
+def _check_seed_checkpoint(config: JobConfig, world_size: int) -> None:
+    if not config.checkpoint.create_seed_checkpoint:
+        return
+    if world_size != 1:
+        raise ConfigError(
+            f"--checkpoint.create_seed_checkpoint writes unsharded initial weights from one process, but this job has "
+            f"{world_size}: run it with NGPU=1 (one node), then start any layout from it"
+        )
+    if not config.checkpoint.enable:
+        raise ConfigError("--checkpoint.create_seed_checkpoint saves a checkpoint: drop --checkpoint.no-enable")
+
+
 def finalize(config: JobConfig, world_size: int) -> None:
     """Resolve aliases and defaults that depend on other fields; raise ConfigError on bad input."""
     defaults = type(config)()
@@ -324,5 +336,6 @@ def finalize(config: JobConfig, world_size: int) -> None:
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
     _check_fsdp_options(config, dp // config.parallelism.data_parallel_replicate_degree)
+    _check_seed_checkpoint(config, world_size)
     t = config.training
     t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps

@@ -140,10 +140,14 @@ def peak_flops() -> float | None:
 
 
 def sharded_init_differs_from_full_init(model: torch.nn.Module) -> bool:
-    """True when random init of sharded (DTensor) params would not match an unsharded init.
+    """True when flame initializes a full copy of the model and shards it: CPU runs with DTensor params.
 
-    On CUDA, DTensor's offset-based RNG makes each shard draw exactly the values the full
-    tensor would hold. On CPU it does not, so flame initializes a full copy and shards it.
+    On CPU, DTensor has no RNG tracker, so every rank would draw the same values for its own
+    shard; the full copy makes every CPU layout start from one process's weights (the parity
+    tests rely on it). On CUDA, DTensor's offset-based RNG draws distinct, equally distributed
+    values per shard, without a full copy's memory; but they are not the values one GPU draws,
+    so GPU layouts start from different weights unless they load one seed checkpoint
+    (--checkpoint.create_seed_checkpoint, README).
     """
     if CUDA:
         return False

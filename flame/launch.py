@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(args.env_file, "w") as f:
         f.write(f"FLAME_DUMP_FOLDER={shlex.quote(config.job.dump_folder)}\n")
-        f.write(f"FLAME_CHECKPOINT={int(config.checkpoint.enable)}\n")
+        saves = config.checkpoint.enable and not config.checkpoint.load_only  # load_only: loads, never saves
+        f.write(f"FLAME_CHECKPOINT={int(saves)}\n")
     return 0
 
 

@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     every_rank_stops = True  # the errors caught by name are raised on every rank alike
     try:
         trainer = Trainer(config)
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            # the initial weights, unsharded from one process: every layout can start from them
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info(f"Created the seed checkpoint {trainer.checkpointer.folder}/step-0 (no training step)")
+        else:
+            trainer.train()
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2

@@ -160,6 +160,8 @@ def preflight_error(tmp_path, capsys, monkeypatch, model: str, world_size: int, 
         (2, [*DDP2[:1], "--parallelism.fsdp_reshard_after_forward=never"],
          "--parallelism.fsdp_reshard_after_forward never applies to FSDP, but this is DDP"),
         (4, ["--parallelism.pipeline_parallel_degree=4"], "2 decoder blocks"),
+        (2, ["--checkpoint.create_seed_checkpoint"], "writes unsharded initial weights from one process, but this job has 2"),
+        (1, ["--checkpoint.create_seed_checkpoint", "--checkpoint.no-enable"], "saves a checkpoint: drop --checkpoint.no-enable"),
     ],
 )
 def test_impossible_layouts_are_one_line_errors_naming_the_fix(tmp_path, capsys, monkeypatch, tiny_model,
@@ -167,6 +169,22 @@ def test_impossible_layouts_are_one_line_errors_naming_the_fix(tmp_path, capsys,
     error = preflight_error(tmp_path, capsys, monkeypatch, tiny_model, world_size, *flags)
     assert error.startswith("flame: error: ") and "\n" not in error
     assert message in error
+
+
+def test_a_seed_checkpoint_starts_other_layouts_from_the_single_process_weights(tmp_path, tiny_model, corpus,
+                                                                                  single_process_run):
+    seed = tmp_path / "seed"
+    result = check(torchrun([*base_args(tiny_model, corpus, seed, steps=4), "--checkpoint.create_seed_checkpoint"]))
+    assert "Created the seed checkpoint" in result.stdout + result.stderr
+    assert (seed / "checkpoint" / "step-0").is_dir() and not (seed / "checkpoint" / "step-4").exists()
+    assert not (seed / "metrics.jsonl").exists() or not metrics(seed), "a seed run takes no training step"
+    # FSDP 2 from the seed trains the single process's curve (its 2 rows a step, one per rank): the
+    # seed holds the single process's initial weights
+    fsdp = tmp_path / "fsdp2"
+    result = check(torchrun([*base_args(tiny_model, corpus, fsdp, steps=4), "--training.batch_size=1",
+                             f"--checkpoint.initial_load_path={seed / 'checkpoint' / 'step-0'}"], nproc=2))
+    assert "Loading the checkpoint from" in result.stdout + result.stderr
+    assert_same_curve(metrics(fsdp), metrics(single_process_run))
 
 
 def test_cpu_offload_needs_fsdp(job_args, monkeypatch):

@@ -25,6 +25,7 @@ from flame.models import (
     model_inputs,
     registry,
 )
+from flame.models.builder import check_model_options
 from flame.models.flops import causal_pairs, model_flops
 from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun, torchrun_two_at_a_time
 
@@ -323,3 +324,36 @@ def test_bad_model_input_is_refused_before_training(tmp_path, capsys):
     assert "fla's rwkv7 does not compile" in error and "without compile" in error
     error = preflight_error(tmp_path, capsys, {"model_type": "llama_xl", "vocab_size": 4096})
     assert "unknown model_type 'llama_xl'" in error and "custom_models/" in error
+
+
+@pytest.mark.parametrize(
+    "world_size, flags, reason",
+    [
+        (1, ["--training.mixed_precision_param=float32"], "(--training.mixed_precision_param float32)"),
+        (2, ["--parallelism.tensor_parallel_degree=2"], "(tensor/pipeline parallelism without FSDP"),
+        (2, ["--parallelism.pipeline_parallel_degree=2"], "(tensor/pipeline parallelism without FSDP"),
+    ],
+)
+def test_fla_kernels_that_refuse_float32_are_refused_in_float32_jobs(monkeypatch, world_size, flags, reason):
+    # on GPUs: delta_net's chunk kernel asserts on float32 inputs inside every rank's first step
+    from flame import device
+    from flame.config_manager import FlameConfigManager
+
+    monkeypatch.setattr(device, "CUDA", True)
+    model_config = load_model_config(str(ROOT / "configs/tiny/delta_net.json"))
+
+    def job(world: int, *args: str):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        return FlameConfigManager().parse_args([f"--model.config={ROOT / 'configs/tiny/delta_net.json'}",
+                                                "--model.tokenizer_path=builtin:python-stdlib-bpe",
+                                                "--training.dataset=builtin:python-stdlib", *args])
+
+    float32_job = job(world_size, *flags)
+    with pytest.raises(ConfigError) as error:
+        check_model_options(model_config, float32_job)
+    assert str(error.value).startswith("fla's delta_net kernel (chunk_delta_rule) refuses float32, but this job computes")
+    assert reason in str(error.value) and "data_parallel_shard_degree > 1" in str(error.value)
+    # bf16 mixed precision: one GPU (autocast), FSDP 2 x TP 2 and PP 2 x FSDP 2 (FSDP casts the weights)
+    check_model_options(model_config, job(1))
+    check_model_options(model_config, job(4, "--parallelism.tensor_parallel_degree=2"))
+    check_model_options(model_config, job(4, "--parallelism.pipeline_parallel_degree=2"))

@@ -64,6 +64,20 @@ def test_failed_training_exits_nonzero_and_exports_nothing(tmp_path, tiny_model,
     assert not (tmp_path / "dump" / "hf").exists()
 
 
+def test_the_export_follows_whether_the_run_saves_checkpoints(tmp_path, tiny_model, corpus):
+    from flame import launch
+
+    toml = str(job_toml(tmp_path, tiny_model, corpus))
+    plans = {}
+    for name, flags in {"saves": [], "off": ["--checkpoint.no-enable"], "load_only": ["--checkpoint.load_only"]}.items():
+        env = tmp_path / f"{name}.sh"
+        assert launch.main(["--world-size", "1", "--env-file", str(env), "--", "--job.config_file", toml, *flags]) == 0
+        plans[name] = env.read_text()
+    # train.sh exports to HF only after a run that saved a checkpoint (load_only loads and never saves)
+    assert "FLAME_CHECKPOINT=1" in plans["saves"]
+    assert "FLAME_CHECKPOINT=0" in plans["off"] and "FLAME_CHECKPOINT=0" in plans["load_only"]
+
+
 def test_help_prints_every_option():
     result = train_sh("-h")
     assert result.returncode == 0

@@ -27,7 +27,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from flame import device
 from flame.components.loss import use_fused_cross_entropy
-from flame.config_manager import ConfigError
+from flame.config_manager import ConfigError, data_parallel_degree
 from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.context_parallel import check_context_parallel
@@ -77,6 +77,25 @@ FLA_NOT_COMPILABLE = {
 }
 
 
+# fla model types whose chunk kernels assert that their inputs are not float32 (fla 0.6)
+FLA_NEEDS_HALF_PRECISION = {"delta_net": "chunk_delta_rule", "gated_deltaproduct": "chunk_gated_delta_product"}
+
+
+def float32_compute(job_config) -> str | None:
+    """Why this job computes in float32 (a phrase), or None when it runs under bf16/fp16 mixed precision."""
+    if not device.CUDA:
+        return "CPU runs compute in float32"
+    if job_config.training.mixed_precision_param == "float32":
+        return "--training.mixed_precision_param float32"
+    p = job_config.parallelism
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    shard = data_parallel_degree(job_config, world_size) // p.data_parallel_replicate_degree
+    # torchtitan: FSDP casts the weights; without it, only a plain or DDP run gets autocast
+    if shard == 1 and p.context_parallel_degree == 1 and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
+        return "tensor/pipeline parallelism without FSDP, where torchtitan applies no mixed precision"
+    return None
+
+
 def check_model_options(config: PretrainedConfig, job_config) -> None:
     """Refuse model settings flame cannot honour, before any expensive work."""
     model_type = config.model_type
@@ -90,6 +109,12 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
     if job_config.compile.enable and model_type in FLA_NOT_COMPILABLE:
         raise ConfigError(
             f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"
+        )
+    if model_type in FLA_NEEDS_HALF_PRECISION and (reason := float32_compute(job_config)):
+        raise ConfigError(
+            f"fla's {model_type} kernel ({FLA_NEEDS_HALF_PRECISION[model_type]}) refuses float32, but this job computes "
+            f"in float32 ({reason}): train it on GPUs in bf16, with FSDP (--parallelism.data_parallel_shard_degree > 1) "
+            "under tensor or pipeline parallelism"
         )
     if is_fla_config(config):
         return

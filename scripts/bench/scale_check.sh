@@ -31,9 +31,14 @@ row=(--training.varlen --training.batch_size 1 --training.seq_len "$tokens")
 rows4=(--training.batch_size 4 --training.seq_len $((tokens / 4)))
 
 source scripts/bench/train_run.sh
+config=configs/${model}_340M.json
 layout() { # name gpus [flags...]: train_run if selected and the machine has enough GPUs
   [[ $layouts == *" $1 "* ]] || return 0
-  if [ "$2" -gt "$ngpu" ]; then echo "$1: skipped ($2 GPUs)"; else train_run "$1" "$2" "configs/${model}_340M.json" "${@:3}"; fi
+  if [ "$2" -gt "$ngpu" ]; then echo "$1: skipped ($2 GPUs)"; return 0; fi
+  local flags seed
+  flags=$(seed_flags "$config") || return 1
+  read -ra seed <<< "$flags"
+  train_run "$1" "$2" "$config" "${seed[@]}" "${@:3}"
 }
 
 layout fsdp1 1 "${row[@]}"

@@ -3,6 +3,7 @@
 # documents of the builtin corpus, varlen rows of $TOKENS tokens, context 4096):
 #   bash scripts/bench/throughput_check.sh transformer gla gated_deltanet
 # Logs under $OUT; the last lines are the summary (flame's line is the mean of steps 21-30).
+# RUN_TIMEOUT (default 280) seconds per run.
 set -uo pipefail
 out=${OUT:-/tmp/flame-gpu}; mkdir -p "$out"
 tokens=${TOKENS:-65536}
@@ -10,9 +11,9 @@ export FLAME_PYTHON=${FLAME_PYTHON:-python3} FLAME_CACHE=/tmp/flame-cache PYTHON
 export TRITON_CACHE_AUTOTUNING=1  # fla's kernels autotune once, then read the choice from disk
 for model in "$@"; do
   config=configs/${model}_340M.json
-  timeout 280 python3 scripts/bench/plain_loop.py --config "$config" --varlen "$tokens" --steps 20 \
+  timeout "${RUN_TIMEOUT:-280}" python3 scripts/bench/plain_loop.py --config "$config" --varlen "$tokens" --steps 20 \
     > "$out/plain_${model}.log" 2>&1
-  NGPU=1 timeout 280 bash train.sh --job.config_file configs/debug.toml --model.config "$config" \
+  NGPU=1 timeout "${RUN_TIMEOUT:-280}" bash train.sh --job.config_file configs/debug.toml --model.config "$config" \
     --training.varlen --training.batch_size 1 --training.seq_len "$tokens" --training.context_len 4096 \
     --training.steps 30 --metrics.log_freq 10 --lr_scheduler.warmup_steps 10 --optimizer.lr 3e-4 \
     --training.num_workers 4 --checkpoint.no-enable --job.dump_folder "/tmp/flame-bench-$model" \

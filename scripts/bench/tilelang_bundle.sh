@@ -6,8 +6,9 @@
 # installed: fla then runs that kernel through TileLang, compiled with nvcc. The GPU machines
 # have Triton 3.6, nvcc and no network, and a device command carries at most 64 MiB. TileLang
 # and what it needs are 83 MB as wheels, so this unpacks them for Python 3.12 on x86_64, drops
-# what CUDA does not use (the ROCm and Ascend parts, TVM's C++ sources, z3's second copy of its
-# library) and writes .gpu-extra/tilelang.tar.xz (about 36 MB, gitignored). On the device,
+# what is never loaded (TVM's C++ sources, z3's second copy of its library) and writes
+# .gpu-extra/tilelang.tar.xz (about 36 MB, gitignored). The ROCm and Ascend stub libraries stay:
+# they are a few KB, and TVM's runtime opens them at import even on CUDA. On the device,
 # carry .gpu-extra and unpack it next to the other wheels:
 #   tar xJf .gpu-extra/tilelang.tar.xz -C /tmp/site
 set -euo pipefail
@@ -20,8 +21,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 cloudpickle==3.1.2 ml-dtypes==0.6.0 \
   z3-solver==4.15.4.0
 for wheel in "$work"/wheels/*.whl; do python3 -m zipfile -e "$wheel" "$work/site"; done
-rm -rf "$work"/site/z3_solver-*.data "$work/site/tilelang/3rdparty/tvm/src" "$work/site/tilelang/ascend" \
-  "$work"/site/tilelang/lib/{libstub_ascendcl.so,libstub_hip.so,libstub_hiprtc.so,tilelang_ascend_npu_exchange.abi3.so}
+rm -rf "$work"/site/z3_solver-*.data "$work/site/tilelang/3rdparty/tvm/src"
 chmod -R u+rwX,go+rX "$work/site"
 chmod +x "$work"/site/tilelang/lib/*.so "$work"/site/z3/lib/*.so*
 mkdir -p "$root/.gpu-extra"

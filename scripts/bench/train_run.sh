@@ -11,6 +11,21 @@
 triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .kernel-cache/autotune.tgz ]; then mkdir -p "$triton_cache" && tar xzf .kernel-cache/autotune.tgz -C "$triton_cache"; fi
 
+# Every layout of a comparison starts from the same weights: seed_flags makes a seed checkpoint of a
+# config once, in one process (--checkpoint.create_seed_checkpoint), and returns the flags that load
+# it. Without it, GPU layouts start from different draws: DTensor's RNG gives sharded weights other
+# values than one GPU's init, so curves could agree only statistically, even in fp32.
+seeds=/tmp/flame-seeds  # outside $out: a 340M seed with its optimizer state is 4 GB
+seed_flags() {  # config -> flags for train_run
+  local seed="$seeds/$(basename "$1" .json)"
+  mkdir -p "$seeds"
+  if [ ! -d "$seed/checkpoint/step-0" ]; then
+    NGPU=1 bash train.sh "${common[@]}" --model.config "$1" --job.dump_folder "$seed" --checkpoint.enable \
+      --checkpoint.create_seed_checkpoint > "$seed.log" 2>&1 || { echo "seed of $1 failed: $seed.log" >&2; return 1; }
+  fi
+  echo --checkpoint.enable --checkpoint.load_only --checkpoint.initial_load_path "$seed/checkpoint/step-0"
+}
+
 train_run() {
   local name=$1 ngpu=$2 config=$3 status
   shift 3
