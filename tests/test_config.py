@@ -137,6 +137,7 @@ def test_help_lists_flame_and_torchtitan_options():
         (["--training.dataset=a,b,c", "--training.dataset_split=x,y"], "dataset_split has 2 entries for 3 datasets"),
         (["--checkpoint.keep_latest_k=1"], "keep_latest_k 1"),
         (["--model.flavor=big"], "model.flavor is a torchtitan option flame does not use"),
+        (["--checkpoint.initial_load_in_hf"], "initial_load_in_hf is a torchtitan option .*convert_hf_to_dcp"),
         (["--model.config=/no/such/config.json"], "does not exist"),
         (["--job.custom_config_module=other"], "set by flame"),
     ],
