@@ -5,9 +5,10 @@
 Why: in flame's 340M gla runs on H200s (docs/perf-log.md, session 11) the gradient norm of the
 same rows differed by 200x between two layouts at step 1 (3,856 against 17.8), while the
 transformer's stayed smooth. This separates the suspects without flame's loop: the model is
-built once (seeded), its parameters cast to --dtype (as FSDP's mixed precision does), and the
-same real packed rows (packed_data.py) go through forward and backward --repeats times,
-without an optimizer step. One JSON line per pass: the loss, the total gradient norm, and
+built once (seeded), its parameters cast to --dtype (as FSDP's mixed precision does; or kept
+in fp32 under bf16 autocast with --autocast, as flame on one GPU), and the same real packed
+rows (packed_data.py) go through forward and backward --repeats times, without an optimizer
+step. One JSON line per pass: the loss, the total gradient norm, and
 the five largest gradient norms by module (decoder blocks split into their children). Equal
 lines across repeats = deterministic; a norm that changes between repeats of one input
 points at the kernels, not at flame.
@@ -48,20 +49,24 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2, help="different rows to try")
     parser.add_argument("--repeats", type=int, default=3, help="forward + backward passes per row")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter and compute dtype")
+    parser.add_argument("--autocast", action="store_true",
+                        help="fp32 weights, forward under bf16 autocast: flame on one GPU (default: weights in --dtype, as FSDP casts them)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script with an HF config")
     args = parser.parse_args()
 
     config = load_model_config(args.config)
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, **options).to(args.device, DTYPES[args.dtype])
+    dtype = torch.float32 if args.autocast else DTYPES[args.dtype]
+    model = AutoModelForCausalLM.from_config(config, **options).to(args.device, dtype)
     for index, (ids, labels, cu_seqlens, max_seqlen) in enumerate(packed_batches(args.tokens, args.batches, device=args.device)):
         positions = torch.cat([torch.arange(n, device=args.device) for n in cu_seqlens.diff().tolist()])[None]
         # the documents as flame's trainer gives them to this model
         kwargs = document_kwargs(model, {"position_ids": positions, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
         for repeat in range(args.repeats):
             model.zero_grad(set_to_none=True)
-            logits = model(ids, **kwargs).logits  # kwargs hold use_cache=False
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast):
+                logits = model(ids, **kwargs).logits  # kwargs hold use_cache=False
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             loss.backward()
             norms = module_grad_norms(model)
