@@ -9,6 +9,7 @@
 # kernel), kda (fla's CP kernels) also with compiled blocks. Logs and metrics under /tmp/flame-gpu/cp;
 # last, one line per run: its losses and the largest relative difference from 1 GPU in the
 # same precision. About 30-60 s per run: pass fewer configs to stay within one device command.
+# Every run of a config starts from one seed checkpoint (train_run.sh: seed_flags).
 set -uo pipefail
 out=/tmp/flame-gpu/cp  # packed into $OUT/cp.tgz after every run (train_run.sh)
 mkdir -p "$out"
@@ -30,14 +31,17 @@ source scripts/bench/train_run.sh
 
 for config in "${configs[@]}"; do
   name=$(basename "$config" .json)
-  train_run "$name-1gpu" 1 "$config" "${fp32[@]}"
-  train_run "$name-cp2" 2 "$config" "${fp32[@]}" "${cp2[@]}"
-  train_run "$name-cp2contiguous" 2 "$config" "${fp32[@]}" "${cp2[@]}" --parallelism.context_parallel_load_balancer None
+  flags=$(seed_flags "$config") || continue
+  read -ra seed <<< "$flags"  # every run starts from the same weights
+  train_run "$name-1gpu" 1 "$config" "${seed[@]}" "${fp32[@]}"
+  train_run "$name-cp2" 2 "$config" "${seed[@]}" "${fp32[@]}" "${cp2[@]}"
+  train_run "$name-cp2contiguous" 2 "$config" "${seed[@]}" "${fp32[@]}" "${cp2[@]}" \
+    --parallelism.context_parallel_load_balancer None
   case $name in
     llama)
-      train_run "$name-1gpu_bf16" 1 "$config"
-      train_run "$name-cp2_bf16" 2 "$config" "${cp2[@]}" ;;
-    kda) train_run "$name-cp2compiled" 2 "$config" "${fp32[@]}" "${cp2[@]}" --training.compile ;;
+      train_run "$name-1gpu_bf16" 1 "$config" "${seed[@]}"
+      train_run "$name-cp2_bf16" 2 "$config" "${seed[@]}" "${cp2[@]}" ;;
+    kda) train_run "$name-cp2compiled" 2 "$config" "${seed[@]}" "${fp32[@]}" "${cp2[@]}" --training.compile ;;
   esac
 done
 
