@@ -248,6 +248,11 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
                 f"fla's {config.model_type} does not isolate packed documents ({FLA_DOCUMENTS_NOT_ISOLATED[config.model_type]}): "
                 "its state crosses the documents of a row; use --training.no-varlen with short rows to limit it"
             )
+        if device.CUDA:  # a run that seems stuck before step 1 is most often this
+            logger.info(
+                "fla's Triton kernels autotune the first time each shape runs: on a new machine the first steps "
+                "can take minutes; the choices are cached (TRITON_CACHE_AUTOTUNING=1 in train.sh) for later runs"
+            )
         return AutoModelForCausalLM.from_config(config)
     try:
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention.HF_ATTENTION)
