@@ -296,10 +296,15 @@ def _check_available_parallelism(p, shard: int) -> None:
             )
 
 
+def fsdp_enabled(config: JobConfig, shard: int) -> bool:
+    """Whether torchtitan applies FSDP (and with it mixed precision) at this data-parallel shard degree."""
+    return shard > 1 or config.parallelism.context_parallel_degree > 1  # CP shards over the dp x cp mesh
+
+
 def _check_fsdp_options(config: JobConfig, shard: int) -> None:
     """Options that only FSDP acts on are refused without it (torchtitan would ignore them)."""
     p = config.parallelism
-    if shard > 1 or p.context_parallel_degree > 1:
+    if fsdp_enabled(config, shard):
         return
     without = "DDP" if p.data_parallel_replicate_degree > 1 else "a run without data-parallel sharding"
     fix = "shard the weights with --parallelism.data_parallel_shard_degree > 1"

@@ -103,6 +103,14 @@ def torchrun_two_at_a_time(jobs: dict[str, list[str]]) -> dict[str, subprocess.C
     return {name: future.result() for name, future in futures.items()}
 
 
+def parse_job(monkeypatch, world_size: int, *args: str):
+    """The JobConfig the ranks of a ``world_size``-process job would parse from ``args`` (validation included)."""
+    from flame.config_manager import FlameConfigManager  # conftest itself imports no flame module
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    return FlameConfigManager().parse_args(list(args))
+
+
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from flame import device, launch
-from flame.config_manager import ConfigError, FlameConfigManager
+from flame.config_manager import ConfigError
 from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
-from tests.conftest import assert_same_curve, base_args, check, metrics, torchrun
+from tests.conftest import assert_same_curve, base_args, check, metrics, parse_job, torchrun
 
 DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"]
 # name: (processes, flags); every layout reads 4 rows of 64 tokens per step
@@ -190,14 +190,14 @@ def test_a_seed_checkpoint_starts_other_layouts_from_the_single_process_weights(
 def test_cpu_offload_needs_fsdp(job_args, monkeypatch):
     monkeypatch.setattr(device, "CUDA", True)  # the GPU-side check (on CPU, offload is refused outright)
     with pytest.raises(ConfigError, match="enable_cpu_offload offloads FSDP-sharded weights, but this is a run without"):
-        parse(monkeypatch, 1, *job_args, "--training.enable_cpu_offload")
-    parse(monkeypatch, 2, *job_args, "--training.enable_cpu_offload")
+        parse_job(monkeypatch, 1, *job_args, "--training.enable_cpu_offload")
+    parse_job(monkeypatch, 2, *job_args, "--training.enable_cpu_offload")
 
 
 def test_shard_degree_minus_one_takes_the_remaining_processes(job_args, monkeypatch):
-    config = parse(monkeypatch, 8, *job_args, "--parallelism.tensor_parallel_degree=2", "--training.batch_size=3")
+    config = parse_job(monkeypatch, 8, *job_args, "--parallelism.tensor_parallel_degree=2", "--training.batch_size=3")
     assert config.training.global_batch_size == 3 * 4  # 8 / tp 2 = 4 data-parallel ranks
-    config = parse(monkeypatch, 8, *job_args, "--parallelism.data_parallel_replicate_degree=8", "--training.batch_size=3")
+    config = parse_job(monkeypatch, 8, *job_args, "--parallelism.data_parallel_replicate_degree=8", "--training.batch_size=3")
     assert config.training.global_batch_size == 3 * 8  # DDP: the shard degree resolves to 1
 
 
@@ -205,11 +205,6 @@ def test_shard_degree_minus_one_takes_the_remaining_processes(job_args, monkeypa
 def job_args(tiny_model) -> list[str]:
     return [f"--model.config={tiny_model}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
             "--training.dataset=builtin:python-stdlib", "--training.seq_len=64"]
-
-
-def parse(monkeypatch, world_size: int, *args: str):
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    return FlameConfigManager().parse_args(list(args))
 
 
 # --- FSDP options act ----------------------------------------------------------------------------

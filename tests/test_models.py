@@ -27,7 +27,7 @@ from flame.models import (
 )
 from flame.models.builder import check_model_options
 from flame.models.flops import causal_pairs, model_flops
-from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun, torchrun_two_at_a_time
+from tests.conftest import ROOT, base_args, check, flame_env, losses, parse_job, torchrun, torchrun_two_at_a_time
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256}
@@ -337,16 +337,14 @@ def test_bad_model_input_is_refused_before_training(tmp_path, capsys):
 def test_fla_kernels_that_refuse_float32_are_refused_in_float32_jobs(monkeypatch, world_size, flags, reason):
     # on GPUs: delta_net's chunk kernel asserts on float32 inputs inside every rank's first step
     from flame import device
-    from flame.config_manager import FlameConfigManager
 
     monkeypatch.setattr(device, "CUDA", True)
-    model_config = load_model_config(str(ROOT / "configs/tiny/delta_net.json"))
+    config_path = ROOT / "configs/tiny/delta_net.json"
+    model_config = load_model_config(str(config_path))
 
     def job(world: int, *args: str):
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-        return FlameConfigManager().parse_args([f"--model.config={ROOT / 'configs/tiny/delta_net.json'}",
-                                                "--model.tokenizer_path=builtin:python-stdlib-bpe",
-                                                "--training.dataset=builtin:python-stdlib", *args])
+        return parse_job(monkeypatch, world, f"--model.config={config_path}",
+                         "--model.tokenizer_path=builtin:python-stdlib-bpe", "--training.dataset=builtin:python-stdlib", *args)
 
     float32_job = job(world_size, *flags)
     with pytest.raises(ConfigError) as error:
