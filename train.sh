@@ -16,6 +16,9 @@
 #   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
 #   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
 #
+#   FLAME_DUMP_STACKS_AFTER  seconds: every rank prints its Python stacks to its stderr.log once,
+#                that long after train.sh started (where a signal does not reach it), and goes on
+#
 # A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)" makes every rank
 # print its Python stacks to its stderr.log and go on.
 #
@@ -28,6 +31,14 @@
 # After a successful run with checkpoints, node 0 exports the latest checkpoint as a Hugging
 # Face model to <dump_folder>/hf.
 set -uo pipefail
+unset FLAME_DUMP_STACKS_AT # set here only: the ranks start after the preflight, so a time, not a delay
+if [ -n "${FLAME_DUMP_STACKS_AFTER:-}" ]; then
+  if [[ ! $FLAME_DUMP_STACKS_AFTER =~ ^[1-9][0-9]*$ ]]; then
+    echo "flame: error: FLAME_DUMP_STACKS_AFTER must be a whole number of seconds, not '$FLAME_DUMP_STACKS_AFTER'" >&2
+    exit 2
+  fi
+  export FLAME_DUMP_STACKS_AT=$(($(date +%s) + FLAME_DUMP_STACKS_AFTER))
+fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=$(bash "$root/3rdparty/install.sh") || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -4,8 +4,10 @@
 """
 
 import faulthandler
+import os
 import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -14,18 +16,23 @@ from torchtitan.tools.logging import init_logger, logger
 from flame.config_manager import ConfigError, FlameConfigManager
 
 
-def dump_stacks_on_sigusr1() -> None:
-    """SIGUSR1 prints every thread's Python stack to stderr and training goes on.
+def arrange_stack_dumps() -> None:
+    """Let a stuck rank show where it waits, in its stderr.log under <dump_folder>/logs.
 
-    A hung multi-GPU run then shows where each rank waits, in each rank's stderr.log under
-    <dump_folder>/logs (the command is in README's "Training your own model").
+    SIGUSR1 prints every thread's Python stack and training goes on (README: "If a run seems
+    stuck"). `FLAME_DUMP_STACKS_AFTER=<seconds> bash train.sh` prints them once, that long
+    after train.sh started, from faulthandler's watchdog thread, which needs no signal: on the
+    H200 machines SIGUSR1 reached the data-loader workers, but the ranks' main processes
+    printed nothing.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if at := os.environ.get("FLAME_DUMP_STACKS_AT"):  # train.sh: its start + FLAME_DUMP_STACKS_AFTER
+        faulthandler.dump_traceback_later(max(float(at) - time.time(), 0.1))
 
 
 def main(argv: list[str] | None = None) -> int:
     init_logger()
-    dump_stacks_on_sigusr1()
+    arrange_stack_dumps()
     try:
         config = FlameConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as error:

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 from tests.conftest import ROOT, TOKENIZER, flame_env
 
@@ -85,20 +86,45 @@ def test_help_prints_every_option():
     assert "--parallelism.data-parallel-shard-degree" in result.stdout
 
 
+def run_python(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=flame_env() | (env_extra or {}),
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
     # how a stuck rank shows where it waits (README: "If a run seems stuck")
-    code = (
+    result = run_python(
         "import os, signal\n"
-        "from flame.train import dump_stacks_on_sigusr1\n"
-        "dump_stacks_on_sigusr1()\n"
+        "from flame.train import arrange_stack_dumps\n"
+        "arrange_stack_dumps()\n"
         "os.kill(os.getpid(), signal.SIGUSR1)\n"
         "print('still running')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=flame_env(), capture_output=True, text=True,
-                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "still running"
     assert "Current thread" in result.stderr and 'File "<string>", line 4' in result.stderr
+
+
+def test_flame_dump_stacks_after_prints_the_stacks_once_without_a_signal():
+    code = (
+        "import time\n"
+        "from flame.train import arrange_stack_dumps\n"
+        "arrange_stack_dumps()\n"
+        "time.sleep(3)\n"
+        "print('still running')\n"
+    )
+    # train.sh turns FLAME_DUMP_STACKS_AFTER into this time: its own start + the seconds
+    result = run_python(code, {"FLAME_DUMP_STACKS_AT": str(time.time() + 1)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "still running"
+    assert result.stderr.count("Timeout (") == 1 and 'File "<string>", line 4' in result.stderr
+    assert "Timeout" not in run_python(code).stderr  # unset: no dump
+
+
+def test_a_bad_flame_dump_stacks_after_is_refused_before_anything_starts():
+    result = train_sh("--training.steps", "1", env_extra={"FLAME_DUMP_STACKS_AFTER": "2m"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == "flame: error: FLAME_DUMP_STACKS_AFTER must be a whole number of seconds, not '2m'"
 
 
 def test_an_error_on_one_rank_is_printed_and_the_process_group_left_for_torchrun(tmp_path, tiny_model, corpus,

@@ -123,6 +123,14 @@ def main() -> None:
     args = parser.parse_args()
     result = {"config": args.config}
     stage = "build"
+
+    def emit(done: str) -> None:  # a line after every stage: a run killed at its time limit keeps what finished
+        line = {**result, "done": done}
+        for mode in ("eager", "compile"):
+            if mode in line:
+                line[mode] = {k: v for k, v in line[mode].items() if k != "losses"}
+        print(json.dumps(line), flush=True)
+
     try:
         batches = packed_batches(8192, args.steps)
         torch.manual_seed(0)  # every run below starts from these same weights
@@ -131,13 +139,16 @@ def main() -> None:
         result["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
         stage = "parity"
         result.update(parity(model, *batches[0][:2]))
+        emit(stage)
         stage = "eager"
         result["eager"] = train(model, batches, compile_blocks=False)
+        emit(stage)
         if not args.no_compile:
             stage = "compile"
             del model
             torch.manual_seed(0)
             result["compile"] = train(build(args.config), batches, compile_blocks=True)
+            emit(stage)
         for mode in ("full", "selective"):
             stage = f"ac {mode}"
             torch.manual_seed(0)
@@ -147,9 +158,7 @@ def main() -> None:
     except Exception as error:  # one line per model, failures included
         result["error"] = f"{stage}: {type(error).__name__}: {str(error)[:300]}"
         result["traceback"] = traceback.format_exc()[-1500:]
-    for mode in ("eager", "compile"):
-        result.get(mode, {}).pop("losses", None)
-    print(json.dumps(result), flush=True)
+    emit("all")
 
 
 if __name__ == "__main__":

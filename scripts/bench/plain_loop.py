@@ -7,11 +7,13 @@ bf16 autocast, fused AdamW, one GPU, logits + cross entropy, no flame code in th
 --varlen N each step is one row of N tokens of real packed documents (the builtin corpus,
 context 4096; see packed_data.py) with the documents given as the model takes them (HF:
 position ids + flame's attention; fla: cu_seqlens); otherwise rows of random tokens.
-Prints median step time, tokens/s, TFLOPS/MFU (flame's FLOPs count) and peak memory.
+Prints each step's time to stderr; last, the median step time, tokens/s, TFLOPS/MFU (flame's
+FLOPs count) and peak memory.
 """
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -71,8 +73,11 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        # progress on stderr: a first step that takes minutes (fla autotuning) shows as such
+        print(f"step {step + 1}/{len(batches)}: {seconds:.2f} s", file=sys.stderr, flush=True)
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
             step_flops.append(flops.batch_flops(lengths))
     step_time = statistics.median(times)
     tps = ids.numel() / step_time

@@ -30,15 +30,13 @@ train_run() {
   local name=$1 ngpu=$2 config=$3 status
   shift 3
   rm -rf "${out:?}/$name"
-  local limit=${RUN_TIMEOUT:-500} watcher
-  # 10 s before the limit, every rank of this run prints its Python stacks (flame.train's
-  # SIGUSR1), so a run that hangs shows where each rank waits in its stderr (kept below)
-  (sleep $((limit - 10)) && pkill -USR1 -P "$(pgrep -d, -f "torch.distributed.run.*$out/$name( |$)")") &
-  watcher=$!
-  NGPU=$ngpu timeout "$limit" bash train.sh "${common[@]}" --model.config "$config" \
+  local limit=${RUN_TIMEOUT:-500}
+  # 15 s before the limit, every rank of this run prints its Python stacks, so a run that hangs
+  # shows where each rank waits in its stderr (kept below). A timer, not SIGUSR1: on the H200
+  # machines the ranks' main processes printed nothing on SIGUSR1.
+  FLAME_DUMP_STACKS_AFTER=$((limit - 15)) NGPU=$ngpu timeout "$limit" bash train.sh "${common[@]}" --model.config "$config" \
     --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1
   status=$?
-  kill $watcher 2>/dev/null
   echo "$name: exit $status"
   if [ $status -ne 0 ]; then
     for err in "$out/$name"/logs/*/attempt_*/*/stderr.log; do

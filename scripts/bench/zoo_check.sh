@@ -10,10 +10,12 @@ configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(configs/tiny/*.json)
 export FLAME_CACHE=/tmp/flame-cache PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 python3 -c "from flame.data import builtin; builtin.resolve('builtin:python-stdlib'); builtin.resolve('builtin:python-stdlib-bpe')"
 log="$out/zoo.jsonl"
-run_one() {  # config -> one JSON line (or an error line when it timed out or crashed)
+run_one() {  # config -> one JSON line: model_zoo.py's last (it prints one after every stage)
   local line
   line=$(timeout "${ZOO_TIMEOUT:-400}" python3 scripts/bench/model_zoo.py "$1" $mode 2>>"$out/zoo-stderr.log" | tail -1)
-  [ -n "$line" ] || line="{\"config\": \"$1\", \"error\": \"timeout or crash (see zoo-stderr.log)\"}"
+  [ -n "$line" ] || line="{\"config\": \"$1\", \"done\": \"nothing\"}"
+  # a line whose last stage is not "all": the run was killed at ZOO_TIMEOUT, or crashed, after that stage
+  [[ $line == *'"done": "all"'* ]] || line="${line%\}}, \"error\": \"timeout or crash after stage $(sed 's/.*"done": "\([^"]*\)".*/\1/' <<< "$line") (see zoo-stderr.log)\"}"
   echo "$line" >> "$log"
 }
 export -f run_one; export out mode log
