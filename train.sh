@@ -15,7 +15,6 @@
 #   FLAME_PYTHON use this interpreter as it is instead of the managed .venv (see 3rdparty/install.sh)
 #   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
 #   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
-#
 #   FLAME_DUMP_STACKS_AFTER  seconds: every rank prints its Python stacks to its stderr.log once,
 #                that long after train.sh started (where a signal does not reach it), and goes on
 #
