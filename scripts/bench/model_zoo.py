@@ -4,7 +4,7 @@
 
 With flame's own pieces (build_model: flame's attention and fused loss head; model_inputs:
 how the family takes packed documents; per-block torch.compile as parallelize_model does),
-in bf16 autocast on real packed documents (8192-token varlen rows of the builtin corpus):
+in bf16 autocast on real packed documents (varlen rows of --tokens 8192 of the builtin corpus):
 1. varlen parity: a packed row of 3 documents vs each document alone, logits and gradients;
 2. 30 AdamW steps eager: the loss must be finite and fall; tokens/s and peak memory of the last 10;
 3. the same with per-block torch.compile (a fresh model, same process: fla's kernels are
@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled run")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per varlen row (shorter for slow scans)")
     args = parser.parse_args()
     result = {"config": args.config}
     stage = "build"
@@ -132,7 +133,7 @@ def main() -> None:
         print(json.dumps(line), flush=True)
 
     try:
-        batches = packed_batches(8192, args.steps)
+        batches = packed_batches(args.tokens, args.steps)
         torch.manual_seed(0)  # every run below starts from these same weights
         model = build(args.config)
         result["model_type"] = model.config.model_type

@@ -2,7 +2,8 @@
 # Every model config under configs/tiny on the GPU: varlen parity, eager and compiled training
 # (`bash scripts/bench/zoo_check.sh [--no-compile] [config ...]`); one JSON line per config in
 # $OUT/zoo.jsonl. ZOO_JOBS (default 4) processes share the GPU (tiny models; tokens/s is indicative);
-# ZOO_TIMEOUT (default 400) seconds per config.
+# ZOO_TIMEOUT (default 400) seconds per config; ZOO_ARGS more model_zoo.py options, e.g.
+# "--steps 10 --tokens 2048" for mamba and samba, whose layers scan token by token without mamba_ssm.
 set -uo pipefail
 out=${OUT:-/tmp/flame-gpu}; mkdir -p "$out"
 mode=""; [ "${1:-}" = "--no-compile" ] && { mode="--no-compile"; shift; }
@@ -12,7 +13,7 @@ python3 -c "from flame.data import builtin; builtin.resolve('builtin:python-stdl
 log="$out/zoo.jsonl"
 run_one() {  # config -> one JSON line: model_zoo.py's last (it prints one after every stage)
   local line
-  line=$(timeout "${ZOO_TIMEOUT:-400}" python3 scripts/bench/model_zoo.py "$1" $mode 2>>"$out/zoo-stderr.log" | tail -1)
+  line=$(timeout "${ZOO_TIMEOUT:-400}" python3 scripts/bench/model_zoo.py "$1" $mode ${ZOO_ARGS:-} 2>>"$out/zoo-stderr.log" | tail -1)
   [ -n "$line" ] || line="{\"config\": \"$1\", \"done\": \"nothing\"}"
   # a line whose last stage is not "all": the run was killed at ZOO_TIMEOUT, or crashed, after that stage
   [[ $line == *'"done": "all"'* ]] || line="${line%\}}, \"error\": \"timeout or crash after stage $(sed 's/.*"done": "\([^"]*\)".*/\1/' <<< "$line") (see zoo-stderr.log)\"}"
