@@ -3,7 +3,7 @@
     python -m flame.launch --world-size 8 --env-file plan.sh -- <train flags> && source plan.sh
 
 Parses the config exactly as the ranks will (so TOML-only settings count), then loads the
-tokenizer, the model config and every data source: bad input fails here, in seconds, before
+tokenizer, the model config, the metadata of the checkpoint the run would load, and every data source: bad input fails here, in seconds, before
 torchrun starts any process. Built-in corpora are built here once, not by every rank. Writes
 shell assignments to --env-file: FLAME_DUMP_FOLDER and FLAME_CHECKPOINT (1 if checkpoints are
 saved).
@@ -25,10 +25,12 @@ def preflight(config) -> None:
         check_vocabulary,
         load_model_config,
     )
+    from flame.resume import check_checkpoint_fits_model
 
     model_config = load_model_config(config.model.config)
     check_vocabulary(model_config, config.model.tokenizer_path)
     check_model_options(model_config, config)
+    check_checkpoint_fits_model(config, model_config)
     DataPlan.from_config(config, load_tokenizer(config.model.tokenizer_path))
 
 
@@ -54,4 +56,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.argv[0] = "bash train.sh"  # tyro's error for a misspelt flag ends "For full helptext, run <argv[0]> --help"
     sys.exit(main())

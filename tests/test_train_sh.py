@@ -1,10 +1,12 @@
 """train.sh as users run it: preflight, torchrun, per-rank logs, HF export on success only."""
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from tests.conftest import ROOT, TOKENIZER, flame_env
+from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job
 
 
 def train_sh(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -53,6 +55,44 @@ def test_bad_config_fails_before_any_process_starts(tmp_path, tiny_model, corpus
     assert result.returncode == 2
     assert "missing.jsonl" in result.stderr and "does not exist" in result.stderr
     assert not (tmp_path / "dump").exists()
+
+
+def test_a_dump_folder_of_another_model_is_refused_before_anything_is_overwritten(tmp_path, tiny_model, corpus):
+    job = str(job_toml(tmp_path, tiny_model, corpus, steps=2))
+    assert train_sh("--job.config_file", job).returncode == 0
+    run_config = tmp_path / "dump" / "job_config.json"
+    saved = run_config.read_text()  # the export of this folder's checkpoints reads its model config here
+    wider = tmp_path / "wider.json"
+    wider.write_text(json.dumps({**json.loads(Path(tiny_model).read_text()), "hidden_size": 128}))
+    result = train_sh("--job.config_file", job, "--model.config", str(wider), "--training.steps", "4")
+    assert result.returncode == 2
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"flame: error: this run would load {tmp_path / 'dump' / 'checkpoint' / 'step-2'}, "
+                            f"which does not fit --model.config {wider}: model.embed_tokens.weight is [4096, 64] there, "
+                            "[4096, 128] here"), error
+    assert "--job.dump_folder" in error
+    assert run_config.read_text() == saved and not (tmp_path / "dump" / "checkpoint" / "step-4").exists()
+    # the folder's own model resumes from it
+    assert train_sh("--job.config_file", job, "--training.steps", "4").returncode == 0
+    assert (tmp_path / "dump" / "checkpoint" / "step-4" / ".metadata").is_file()
+
+
+def test_the_checkpoint_a_run_loads_is_the_one_torchtitan_picks(tmp_path, monkeypatch):
+    from flame.resume import checkpoint_to_load
+
+    def job(*flags):
+        return parse_job(monkeypatch, 1, "--job.config_file", str(ROOT / "configs" / "debug.toml"),
+                         "--job.dump_folder", str(tmp_path), *flags)
+
+    seed = str(tmp_path / "seed")
+    assert checkpoint_to_load(job("--checkpoint.initial_load_path", seed)) == seed  # no checkpoint folder yet
+    assert checkpoint_to_load(job("--checkpoint.no-enable", "--checkpoint.initial_load_path", seed)) is None
+    for step in (2, 10, 11):
+        (tmp_path / "checkpoint" / f"step-{step}").mkdir(parents=True)
+    for step in (2, 10):  # step-11 has no DCP metadata: an interrupted save
+        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").touch()
+    assert checkpoint_to_load(job("--checkpoint.initial_load_path", seed)) == str(tmp_path / "checkpoint" / "step-10")
+    assert checkpoint_to_load(job("--checkpoint.load_step", "2")) == str(tmp_path / "checkpoint" / "step-2")
 
 
 def test_failed_training_exits_nonzero_and_exports_nothing(tmp_path, tiny_model, corpus):
