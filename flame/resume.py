@@ -48,10 +48,11 @@ def check_checkpoint_fits_model(job_config, model_config: PretrainedConfig) -> N
         model = AutoModelForCausalLM.from_config(model_config)
     problems = []
     for name, tensor in model.state_dict().items():
-        if name not in saved:
+        size = getattr(saved.get(name), "size", None)  # None: absent, or saved as bytes
+        if size is None:
             problems.append(f"it has no {name}")
-        elif tuple(getattr(saved[name], "size", ())) != tuple(tensor.shape):
-            problems.append(f"{name} is {list(saved[name].size)} there, {list(tensor.shape)} here")
+        elif tuple(size) != tuple(tensor.shape):
+            problems.append(f"{name} is {list(size)} there, {list(tensor.shape)} here")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(
