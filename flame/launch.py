@@ -4,9 +4,9 @@
 
 Parses the config exactly as the ranks will (so TOML-only settings count), then loads the
 tokenizer, the model config, the metadata of the checkpoint the run would load and every data
-source: bad input fails here, in seconds, before torchrun starts any process. Built-in corpora are built here once, not by every rank. Writes
-shell assignments to --env-file: FLAME_DUMP_FOLDER and FLAME_CHECKPOINT (1 if checkpoints are
-saved).
+source: bad input fails here, in seconds, before torchrun starts any process. Built-in corpora
+are built here once, not by every rank. Writes shell assignments to --env-file:
+FLAME_DUMP_FOLDER and FLAME_CHECKPOINT (1 if checkpoints are saved).
 """
 
 import argparse
