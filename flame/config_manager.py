@@ -296,15 +296,16 @@ def _check_available_parallelism(p, shard: int) -> None:
             )
 
 
-def fsdp_enabled(config: JobConfig, shard: int) -> bool:
-    """Whether torchtitan applies FSDP (and with it mixed precision) at this data-parallel shard degree."""
+def fsdp_enabled(config: JobConfig, world_size: int) -> bool:
+    """Whether torchtitan applies FSDP (and with it mixed precision) to this job's processes."""
+    shard = data_parallel_degree(config, world_size) // config.parallelism.data_parallel_replicate_degree
     return shard > 1 or config.parallelism.context_parallel_degree > 1  # CP shards over the dp x cp mesh
 
 
-def _check_fsdp_options(config: JobConfig, shard: int) -> None:
+def _check_fsdp_options(config: JobConfig, world_size: int) -> None:
     """Options that only FSDP acts on are refused without it (torchtitan would ignore them)."""
     p = config.parallelism
-    if fsdp_enabled(config, shard):
+    if fsdp_enabled(config, world_size):
         return
     without = "DDP" if p.data_parallel_replicate_degree > 1 else "a run without data-parallel sharding"
     fix = "shard the weights with --parallelism.data_parallel_shard_degree > 1"
@@ -340,7 +341,7 @@ def finalize(config: JobConfig, world_size: int) -> None:
     _check_training(config)
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
-    _check_fsdp_options(config, dp // config.parallelism.data_parallel_replicate_degree)
+    _check_fsdp_options(config, world_size)
     _check_seed_checkpoint(config, world_size)
     t = config.training
     t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps

@@ -18,6 +18,7 @@ from flame.config_manager import ConfigError, FlameConfigManager
 
 
 def preflight(config) -> None:
+    from flame.checkpoints import check_checkpoint_fits_model
     from flame.data.shards import DataPlan
     from flame.data.tokenizer import load_tokenizer
     from flame.models.builder import (
@@ -25,7 +26,6 @@ def preflight(config) -> None:
         check_vocabulary,
         load_model_config,
     )
-    from flame.resume import check_checkpoint_fits_model
 
     model_config = load_model_config(config.model.config)
     check_vocabulary(model_config, config.model.tokenizer_path)

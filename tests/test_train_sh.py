@@ -78,7 +78,7 @@ def test_a_dump_folder_of_another_model_is_refused_before_anything_is_overwritte
 
 
 def test_the_checkpoint_a_run_loads_is_the_one_torchtitan_picks(tmp_path, monkeypatch):
-    from flame.resume import checkpoint_to_load
+    from flame.checkpoints import checkpoint_to_load
 
     def job(*flags):
         return parse_job(monkeypatch, 1, "--job.config_file", str(ROOT / "configs" / "debug.toml"),

@@ -27,7 +27,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from flame import device
 from flame.components.loss import use_fused_cross_entropy
-from flame.config_manager import ConfigError, data_parallel_degree, fsdp_enabled
+from flame.config_manager import ConfigError, fsdp_enabled
 from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.context_parallel import check_context_parallel
@@ -88,10 +88,9 @@ def float32_compute(job_config) -> str | None:
     if job_config.training.mixed_precision_param == "float32":
         return "--training.mixed_precision_param float32"
     p = job_config.parallelism
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    shard = data_parallel_degree(job_config, world_size) // p.data_parallel_replicate_degree
     # torchtitan: FSDP casts the weights; without it, only a plain or DDP run gets autocast
-    if not fsdp_enabled(job_config, shard) and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
+    fsdp = fsdp_enabled(job_config, int(os.environ.get("WORLD_SIZE", "1")))
+    if not fsdp and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
         return "tensor/pipeline parallelism without FSDP, where torchtitan applies no mixed precision"
     return None
 

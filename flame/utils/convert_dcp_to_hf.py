@@ -12,7 +12,6 @@ only when complete, so an earlier export is never left half-overwritten.
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from flame.checkpoints import complete_steps, weight_mismatches
 from flame.config_manager import RUN_CONFIG_FILE, ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import load_model_config
@@ -37,18 +37,6 @@ def run_settings(path: str) -> dict:
         return json.load(f)
 
 
-def complete_steps(checkpoint_folder: str) -> list[int]:
-    """Steps whose checkpoint finished writing (DCP writes .metadata last, atomically)."""
-    if not os.path.isdir(checkpoint_folder):
-        return []
-    steps = []
-    for name in os.listdir(checkpoint_folder):
-        match = re.fullmatch(r"step-(\d+)", name)
-        if match and os.path.isfile(os.path.join(checkpoint_folder, name, ".metadata")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
 def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
     """An HF model (fp32, CPU) holding the weights of a DCP checkpoint."""
     with torch.device("meta"):
@@ -63,10 +51,10 @@ def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
             f"checkpoint {checkpoint} lacks {', '.join(absent[:3])}, written by other ranks: on a multi-node run "
             "the dump folder must be one path on a filesystem every node shares"
         )
-    missing = [key for key in state_dict if key not in metadata.state_dict_metadata]
-    if missing:
+    problems = weight_mismatches(metadata, state_dict)
+    if problems:
         raise ConfigError(
-            f"checkpoint {checkpoint} does not hold this model's weights (missing {missing[:3]}...): "
+            f"checkpoint {checkpoint} does not hold this model's weights ({'; '.join(problems[:3])}): "
             "is --config the model the run trained?"
         )
     dcp.load(state_dict, checkpoint_id=checkpoint)

@@ -15,8 +15,6 @@ run_one() {  # config -> one JSON line: model_zoo.py's last (it prints one after
   local line
   line=$(timeout "${ZOO_TIMEOUT:-400}" python3 scripts/bench/model_zoo.py "$1" $mode ${ZOO_ARGS:-} 2>>"$out/zoo-stderr.log" | tail -1)
   [ -n "$line" ] || line="{\"config\": \"$1\", \"done\": \"nothing\"}"
-  # a line whose last stage is not "all": the run was killed at ZOO_TIMEOUT, or crashed, after that stage
-  [[ $line == *'"done": "all"'* ]] || line="${line%\}}, \"error\": \"timeout or crash after stage $(sed 's/.*"done": "\([^"]*\)".*/\1/' <<< "$line") (see zoo-stderr.log)\"}"
   echo "$line" >> "$log"
 }
 export -f run_one; export out mode log
@@ -36,5 +34,7 @@ for line in open(sys.argv[1]):
         parts.insert(0, f"parity={r['parity_logits']:.4f}/{r['parity_grads']:.4f}")
     if "error" in r:
         parts.append(f"ERROR {r['error'][:150]}")
+    elif r.get("done", "all") != "all":  # killed at ZOO_TIMEOUT (or crashed) after that stage
+        parts.append(f"ERROR timeout or crash after stage {r['done']} (see zoo-stderr.log)")
     print(f"{r['config']:42s} " + " | ".join(parts))
 PY
