@@ -25,7 +25,7 @@ from flame.models import (
     model_inputs,
     registry,
 )
-from flame.models.builder import check_model_options
+from flame.models.builder import check_model_options, check_position_table
 from flame.models.flops import causal_pairs, model_flops
 from tests.conftest import ROOT, base_args, check, flame_env, losses, parse_job, torchrun, torchrun_two_at_a_time
 
@@ -324,6 +324,33 @@ def test_bad_model_input_is_refused_before_training(tmp_path, capsys):
     assert "fla's rwkv7 does not compile" in error and "without compile" in error
     error = preflight_error(tmp_path, capsys, {"model_type": "llama_xl", "vocab_size": 4096})
     assert "unknown model_type 'llama_xl'" in error and "custom_models/" in error
+
+
+def test_rows_or_documents_longer_than_a_learned_position_table_are_refused(tmp_path, capsys, monkeypatch):
+    # GPT-2 indexes its wpe table by position (a device assert on GPUs past it); fla's cat raises in step 1
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 4096,
+            "bos_token_id": 0, "eos_token_id": 0}
+    error = preflight_error(tmp_path, capsys, gpt2, "--training.seq_len=256")
+    assert error == (
+        f"flame: error: gpt2 learns 128 positions (max_position_embeddings in {tmp_path / 'model.json'}), but this job "
+        "gives it documents of up to 256 tokens; set --training.context_len to at most 128, or raise max_position_embeddings"
+    )
+    cat = {**json.loads((ROOT / "configs/tiny/cat.json").read_text()), "max_position_embeddings": 2048}
+    error = preflight_error(tmp_path, capsys, cat, "--training.seq_len=4096", "--training.context_len=1024")
+    assert "cat learns 2048 positions" in error and "sees each row whole) of up to 4096 tokens" in error
+    assert "set --training.seq_len to at most 2048" in error
+
+    def job(config: dict, *flags: str):
+        path = tmp_path / "fits.json"
+        path.write_text(json.dumps(config))
+        return load_model_config(str(path)), parse_job(
+            monkeypatch, 1, f"--model.config={path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+            "--training.dataset=builtin:python-stdlib", *flags)
+
+    # positions restart at every document, so only context_len counts for GPT-2; rotary models have no table
+    check_position_table(*job(gpt2, "--training.seq_len=1024", "--training.context_len=128"))
+    check_position_table(*job({"model_type": "llama", **TINY, "vocab_size": 4096, "max_position_embeddings": 64},
+                              "--training.seq_len=256"))
 
 
 @pytest.mark.parametrize(

@@ -95,9 +95,41 @@ def float32_compute(job_config) -> str | None:
     return None
 
 
+def _has_learned_position_table(config: PretrainedConfig) -> bool:
+    """Whether the model embeds absolute positions in a table (GPT-2's wpe, fla cat's pos_tokens).
+
+    Built on the meta device: rotary and ALiBi models have no such table; a learned one is an
+    nn.Embedding of max_position_embeddings rows (OPT's has 2 more) besides the token embeddings.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    rows = {config.max_position_embeddings, config.max_position_embeddings + 2}
+    return any(
+        isinstance(module, nn.Embedding) and module.num_embeddings in rows and module.num_embeddings != config.vocab_size
+        for module in model.modules()
+    )
+
+
+def check_position_table(config: PretrainedConfig, job_config) -> None:
+    """Refuse rows or documents longer than a learned position table: they fail in step 1 (a device assert on GPUs)."""
+    t = job_config.training
+    if is_fla_config(config) and config.model_type in FLA_DOCUMENTS_NOT_ISOLATED:
+        longest, flag, spans = t.seq_len, "--training.seq_len", "rows (it takes no document boundaries, so it sees each row whole)"
+    else:  # position ids restart at every document, and documents are cut at context_len
+        longest, flag, spans = t.context_len, "--training.context_len", "documents"
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit or longest <= limit or not _has_learned_position_table(config):
+        return
+    raise ConfigError(
+        f"{config.model_type} learns {limit} positions (max_position_embeddings in {job_config.model.config}), but this "
+        f"job gives it {spans} of up to {longest} tokens; set {flag} to at most {limit}, or raise max_position_embeddings"
+    )
+
+
 def check_model_options(config: PretrainedConfig, job_config) -> None:
     """Refuse model settings flame cannot honour, before any expensive work."""
     model_type = config.model_type
+    check_position_table(config, job_config)
     check_tensor_parallel(config, job_config)
     check_context_parallel(config, job_config)
     from flame.models.pipeline import (
