@@ -281,8 +281,9 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
             )
         if device.CUDA:  # a run that seems stuck before step 1 is most often this
             logger.info(
-                "fla's Triton kernels autotune the first time each shape runs: on a new machine the first steps "
-                "can take minutes; the choices are cached (TRITON_CACHE_AUTOTUNING=1 in train.sh) for later runs"
+                "fla's Triton kernels compile and autotune the first time each shape and dtype runs: on a new machine "
+                "step 1 can take minutes; Triton caches both (~/.triton/cache; the choices with "
+                "TRITON_CACHE_AUTOTUNING=1, train.sh's default), so later runs on this machine start at once"
             )
         return AutoModelForCausalLM.from_config(config)
     try:
