@@ -283,7 +283,7 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
             logger.info(
                 "fla's Triton kernels compile and autotune the first time each shape and dtype runs: on a new machine "
                 "step 1 can take minutes; Triton caches both (~/.triton/cache; the choices with "
-                "TRITON_CACHE_AUTOTUNING=1, train.sh's default), so later runs on this machine start at once"
+                "TRITON_CACHE_AUTOTUNING=1, train.sh's default), so later runs on this machine start sooner"
             )
         return AutoModelForCausalLM.from_config(config)
     try:
