@@ -24,7 +24,7 @@ tokens=${TOKENS:-65536}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 layouts=" ${LAYOUTS:-fsdp1 fsdp2 fsdp4 tp2 rows2 pp2 rows1 pptp cp2 cp2long} "
 export FLAME_CACHE=${FLAME_CACHE:-/tmp/flame-cache} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export TRITON_CACHE_AUTOTUNING=1 TRANSFORMERS_VERBOSITY=error RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+export TRANSFORMERS_VERBOSITY=error RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 # seq_len here for the seed run (train_run.sh: seed_flags), which takes only these flags; every layout sets its own
 common=(--job.config_file configs/debug.toml --training.context_len 4096 --training.seq_len "$tokens" --training.steps 20 --metrics.log_freq 1
   --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4 --training.num_workers 4 --checkpoint.no-enable)

@@ -8,7 +8,7 @@ set -uo pipefail
 out=${OUT:-/tmp/flame-gpu}; mkdir -p "$out"
 tokens=${TOKENS:-65536}
 export FLAME_PYTHON=${FLAME_PYTHON:-python3} FLAME_CACHE=/tmp/flame-cache PYTHONUNBUFFERED=1
-export TRITON_CACHE_AUTOTUNING=1  # fla's kernels autotune once, then read the choice from disk
+source scripts/bench/kernel_cache.sh  # the carried kernel caches; this machine's go back into $OUT at the end
 for model in "$@"; do
   config=configs/${model}_340M.json
   timeout "${RUN_TIMEOUT:-280}" python3 scripts/bench/plain_loop.py --config "$config" --varlen "$tokens" --steps 20 \
@@ -25,3 +25,4 @@ for model in "$@"; do
   grep plain-loop "$out/plain_${model}.log" || tail -3 "$out/plain_${model}.log"
   grep -E "step +30/30" "$out/flame_${model}.log" | sed 's/\x1b\[[0-9;]*m//g' | sed "s/.*INFO - /flame $model: /"
 done
+if [ -n "${OUT:-}" ]; then kernel_cache_save; fi

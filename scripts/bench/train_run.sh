@@ -3,13 +3,9 @@
 # Only the log and metrics.jsonl stay; after a failure, every rank's stderr is kept as
 # $out/<name>.rank<N>.err (at the time limit, RUN_TIMEOUT seconds (default 500), with every
 # rank's Python stacks). With $OUT set (a device-tool run, which returns few files), $out is
-# packed after every run into $OUT/<basename of $out>.tgz, so what finished comes back.
-#
-# fla's kernels autotune on a fresh machine for minutes. Their choices (Triton's
-# *.autotune.json, a few hundred KB) come back as $OUT/autotune.tgz after every run; saved as
-# .kernel-cache/autotune.tgz (gitignored, carried to the device), they are unpacked here first.
-triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .kernel-cache/autotune.tgz ]; then mkdir -p "$triton_cache" && tar xzf .kernel-cache/autotune.tgz -C "$triton_cache"; fi
+# packed after every run into $OUT/<basename of $out>.tgz, so what finished comes back, and so
+# are the machine's kernel caches (scripts/bench/kernel_cache.sh, which unpacks the carried ones).
+source scripts/bench/kernel_cache.sh
 
 # Every layout of a comparison starts from the same weights: seed_flags makes a seed checkpoint of a
 # config once, in one process (--checkpoint.create_seed_checkpoint), and returns the flags that load
@@ -46,7 +42,7 @@ train_run() {
   find "$out/$name" -mindepth 1 -maxdepth 1 ! -name metrics.jsonl -exec rm -rf {} +
   if [ -n "${OUT:-}" ]; then
     tar czf "$OUT/$(basename "$out").tgz" -C "$out" .
-    (cd "$triton_cache" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
+    kernel_cache_save
   fi
   return $status
 }

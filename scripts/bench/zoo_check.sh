@@ -9,6 +9,7 @@ out=${OUT:-/tmp/flame-gpu}; mkdir -p "$out"
 mode=""; [ "${1:-}" = "--no-compile" ] && { mode="--no-compile"; shift; }
 configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(configs/tiny/*.json)
 export FLAME_CACHE=/tmp/flame-cache PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+source scripts/bench/kernel_cache.sh  # the carried kernel caches; this machine's go back into $OUT at the end
 python3 -c "from flame.data import builtin; builtin.resolve('builtin:python-stdlib'); builtin.resolve('builtin:python-stdlib-bpe')"
 log="$out/zoo.jsonl"
 run_one() {  # config -> one JSON line: model_zoo.py's last (it prints one after every stage)
@@ -38,3 +39,4 @@ for line in open(sys.argv[1]):
         parts.append(f"ERROR timeout or crash after stage {r['done']} (see zoo-stderr.log)")
     print(f"{r['config']:42s} " + " | ".join(parts))
 PY
+if [ -n "${OUT:-}" ]; then kernel_cache_save; fi
