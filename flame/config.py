@@ -70,7 +70,7 @@ class Training:
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated into one optimizer step"""
     fused_cross_entropy: Literal["auto", "on", "off"] = "auto"
-    """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log.md). auto = on for CUDA runs with vocab_size >= 16384"""
+    """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False
     """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
     # Aliases: flame's historical spellings of torchtitan fields (None / False = not given).

@@ -9,7 +9,7 @@ Backends (``--model.attention``):
 - ``flex``: FlexAttention with a document block mask (CUDA);
 - ``sdpa``: the reference path: SDPA with a dense block-diagonal causal mask (any device;
   memory grows with tokens², so it is meant for CPU debugging and for tests);
-- ``auto``: ``varlen`` on CUDA (measured faster than ``flex``; docs/perf-log.md), ``sdpa`` on CPU.
+- ``auto``: ``varlen`` on CUDA (measured faster than ``flex``; docs/perf-log-archive.md), ``sdpa`` on CPU.
 
 The attention is plugged into
 - HF models, as the attention implementation ``flame`` of transformers' registry; flame passes
