@@ -13,9 +13,10 @@ import re
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from flame.config_manager import ConfigError
+from flame.models.registry import meta_model
 
 
 def complete_steps(checkpoint_folder: str) -> list[int]:
@@ -65,9 +66,7 @@ def check_checkpoint_fits_model(job_config, model_config: PretrainedConfig) -> N
     path = checkpoint_to_load(job_config)
     if path is None or not os.path.isfile(os.path.join(path, ".metadata")):
         return  # nothing to load, or torchtitan's own error about the missing step
-    with torch.device("meta"):  # the weight names and shapes only; flame's builder changes neither
-        model = AutoModelForCausalLM.from_config(model_config)
-    problems = weight_mismatches(FileSystemReader(path).read_metadata(), model.state_dict())
+    problems = weight_mismatches(FileSystemReader(path).read_metadata(), meta_model(model_config).state_dict())
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(

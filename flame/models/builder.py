@@ -32,8 +32,12 @@ from flame.data.tokenizer import load_tokenizer
 from flame.models import attention
 from flame.models.context_parallel import check_context_parallel
 from flame.models.flops import model_flops
-from flame.models.inputs import FLA_DOCUMENTS_NOT_ISOLATED, is_fla_config
-from flame.models.registry import ensure_model_type
+from flame.models.inputs import (
+    FLA_DOCUMENTS_NOT_ISOLATED,
+    is_fla_config,
+    keeps_rows_whole,
+)
+from flame.models.registry import ensure_model_type, meta_model
 from flame.models.tensor_parallel import check_tensor_parallel
 
 
@@ -101,8 +105,7 @@ def _has_learned_position_table(config: PretrainedConfig) -> bool:
     Built on the meta device: rotary and ALiBi models have no such table; a learned one is an
     nn.Embedding of max_position_embeddings rows (OPT's has 2 more) besides the token embeddings.
     """
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     rows = {config.max_position_embeddings, config.max_position_embeddings + 2}
     return any(
         isinstance(module, nn.Embedding) and module.num_embeddings in rows and module.num_embeddings != config.vocab_size
@@ -113,7 +116,7 @@ def _has_learned_position_table(config: PretrainedConfig) -> bool:
 def check_position_table(config: PretrainedConfig, job_config) -> None:
     """Refuse rows or documents longer than a learned position table: they fail in step 1 (a device assert on GPUs)."""
     t = job_config.training
-    if is_fla_config(config) and config.model_type in FLA_DOCUMENTS_NOT_ISOLATED:
+    if keeps_rows_whole(config):
         longest, flag, spans = t.seq_len, "--training.seq_len", "rows (it takes no document boundaries, so it sees each row whole)"
     else:  # position ids restart at every document, and documents are cut at context_len
         longest, flag, spans = t.context_len, "--training.context_len", "documents"

@@ -42,9 +42,14 @@ def uses_flame_attention(model: nn.Module) -> bool:
     return getattr(model.config, "_attn_implementation", None) == attention.HF_ATTENTION
 
 
+def keeps_rows_whole(config) -> bool:
+    """fla types that cannot isolate documents take each row as one sequence (their positions run over it)."""
+    return is_fla_config(config) and config.model_type in FLA_DOCUMENTS_NOT_ISOLATED
+
+
 def flattens_rows(model: nn.Module) -> bool:
     """fla models that isolate documents take a batch as one row with ``cu_seqlens``."""
-    return is_fla_model(model) and model.config.model_type not in FLA_DOCUMENTS_NOT_ISOLATED
+    return is_fla_model(model) and not keeps_rows_whole(model.config)
 
 
 def document_kwargs(model: nn.Module, batch: dict) -> dict:

@@ -13,6 +13,9 @@ import re
 import warnings
 from pathlib import Path
 
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from flame.models import attention
@@ -46,3 +49,12 @@ def ensure_model_type(model_type: str) -> None:
     """Make ``model_type`` resolve through transformers' Auto classes as flame means it (importing fla if needed)."""
     if model_type in fla_model_types() or model_type not in CONFIG_MAPPING:
         import_fla()
+
+
+def meta_model(config: PretrainedConfig) -> nn.Module:
+    """The model ``config`` describes, on the meta device: its modules, weight names and shapes, no memory.
+
+    What preflight checks and the HF export inspect; flame's builder changes none of these.
+    """
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)

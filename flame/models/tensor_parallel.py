@@ -32,7 +32,6 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -41,6 +40,7 @@ from torchtitan.tools.logging import logger
 from transformers import PretrainedConfig
 
 from flame.config_manager import ConfigError
+from flame.models.registry import meta_model
 from flame.models.tp_local import (
     COLUMNS,
     NORM,
@@ -343,11 +343,7 @@ def check_tensor_parallel(config: PretrainedConfig, job_config) -> None:
             f"--training.seq_len {seq_len} is not divisible by --parallelism.tensor_parallel_degree {tp} "
             "(sequence parallelism splits every row's tokens over the TP ranks)"
         )
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    plan_layout(model, plan, tp)
+    plan_layout(meta_model(config), plan, tp)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, job_config) -> None:

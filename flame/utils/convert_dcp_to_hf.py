@@ -24,6 +24,7 @@ from flame.checkpoints import complete_steps, weight_mismatches
 from flame.config_manager import RUN_CONFIG_FILE, ConfigError
 from flame.data.tokenizer import load_tokenizer
 from flame.models import load_model_config
+from flame.models.registry import meta_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,8 +40,7 @@ def run_settings(path: str) -> dict:
 
 def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
     """An HF model (fp32, CPU) holding the weights of a DCP checkpoint."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     model.to_empty(device="cpu")
     state_dict = model.state_dict()
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
