@@ -252,6 +252,33 @@ def test_fla_model_types_are_the_types_fla_registers():
     assert {"gla", "mamba", "mamba2", "cyclic_flow_attention"} <= registered  # the last in fla/models/cyfa
 
 
+def test_deltaformer_kernels_tune_once_not_per_document_length():
+    # fla keys them on the chunk/document length (C, T): under varlen every new length tuned anew
+    from triton.runtime.autotuner import Autotuner
+
+    registry.import_fla()
+    from fla.ops.deltaformer import parallel
+
+    kernels = {name: kernel for name, kernel in vars(parallel).items() if isinstance(kernel, Autotuner)}
+    assert len(kernels) == 4
+    assert all(kernel.keys == ["D"] for kernel in kernels.values()), {n: k.keys for n, k in kernels.items()}
+
+
+@pytest.mark.parametrize("attn_mode, warned", [("chunk", True), ("fused_recurrent", False)])
+def test_gla_chunk_kernels_wrong_gradients_are_named_on_gpus(monkeypatch, caplog, attn_mode, warned):
+    from flame import device
+
+    monkeypatch.setattr(device, "CUDA", True)
+    config = load_model_config(str(ROOT / "configs/tiny/gla.json"))
+    config.attn_mode = attn_mode
+    args = FlameModelArgs(config_path="configs/tiny/gla.json")
+    args._config = config
+    with torch.device("meta"):
+        build_model(args)
+    message = '"attn_mode": "fused_recurrent" in the model config avoids them'
+    assert (message in caplog.text) == warned
+
+
 def test_fla_is_imported_when_a_config_needs_it_not_at_startup(tmp_path):
     # a fresh process: this one imported fla already. "mamba" is also transformers' own type;
     # fla registers its Mamba over it on import, and in flame the name means fla's.
@@ -322,6 +349,9 @@ def test_bad_model_input_is_refused_before_training(tmp_path, capsys):
     rwkv7 = {"model_type": "rwkv7", "hidden_size": 64, "num_hidden_layers": 1, "head_dim": 16, "vocab_size": 4096}
     error = preflight_error(tmp_path, capsys, rwkv7, "--training.compile")
     assert "fla's rwkv7 does not compile" in error and "without compile" in error
+    deltaformer = json.loads((ROOT / "configs/tiny/deltaformer.json").read_text())
+    error = preflight_error(tmp_path, capsys, deltaformer, "--training.compile")
+    assert "fla's deltaformer does not compile" in error and "parallel_deltaformer_fwd_kernel" in error
     error = preflight_error(tmp_path, capsys, {"model_type": "llama_xl", "vocab_size": 4096})
     assert "unknown model_type 'llama_xl'" in error and "custom_models/" in error
 

@@ -78,6 +78,13 @@ FLA_NOT_COMPILABLE = {
     "parallax": "inductor fails to compile fla's parallel_parallax_fwd_kernel",
     "nsa": "the compiled blocks give a NaN loss",
     "stickbreaking_attn": "the compiled blocks give a NaN loss",
+    "deltaformer": "Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it",
+}
+
+# fla kernels measured to give wrong gradients on GPUs: (model_type, attn_mode) -> the measurement
+FLA_WRONG_GRADIENTS = {
+    ("gla", "chunk"): "its chunk backward gave a gradient norm of 5,227 where attn_mode fused_recurrent gave 6.8, "
+    "same weights, same batch, same loss (H200, fla 0.6, Triton 3.6; docs/perf-log.md, session 15)",
 }
 
 
@@ -288,6 +295,12 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
                 "step 1 can take minutes; Triton caches both (~/.triton/cache; the choices with "
                 "TRITON_CACHE_AUTOTUNING=1, train.sh's default), so later runs on this machine start sooner"
             )
+            wrong = FLA_WRONG_GRADIENTS.get((config.model_type, getattr(config, "attn_mode", None)))
+            if wrong:
+                logger.warning(
+                    f"fla's {config.model_type}: {wrong}; gradient clipping bounds such steps, and "
+                    '"attn_mode": "fused_recurrent" in the model config avoids them at ~1/2.7 the speed'
+                )
         return AutoModelForCausalLM.from_config(config)
     try:
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention.HF_ATTENTION)
