@@ -21,6 +21,10 @@ if __name__ == "__main__":
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
         if torch.distributed.get_rank() == 0:
             torch.save({"input_ids": input_ids, "logits": logits}, os.environ["FLAME_TEST_LOGITS"])
+        # the ranks tear down together, as flame.train's do after their last collective. Without
+        # this, rank 1 went on alone while rank 0 saved, and twice (in full test runs) it died at
+        # its exit: SIGABRT, "terminate called without an active exception". Not reproduced alone.
+        torch.distributed.barrier()
     finally:
         trainer.close()
         torch.distributed.destroy_process_group()
