@@ -15,18 +15,15 @@ import importlib
 _KEYED_ON_LENGTH = {"fla.ops.deltaformer.parallel": ("C", "T")}
 
 
-def tune_once_per_shape() -> list[str]:
-    """Drop the length arguments from those kernels' autotune keys; returns the kernels changed."""
+def tune_once_per_shape() -> None:
+    """Drop the length arguments from those kernels' autotune keys."""
     from triton.runtime.autotuner import Autotuner
 
-    changed = []
     for module_name, lengths in _KEYED_ON_LENGTH.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError:  # another fla version (a 3rdparty/ checkout) may have moved or fixed it
             continue
-        for name, kernel in vars(module).items():
+        for kernel in vars(module).values():
             if isinstance(kernel, Autotuner) and any(key in lengths for key in kernel.keys):
                 kernel.keys = [key for key in kernel.keys if key not in lengths]
-                changed.append(f"{module_name}.{name}")
-    return changed
