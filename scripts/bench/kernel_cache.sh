@@ -11,7 +11,7 @@
 # merge what came back into .kernel-cache/:
 #   bash scripts/bench/kernel_cache.sh merge <the call's files_at folder>
 triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-export TRITON_CACHE_AUTOTUNING=1 TILELANG_CACHE_DIR=/tmp/tlcache  # tlcache.tgz holds tlcache/
+export TRITON_CACHE_AUTOTUNING=1 TILELANG_CACHE_DIR=/tmp/tlcache  # tlcache.tgz holds tlcache/, unpacked in /tmp
 
 kernel_cache_restore() {  # folder holding the archives; once per machine
   # Every bench script sources this file, also while others train: unpacking again would replace

@@ -54,10 +54,10 @@ def forward_loss(model, ids, labels, cu_seqlens, max_seqlen, fused=True):
 
 def parity(model, ids, labels) -> dict:
     """Packed documents vs one at a time: max |logit diff| / max |logit| and gradient rel. error."""
-    lengths = [300, 517, 160]  # 977 tokens; a shorter row (--tokens 512) splits its own tokens the same way
-    if ids.shape[1] < sum(lengths):
-        first, second = ids.shape[1] * 300 // 977, ids.shape[1] * 517 // 977
-        lengths = [first, second, ids.shape[1] - first - second]
+    lengths = [300, 517, 160]
+    if ids.shape[1] < sum(lengths):  # a shorter row (--tokens 512): the same shares of its own tokens
+        first_two = [n * ids.shape[1] // sum(lengths) for n in lengths[:2]]
+        lengths = [*first_two, ids.shape[1] - sum(first_two)]
     cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     ids, labels = ids[:, : sum(lengths)], labels[:, : sum(lengths)]
     with torch.autocast("cuda", dtype=torch.bfloat16):
