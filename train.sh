@@ -16,7 +16,9 @@
 #   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
 #   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
 #   FLAME_DUMP_STACKS_AFTER  seconds: every rank prints its Python stacks to its stderr.log once,
-#                that long after train.sh started (where a signal does not reach it), and goes on
+#                that long after train.sh started (where a signal does not reach it), and goes on; a
+#                busy rank can crash then (faulthandler reads frames while they change: 3 of 4 ranks
+#                did once on an H200), so set it only near a limit that kills the run anyway
 #
 # A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)" makes every rank
 # print its Python stacks to its stderr.log and go on.

@@ -265,7 +265,7 @@ def test_deltaformer_kernels_tune_once_not_per_document_length():
 
 
 @pytest.mark.parametrize("attn_mode, warned", [("chunk", True), ("fused_recurrent", False)])
-def test_gla_chunk_kernels_wrong_gradients_are_named_on_gpus(monkeypatch, caplog, attn_mode, warned):
+def test_gla_chunk_kernels_gradient_spikes_are_named_on_gpus(monkeypatch, caplog, attn_mode, warned):
     from flame import device
 
     monkeypatch.setattr(device, "CUDA", True)
@@ -275,7 +275,7 @@ def test_gla_chunk_kernels_wrong_gradients_are_named_on_gpus(monkeypatch, caplog
     args._config = config
     with torch.device("meta"):
         build_model(args)
-    message = '"attn_mode": "fused_recurrent" in the model config avoids them'
+    message = '"attn_mode": "fused_recurrent" in the model config makes them rarer and smaller'
     assert (message in caplog.text) == warned
 
 

@@ -80,7 +80,7 @@ def test_plan_shards_every_parameter_of_the_tiny_model(model_type, two_rank_mesh
 
 def test_sharded_gradients_equal_unsharded_gradients():
     """One packed batch: loss and every gradient, TP 2 against the same weights unsharded (both loss paths)."""
-    specs = ["qwen3", "mistral:fused", "qwen2", "transformer:fused", "mamba2", "mamba2:fused"]
+    specs = ["qwen3", "mistral:fused", "qwen2", "transformer:fused", "mamba2", "mamba2:fused", "gla"]
     paths = [f"{TINY[name.split(':')[0]]}{':fused' if name.endswith(':fused') else ''}" for name in specs]
     result = check(torchrun(paths, nproc=2, module=str(ROOT / "tests" / "scripts" / "tp_grad_parity.py")))
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("parity ")]

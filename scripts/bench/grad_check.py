@@ -11,7 +11,8 @@ rows (packed_data.py) go through forward and backward --repeats times, without a
 step. One JSON line per pass: the loss, the total gradient norm, and
 the five largest gradient norms by module (decoder blocks split into their children). Equal
 lines across repeats = deterministic; a norm that changes between repeats of one input
-points at the kernels, not at flame.
+points at the kernels, not at flame. --attn-mode compares an fla model's kernels on the same
+rows (session 16: gla with fused_recurrent and chunk).
 """
 
 import argparse
@@ -52,9 +53,12 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true",
                         help="fp32 weights, forward under bf16 autocast: flame on one GPU (default: weights in --dtype, as FSDP casts them)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script with an HF config")
+    parser.add_argument("--attn-mode", help="an fla config's attn_mode for this run (e.g. fused_recurrent against chunk)")
     args = parser.parse_args()
 
     config = load_model_config(args.config)
+    if args.attn_mode:
+        config.attn_mode = args.attn_mode
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
     torch.manual_seed(0)
     dtype = torch.float32 if args.autocast else DTYPES[args.dtype]

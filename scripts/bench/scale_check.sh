@@ -11,10 +11,12 @@
 #                         no mixed precision); its reference rows1 is 1 GPU on the same rows in fp32
 #   cp2                   CP 2: fsdp1's row split over 2 GPUs, so fsdp1's losses
 #   cp2long               CP 2 at 2 x $TOKENS context (one document-masked row of 128K tokens)
-# LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones (CUDA_VISIBLE_DEVICES), so two
-# subsets can share a machine. Logs and metrics go to /tmp/flame-gpu/scale-<model>, packed after
-# every layout into $OUT/scale-<model>.tgz (scripts/bench/train_run.sh); last, a table
-# (scripts/bench/compare_runs.py): the largest relative loss difference from the reference,
+# CONFIG=<json> trains that config instead of configs/<model>_340M.json (e.g. a copy with another
+# attn_mode; its seed is made from it). EXTRA_FLAGS="--training.mixed_precision_param float32"
+# adds flags to every layout. LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones
+# (CUDA_VISIBLE_DEVICES), so two subsets can share a machine. Logs and metrics go to
+# /tmp/flame-gpu/scale-<model>, packed after every layout into $OUT/scale-<model>.tgz
+# (scripts/bench/train_run.sh); last, a table (scripts/bench/compare_runs.py): the largest relative loss difference from the reference,
 # tokens/s per GPU, MFU, memory, and tokens/s per GPU against fsdp1 (weak-scaling efficiency).
 set -uo pipefail
 model=${1:?model type, e.g. transformer or gla}
@@ -28,11 +30,13 @@ export TRANSFORMERS_VERBOSITY=error RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 # seq_len here for the seed run (train_run.sh: seed_flags), which takes only these flags; every layout sets its own
 common=(--job.config_file configs/debug.toml --training.context_len 4096 --training.seq_len "$tokens" --training.steps 20 --metrics.log_freq 1
   --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4 --training.num_workers 4 --checkpoint.no-enable)
+read -ra extra <<< "${EXTRA_FLAGS:-}"
+common+=("${extra[@]}")
 row=(--training.varlen --training.batch_size 1 --training.seq_len "$tokens")
 rows4=(--training.batch_size 4 --training.seq_len $((tokens / 4)))
 
 source scripts/bench/train_run.sh
-config=configs/${model}_340M.json
+config=${CONFIG:-configs/${model}_340M.json}
 layout() { # name gpus [flags...]: train_run if selected and the machine has enough GPUs
   [[ $layouts == *" $1 "* ]] || return 0
   if [ "$2" -gt "$ngpu" ]; then echo "$1: skipped ($2 GPUs)"; return 0; fi

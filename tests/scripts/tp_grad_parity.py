@@ -8,10 +8,13 @@ flame's plan (inputs from flame.models.inputs, as the trainer makes them) agains
 unsharded copy with the same weights. fla's Triton norms and activation are swapped for
 PyTorch equivalents in both models (CPU has no Triton driver), so the fla models whose token
 mixer is plain PyTorch run on CPU: ``transformer`` (softmax attention through flame's
-attention) and ``mamba2`` (fla's PyTorch path, used without mamba_ssm).
+attention) and ``mamba2`` (fla's PyTorch path, used without mamba_ssm). ``gla`` runs too, its
+Triton recurrence replaced by the same recurrence written token by token in PyTorch: its plan's
+pieces (replicated low-rank gate input, gated output norm) are what this checks, not fla's kernel.
 """
 
 import contextlib
+import itertools
 import sys
 import types
 import warnings
@@ -64,23 +67,48 @@ def _rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
+def _fused_rms_norm_gated(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    assert residual is None and not prenorm and self.activation in ("swish", "silu")
+    return _rms_norm(self, x) * F.silu(g)
+
+
+def _gla_recurrence(q, k, v, gk=None, g=None, scale=None, cu_seqlens=None, state_v_first=True, **unused):
+    """fla's gated linear attention, one token at a time: h = exp(gate) * h + k v^T, o = scale q h."""
+    gate = gk if gk is not None else g
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rows, length, heads, _ = q.shape
+    edges = cu_seqlens.tolist() if cu_seqlens is not None else [0, length]
+    outputs = []
+    for row in range(rows):
+        for start, end in itertools.pairwise(edges):  # the state restarts at each document
+            state = q.new_zeros(heads, q.shape[-1], v.shape[-1])
+            for t in range(start, end):
+                state = state * gate[row, t].exp()[..., None] + k[row, t][..., None] * v[row, t][:, None]
+                outputs.append(torch.einsum("hk,hkv->hv", q[row, t] * scale, state))
+    return torch.stack(outputs).view(rows, length, heads, -1), None
+
+
 def _swiglu_linear(x, y, weight, bias):
     return F.linear(F.silu(x) * y, weight, bias)
 
 
 def use_torch_kernels(model: torch.nn.Module) -> None:
+    from fla.layers import gla
     from fla.layers.mamba2 import Mamba2
-    from fla.modules import RMSNorm, mlp
+    from fla.modules import FusedRMSNormGated, RMSNorm, mlp
     from fla.modules.norm.layernorm_gated import RMSNormGated
     from fla.modules.rotary import ops as rotary
 
     rotary.rotary_embedding = _rotary
     mlp.swiglu = lambda x, y: F.silu(x) * y
     mlp.swiglu_linear = _swiglu_linear
+    gla.chunk_gla = gla.fused_recurrent_gla = _gla_recurrence
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_rms_norm, module)
+        elif isinstance(module, FusedRMSNormGated):
+            module.forward = types.MethodType(_fused_rms_norm_gated, module)
         elif isinstance(module, RMSNormGated):
             module.forward = types.MethodType(_rms_norm_gated, module)
         elif isinstance(module, Mamba2):
