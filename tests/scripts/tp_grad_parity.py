@@ -1,9 +1,10 @@
-"""Under torchrun (2 ranks, gloo): one forward/backward per model config, unsharded vs tensor parallel.
+"""Under torchrun (2 ranks): one forward/backward per model config, unsharded vs tensor parallel.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/scripts/tp_grad_parity.py CONFIG[:fused] ...
+    (on 2 GPUs, with fla's kernels: ... tp_grad_parity.py --cuda [--attn-mode fused_recurrent] CONFIG ...)
 
-For each config, rank 0 prints ``parity <config> <loss rel err> <worst grad rel err>``: the
-summed loss of a packed batch and every parameter's gradient, from a model sharded with
+For each config, rank 0 prints ``parity <config> <loss rel err> <worst grad rel err>`` (and
+``worst <config>`` with the three parameters whose gradients differ most): the summed loss of a packed batch and every parameter's gradient, from a model sharded with
 flame's plan (inputs from flame.models.inputs, as the trainer makes them) against an
 unsharded copy with the same weights. fla's Triton norms and activation are swapped for
 PyTorch equivalents in both models (CPU has no Triton driver), so the fla models whose token
@@ -11,11 +12,12 @@ mixer is plain PyTorch run on CPU: ``transformer`` (softmax attention through fl
 attention) and ``mamba2`` (fla's PyTorch path, used without mamba_ssm). ``gla`` runs too, its
 Triton recurrence replaced by the same recurrence written token by token in PyTorch: its plan's
 pieces (replicated low-rank gate input, gated output norm) are what this checks, not fla's kernel.
+With --cuda (nccl, one GPU per rank) nothing is swapped: fla's kernels run, in fp32.
 """
 
+import argparse
 import contextlib
 import itertools
-import sys
 import types
 import warnings
 
@@ -115,7 +117,7 @@ def use_torch_kernels(model: torch.nn.Module) -> None:
             module.act = F.silu
 
 
-def build(config, fused: bool) -> torch.nn.Module:
+def build(config, fused: bool, torch_kernels: bool = True) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from flame.models.inputs import is_fla_config
@@ -125,30 +127,16 @@ def build(config, fused: bool) -> torch.nn.Module:
     model.__class__ = _trainable_class(type(model))
     if fused:
         use_fused_cross_entropy(model)
-    use_torch_kernels(model)
+    if torch_kernels:
+        use_torch_kernels(model)
     return model
 
 
-def parity(path: str, fused: bool, mesh) -> tuple[float, float]:
-    config = load_model_config(path)
-    torch.manual_seed(0)
-    reference = build(config, fused)
-    with torch.device("meta"):
-        sharded = build(config, fused)
-    job = types.SimpleNamespace(
-        parallelism=types.SimpleNamespace(disable_loss_parallel=False, enable_async_tensor_parallel=False),
-        compile=types.SimpleNamespace(enable=False, components=[]),
-    )
-    apply_tensor_parallel(sharded, mesh, job)
-    sharded.to_empty(device="cpu")
-    set_model_state_dict(sharded, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
-    for name, buffer in reference.named_buffers():
-        sharded.get_buffer(name).copy_(buffer)
-
+def cpu_batch(vocab_size: int) -> tuple[dict, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     rows, length = 2, 32
-    ids = torch.randint(0, config.vocab_size, (rows, length), generator=generator)
-    labels = torch.randint(0, config.vocab_size, (rows, length), generator=generator)
+    ids = torch.randint(0, vocab_size, (rows, length), generator=generator)
+    labels = torch.randint(0, vocab_size, (rows, length), generator=generator)
     labels[0, :5] = -100
     lengths = [20, 12, 7, 25]
     batch = {
@@ -157,6 +145,50 @@ def parity(path: str, fused: bool, mesh) -> tuple[float, float]:
         "cu_seqlens": torch.tensor([0, 20, 32, 39, 64], dtype=torch.int32),
         "max_seqlen": 25,
     }
+    return batch, labels
+
+
+def gpu_batch(vocab_size: int, rows: int = 2, length: int = 4096) -> tuple[dict, torch.Tensor]:
+    """Rows packed with documents of 1-512 tokens: at context 512, 340M gla's step-1 gradient norms under
+    TP 2 x FSDP 2 and FSDP 2 differed 3.7x with equal losses (docs/perf-log.md, session 16)."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = []
+    for _ in range(rows):
+        left = length
+        while left:
+            lengths.append(min(left, int(torch.randint(1, 513, (1,), generator=generator))))
+            left -= lengths[-1]
+    ids, labels = (torch.randint(0, vocab_size, (rows, length), generator=generator).cuda() for _ in range(2))
+    batch = {
+        "input": ids,
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]).view(rows, length).cuda(),
+        "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).cuda(),
+        "max_seqlen": max(lengths),
+    }
+    return batch, labels
+
+
+def parity(path: str, fused: bool, mesh, cuda: bool = False, attn_mode: str | None = None) -> tuple[float, dict]:
+    """The relative loss difference, and each parameter's largest gradient difference relative to its largest gradient."""
+    config = load_model_config(path)
+    if attn_mode:
+        config.attn_mode = attn_mode
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    reference = build(config, fused, torch_kernels=not cuda).to(device)
+    with torch.device("meta"):
+        sharded = build(config, fused, torch_kernels=not cuda)
+    job = types.SimpleNamespace(
+        parallelism=types.SimpleNamespace(disable_loss_parallel=False, enable_async_tensor_parallel=False),
+        compile=types.SimpleNamespace(enable=False, components=[]),
+    )
+    apply_tensor_parallel(sharded, mesh, job)
+    sharded.to_empty(device=device)
+    set_model_state_dict(sharded, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+    for name, buffer in reference.named_buffers():
+        sharded.get_buffer(name).copy_(buffer)
+
+    batch, labels = gpu_batch(config.vocab_size) if cuda else cpu_batch(config.vocab_size)
     loss_fn = build_loss(job)
     losses = []
     for model, context in ((reference, contextlib.nullcontext()), (sharded, loss_parallel())):
@@ -167,23 +199,33 @@ def parity(path: str, fused: bool, mesh) -> tuple[float, float]:
             loss = loss_fn(model(inputs, **kwargs), targets)
             loss.backward()
         losses.append(loss.item())
-    worst = 0.0
+    errors = {}
     sharded_params = dict(sharded.named_parameters())
     for name, param in reference.named_parameters():
         grad = sharded_params[name].grad
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
-        worst = max(worst, ((grad - param.grad).abs().max() / param.grad.abs().max()).item())
-    return abs(losses[1] - losses[0]) / abs(losses[0]), worst
+        errors[name] = ((grad - param.grad).abs().max() / param.grad.abs().max()).item()
+    return abs(losses[1] - losses[0]) / abs(losses[0]), errors
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    for spec in sys.argv[1:]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("specs", nargs="+", help="CONFIG or CONFIG:fused")
+    parser.add_argument("--cuda", action="store_true",
+                        help="on GPUs (nccl) with fla's own kernels, 2 rows of 4096 tokens of short documents")
+    parser.add_argument("--attn-mode", help="an fla config's attn_mode (e.g. fused_recurrent)")
+    args = parser.parse_args()
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    if args.cuda:
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    mesh = init_device_mesh("cuda" if args.cuda else "cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    for spec in args.specs:
         path, _, mode = spec.partition(":")
-        loss_err, grad_err = parity(path, mode == "fused", mesh)
+        loss_err, grad_errors = parity(path, mode == "fused", mesh, args.cuda, args.attn_mode)
         if dist.get_rank() == 0:
-            print(f"parity {spec} {loss_err:.3e} {grad_err:.3e}", flush=True)
+            print(f"parity {spec} {loss_err:.3e} {max(grad_errors.values()):.3e}", flush=True)
+            worst = sorted(grad_errors.items(), key=lambda item: -item[1])[:3]
+            print(f"worst {spec} " + " ".join(f"{name}={error:.1e}" for name, error in worst), flush=True)
     dist.destroy_process_group()
 
 
