@@ -83,8 +83,9 @@ FLA_NOT_COMPILABLE = {
 
 # fla kernels measured to spike a model's gradients on GPUs: (model_type, attn_mode) -> the measurement.
 # gla's gradient is ill-conditioned at each document's first token: the output there is (q.k) v,
-# which the per-head output norm divides by |q.k| (flame's CPU check: a 1e-3 weight change moved a
-# tiny gla's fp64 gradient norm by up to 20%, a transformer's by 0.02%); kernels' rounding then decides.
+# which the per-head output norm divides by |q.k| (scripts/bench/gradient_conditioning.py: a 1e-3
+# weight change moved a tiny gla's fp64 gradient norm by up to 20%, a transformer's by 0.02%), so
+# the kernels' rounding decides how large a step's gradient comes out.
 FLA_GRADIENT_SPIKES = {
     ("gla", "chunk"): "its chunk kernels gave step-1 gradient norms of 5,227 and 13,424 where attn_mode "
     "fused_recurrent gave 6.8 and 6.3 (same weights, batch and loss; H200, fla 0.6; docs/perf-log.md, sessions 15-16)",

@@ -16,8 +16,9 @@
 # adds flags to every layout. LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones
 # (CUDA_VISIBLE_DEVICES), so two subsets can share a machine. Logs and metrics go to
 # /tmp/flame-gpu/scale-<model>, packed after every layout into $OUT/scale-<model>.tgz
-# (scripts/bench/train_run.sh); last, a table (scripts/bench/compare_runs.py): the largest relative loss difference from the reference,
-# tokens/s per GPU, MFU, memory, and tokens/s per GPU against fsdp1 (weak-scaling efficiency).
+# (scripts/bench/train_run.sh); last, a table (scripts/bench/compare_runs.py): the largest
+# relative loss difference from the reference, tokens/s per GPU, MFU, memory, and tokens/s per
+# GPU against fsdp1 (weak-scaling efficiency).
 set -uo pipefail
 model=${1:?model type, e.g. transformer or gla}
 out=/tmp/flame-gpu/scale-$model
