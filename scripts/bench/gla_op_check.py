@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "scripts"))
-from tp_grad_parity import _gla_recurrence  # the fp64 reference
+from tp_grad_parity import gla_recurrence  # the fp64 reference
 
 from flame.models import registry
 
@@ -55,7 +55,7 @@ def main() -> None:
         grads = torch.autograd.grad(output, leaves, output_grad.to(dtype))
         return [output.double(), *(g.double() for g in grads)]
 
-    reference = run(lambda q, k, v, g, cu: _gla_recurrence(q, k, v, gk=g, cu_seqlens=cu)[0], torch.float64)
+    reference = run(lambda q, k, v, g, cu: gla_recurrence(q, k, v, gk=g, cu_seqlens=cu)[0], torch.float64)
     for dtype in args.dtypes:
         for mode in args.modes:
             start = time.perf_counter()

@@ -40,7 +40,7 @@ def packed_row(vocab_size: int) -> tuple[dict, torch.Tensor]:
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     queries = []  # gla's q of each layer, kept for its gradient
-    recurrence = tp_grad_parity._gla_recurrence
+    recurrence = tp_grad_parity.gla_recurrence
 
     def keep_queries(q, k, v, **kwargs):
         q.retain_grad()

@@ -74,7 +74,7 @@ def _fused_rms_norm_gated(self, x, g, residual=None, prenorm=False, residual_in_
     return _rms_norm(self, x) * F.silu(g)
 
 
-def _gla_recurrence(q, k, v, gk=None, g=None, scale=None, cu_seqlens=None, state_v_first=True, **unused):
+def gla_recurrence(q, k, v, gk=None, g=None, scale=None, cu_seqlens=None, **unused):
     """fla's gated linear attention, one token at a time: h = exp(gate) * h + k v^T, o = scale q h."""
     gate = gk if gk is not None else g
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -104,7 +104,7 @@ def use_torch_kernels(model: torch.nn.Module) -> None:
     rotary.rotary_embedding = _rotary
     mlp.swiglu = lambda x, y: F.silu(x) * y
     mlp.swiglu_linear = _swiglu_linear
-    gla.chunk_gla = gla.fused_recurrent_gla = _gla_recurrence
+    gla.chunk_gla = gla.fused_recurrent_gla = gla_recurrence
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
