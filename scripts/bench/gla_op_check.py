@@ -30,8 +30,8 @@ LENGTHS = [37, 512, 5, 300, 1, 128, 64, 700, 3, 256, 17, 33]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--modes", nargs="+", default=["fused_recurrent", "chunk"])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--modes", nargs="+", choices=["fused_recurrent", "chunk"], default=["fused_recurrent", "chunk"])
     args = parser.parse_args()
     registry.import_fla()  # with flame's autotune fixes, as in training
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
