@@ -383,6 +383,50 @@ def test_rows_or_documents_longer_than_a_learned_position_table_are_refused(tmp_
                               "--training.seq_len=256"))
 
 
+def test_fla_models_are_refused_on_cpu_machines(monkeypatch):
+    # fla's norms, activations and token mixers are Triton kernels: on CPU step 1 failed with a Triton traceback
+    from flame import device
+
+    config_path = ROOT / "configs/tiny/transformer.json"
+    job = parse_job(monkeypatch, 1, f"--model.config={config_path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+                    "--training.dataset=builtin:python-stdlib")
+    monkeypatch.setattr(device, "CUDA", False)
+    with pytest.raises(ConfigError) as error:
+        check_model_options(load_model_config(str(config_path)), job)
+    assert str(error.value).startswith("fla's transformer runs fla's Triton kernels") and "configs/llama_4M.json" in str(error.value)
+    seed_job = parse_job(monkeypatch, 1, f"--model.config={config_path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+                         "--training.dataset=builtin:python-stdlib", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    check_model_options(load_model_config(str(config_path)), seed_job)  # initial weights only: no kernel runs
+    monkeypatch.setattr(device, "CUDA", True)
+    check_model_options(load_model_config(str(config_path)), job)
+
+
+@pytest.mark.parametrize("model_type, module, package", [("mamba3", "mamba_ssm", "mamba-ssm"), ("moba", "flash_attn", "flash-attn")])
+def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_type, module, package):
+    # without the package, mamba3 raises inside step 1 and moba calls None there
+    import importlib.util
+
+    from flame import device
+
+    config_path = ROOT / f"configs/tiny/{model_type}.json"
+    model_config = load_model_config(str(config_path))
+    job = parse_job(monkeypatch, 1, f"--model.config={config_path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+                    "--training.dataset=builtin:python-stdlib")
+    monkeypatch.setattr(device, "CUDA", True)
+    find_spec = importlib.util.find_spec
+    for installed in (False, True):
+        def fake_find_spec(name, *args, installed=installed):
+            return (object() if installed else None) if name == module else find_spec(name, *args)
+
+        monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+        if installed:
+            check_model_options(model_config, job)
+            continue
+        with pytest.raises(ConfigError) as error:
+            check_model_options(model_config, job)
+        assert str(error.value).startswith(f"fla's {model_type} needs ") and f"pip install {package}" in str(error.value)
+
+
 @pytest.mark.parametrize(
     "world_size, flags, reason",
     [

@@ -78,10 +78,14 @@ def test_plan_shards_every_parameter_of_the_tiny_model(model_type, two_rank_mesh
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
 
 
-def test_sharded_gradients_equal_unsharded_gradients():
+def test_sharded_gradients_equal_unsharded_gradients(tmp_path):
     """One packed batch: loss and every gradient, TP 2 against the same weights unsharded (both loss paths)."""
     specs = ["qwen3", "mistral:fused", "qwen2", "transformer:fused", "mamba2", "mamba2:fused", "gla"]
     paths = [f"{TINY[name.split(':')[0]]}{':fused' if name.endswith(':fused') else ''}" for name in specs]
+    # the tiny gla has 2 heads, one per rank; the 340M has 4, so each rank holds two and splits q/k/v/gates by head
+    gla_two_heads_per_rank = tmp_path / "gla_4_heads.json"
+    gla_two_heads_per_rank.write_text(json.dumps({**json.loads(Path(TINY["gla"]).read_text()), "num_heads": 4}))
+    paths.append(str(gla_two_heads_per_rank))
     result = check(torchrun(paths, nproc=2, module=str(ROOT / "tests" / "scripts" / "tp_grad_parity.py")))
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("parity ")]
     assert [row[1] for row in rows] == paths

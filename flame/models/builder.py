@@ -9,6 +9,7 @@ parameters and non-persistent buffers such as rotary frequencies alike.
 """
 
 import functools
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -83,12 +84,21 @@ FLA_NOT_COMPILABLE = {
 
 # fla kernels measured to spike a model's gradients on GPUs: (model_type, attn_mode) -> the measurement.
 # gla's gradient is ill-conditioned at each document's first token: the output there is (q.k) v,
-# which the per-head output norm divides by |q.k| (scripts/bench/gradient_conditioning.py: a 1e-3
-# weight change moved a tiny gla's fp64 gradient norm by up to 20%, a transformer's by 0.02%), so
-# the kernels' rounding decides how large a step's gradient comes out.
+# which the per-head output norm divides by |q.k| (scripts/bench/gradient_conditioning.py: on one
+# GPU in fp32, a 1e-7 relative weight change moved the 340M gla's step-1 gradient norm by 31%, a
+# transformer's gradients by 5e-6, and 99.9998% of gla's layer-0 dL/dq change sat on first tokens),
+# so the kernels' rounding decides how large a step's gradient comes out.
 FLA_GRADIENT_SPIKES = {
     ("gla", "chunk"): "its chunk kernels gave step-1 gradient norms of 5,227 and 13,424 where attn_mode "
     "fused_recurrent gave 6.8 and 6.3 (same weights, batch and loss; H200, fla 0.6; docs/perf-log.md, sessions 15-16)",
+}
+
+
+# fla model types whose layers call a package fla does not depend on: (import name, pip name, what for).
+# Without it they fail inside step 1 (mamba3: a RuntimeError from fla; moba: calling None).
+FLA_NEEDS_PACKAGE = {
+    "mamba3": ("mamba_ssm", "mamba-ssm", "its Mamba-3 SISO scan kernels"),
+    "moba": ("flash_attn", "flash-attn", "flash-attn's internal varlen forward/backward, which flame's attention does not provide"),
 }
 
 
@@ -162,6 +172,15 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
             "under tensor or pipeline parallelism"
         )
     if is_fla_config(config):
+        # otherwise step 1 fails deep in Triton ("0 active drivers"); a seed checkpoint runs no kernel
+        if not device.CUDA and not job_config.checkpoint.create_seed_checkpoint:
+            raise ConfigError(
+                f"fla's {model_type} runs fla's Triton kernels (its norms, activations and token mixer), which need a "
+                "CUDA GPU; on a CPU machine train a transformers model (configs/llama_4M.json) or one from custom_models/"
+            )
+        module, package, purpose = FLA_NEEDS_PACKAGE.get(model_type, (None, None, None))
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"fla's {model_type} needs {purpose}: pip install {package} (not installed here)")
         return
     # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
     if getattr(config, "attn_logit_softcapping", None):

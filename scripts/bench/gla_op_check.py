@@ -6,7 +6,10 @@ Random q/k/v and gla-like gates (logsigmoid / 16) for 4 heads of 128 / 256 chann
 of 12 packed documents of 1-700 tokens, through fla's chunk_gla / fused_recurrent_gla with
 cu_seqlens, against the same recurrence in fp64 written token by token
 (tests/scripts/tp_grad_parity.py). One JSON line per kernel and dtype: the relative error of the
-output and of dq, dk, dv, dg. Session 16 (H200): fused_recurrent 1.2e-6 in fp32, 3.7e-3 in bf16.
+output and of dq, dk, dv, dg, and the largest difference when the heads run as two calls of 2,
+as under TP 2 (must be 0). Session 16 (H200): fused_recurrent 1.2e-6 in fp32, 3.7e-3 in bf16;
+session 17 (H100, a scratch form of this check on the 8192-token GPU batch of
+tests/scripts/tp_grad_parity.py): fused_recurrent's 4 heads against 2 + 2 bit-identical in fp32.
 chunk autotunes for every new shape and dtype first (minutes on a fresh machine).
 """
 
@@ -49,9 +52,11 @@ def main() -> None:
     inputs.append(F.logsigmoid(torch.randn(*shape, KEY, dtype=torch.float64, device="cuda")) / 16)
     output_grad = torch.randn(*shape, VALUE, dtype=torch.float64, device="cuda")
 
-    def run(kernel, dtype):
+    def run(kernel, dtype, head_groups=1):
+        """Output and gradients; with head_groups > 1 the heads run in that many separate calls, as TP splits them."""
         leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
-        output = kernel(*leaves, cu_seqlens)
+        groups = zip(*(leaf.chunk(head_groups, dim=2) for leaf in leaves))
+        output = torch.cat([kernel(*group, cu_seqlens) for group in groups], dim=2)
         grads = torch.autograd.grad(output, leaves, output_grad.to(dtype))
         return [output.double(), *(g.double() for g in grads)]
 
@@ -63,6 +68,9 @@ def main() -> None:
             row = {"mode": mode, "dtype": dtype, "seconds": round(time.perf_counter() - start, 1)}
             for name, got, want in zip(["o", "dq", "dk", "dv", "dg"], result, reference):
                 row[name] = ((got - want).norm() / want.norm()).item()
+            # heads are independent, so two calls of 2 heads must repeat one call of 4 bit for bit (0.0)
+            split = run(kernels[mode], getattr(torch, dtype), head_groups=2)
+            row["heads_split_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(split, result))
             print(json.dumps(row), flush=True)
 
 

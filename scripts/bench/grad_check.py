@@ -2,7 +2,7 @@
 
     python scripts/bench/grad_check.py --config configs/gla_340M.json --tokens 65536 --repeats 3
 
-Why: in flame's 340M gla runs on H200s (docs/perf-log.md, session 11) the gradient norm of the
+Why: in flame's 340M gla runs on H200s (docs/perf-log-archive.md, session 11) the gradient norm of the
 same rows differed by 200x between two layouts at step 1 (3,856 against 17.8), while the
 transformer's stayed smooth. This separates the suspects without flame's loop: the model is
 built once (seeded), its parameters cast to --dtype (as FSDP's mixed precision does; or kept
