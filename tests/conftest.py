@@ -23,23 +23,19 @@ def flame_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
+# the decoder shape of every tiny HF test model: 2 layers, hidden 64, 4 heads over 2 key/value heads
+TINY_DECODER = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2}
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A 2-layer llama (hidden 64) over the builtin tokenizer's 4096 ids."""
     path = tmp_path_factory.mktemp("model") / "llama_tiny.json"
     path.write_text(
         json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 512,
-                "vocab_size": 4096,
-                "tie_word_embeddings": False,
-            }
+            {"model_type": "llama", **TINY_DECODER, "max_position_embeddings": 512, "vocab_size": 4096,
+             "tie_word_embeddings": False}
         )
     )
     return str(path)
