@@ -18,9 +18,9 @@ recurrence's first output coefficient c = scale * q.k, the mean square of the ou
 norm divides by, and |dL/do| in front of that norm, before and after the noise.
 
 CPU: fla's Triton kernels replaced by PyTorch (tests/scripts/tp_grad_parity.py; gla's
-recurrence token by token), one row of 40 random documents of 1-59 tokens. --cuda: fla's own
-kernels (gla with "attn_mode": "fused_recurrent"), tp_grad_parity's GPU batch (2 rows of 4096
-tokens, documents of 1-512).
+recurrence token by token), one row of 1,024 tokens of random documents of 1-64 tokens. --cuda:
+fla's own kernels (gla with "attn_mode": "fused_recurrent"), tp_grad_parity's GPU batch (2 rows
+of 4,096 tokens, documents of 1-512).
 """
 
 import argparse
@@ -35,14 +35,7 @@ import tp_grad_parity
 
 from flame.models import load_model_config, model_inputs
 
-
-def packed_row(vocab_size: int, documents: int = 40) -> tuple[dict, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    lengths = torch.randint(1, 60, (documents,), generator=generator).tolist()
-    ids, labels = (torch.randint(0, vocab_size, (1, sum(lengths)), generator=generator) for _ in range(2))
-    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    return {"input": ids, "position_ids": positions, "cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)}, labels
+CPU_BATCH = {"rows": 1, "length": 1024, "longest": 64, "device": "cpu"}  # about 30 documents: the recurrence runs token by token
 
 
 class Probe:
@@ -51,16 +44,14 @@ class Probe:
     def __init__(self, attn: torch.nn.Module):
         self.kept: dict[str, torch.Tensor] = {}
         self.attn = attn
-        for name in ("q_proj", "k_proj"):
-            getattr(attn, name).register_forward_hook(self._keep(name))
+        attn.q_proj.register_forward_hook(lambda module, args, out: self._keep("q_proj", out))
+        attn.k_proj.register_forward_hook(lambda module, args, out: self._keep("k_proj", out))
         if hasattr(attn, "g_norm_swish_gate"):
-            attn.g_norm_swish_gate.register_forward_pre_hook(lambda module, args: self._keep("o")(module, args, args[0]))
+            attn.g_norm_swish_gate.register_forward_pre_hook(lambda module, args: self._keep("o", args[0]))
 
-    def _keep(self, name: str):
-        def hook(module, args, out):
-            out.retain_grad()
-            self.kept[name] = out
-        return hook
+    def _keep(self, name: str, tensor: torch.Tensor) -> None:
+        tensor.retain_grad()
+        self.kept[name] = tensor
 
     def snapshot(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {name: (t.detach().flatten(0, 1).float(), t.grad.flatten(0, 1).float()) for name, t in self.kept.items()}
@@ -121,7 +112,7 @@ def main() -> None:
             config.attn_mode = "fused_recurrent"  # accurate to 1.2e-6 in fp32 (gla_op_check.py); chunk is worse
         torch.manual_seed(0)
         model = tp_grad_parity.build(config, fused=False, torch_kernels=not args.cuda).to(device)
-        batch, labels = tp_grad_parity.gpu_batch(config.vocab_size) if args.cuda else packed_row(config.vocab_size)
+        batch, labels = tp_grad_parity.packed_batch(config.vocab_size, **({} if args.cuda else CPU_BATCH))
         probe = Probe(model.model.layers[0].attn)
         initial = {key: p.detach().clone() for key, p in model.named_parameters()}
         print(f"{name} ({sum(p.numel() for p in initial.values()) / 1e6:.0f}M parameters, {device}):", flush=True)

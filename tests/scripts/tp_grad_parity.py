@@ -152,21 +152,23 @@ def cpu_batch(vocab_size: int) -> tuple[dict, torch.Tensor]:
     return batch, labels
 
 
-def gpu_batch(vocab_size: int, rows: int = 2, length: int = 4096) -> tuple[dict, torch.Tensor]:
-    """Rows packed with documents of 1-512 tokens: at context 512, 340M gla's step-1 gradient norms under
-    TP 2 x FSDP 2 and FSDP 2 differed 3.7x with equal losses (docs/perf-log.md, session 16)."""
+def packed_batch(vocab_size: int, rows: int = 2, length: int = 4096, longest: int = 512,
+                 device: str = "cuda") -> tuple[dict, torch.Tensor]:
+    """Rows packed with random documents of 1-``longest`` tokens. The defaults are --cuda's batch: at context
+    512, 340M gla's step-1 gradient norms under TP 2 x FSDP 2 and FSDP 2 differed 3.7x with equal losses
+    (docs/perf-log.md, session 16)."""
     generator = torch.Generator().manual_seed(1)
     lengths = []
     for _ in range(rows):
         left = length
         while left:
-            lengths.append(min(left, int(torch.randint(1, 513, (1,), generator=generator))))
+            lengths.append(min(left, int(torch.randint(1, longest + 1, (1,), generator=generator))))
             left -= lengths[-1]
-    ids, labels = (torch.randint(0, vocab_size, (rows, length), generator=generator).cuda() for _ in range(2))
+    ids, labels = (torch.randint(0, vocab_size, (rows, length), generator=generator).to(device) for _ in range(2))
     batch = {
         "input": ids,
-        "position_ids": torch.cat([torch.arange(n) for n in lengths]).view(rows, length).cuda(),
-        "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).cuda(),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]).view(rows, length).to(device),
+        "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(device),
         "max_seqlen": max(lengths),
     }
     return batch, labels
@@ -192,7 +194,7 @@ def parity(path: str, fused: bool, mesh, cuda: bool = False, attn_mode: str | No
     for name, buffer in reference.named_buffers():
         sharded.get_buffer(name).copy_(buffer)
 
-    batch, labels = gpu_batch(config.vocab_size) if cuda else cpu_batch(config.vocab_size)
+    batch, labels = packed_batch(config.vocab_size) if cuda else cpu_batch(config.vocab_size)
     loss_fn = build_loss(job)
     losses = []
     for model, context in ((reference, contextlib.nullcontext()), (sharded, loss_parallel())):
