@@ -44,32 +44,46 @@ def _reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scale, window
     return torch.cat(outputs)
 
 
-def check_against_whole_batch(
-    backend: str, size: int, balanced: bool, window: int | None, documents: list[int] = DOCUMENTS,
-    device: str = "cpu", dtype: torch.dtype = torch.float32, atol: float = 1e-5, rtol: float = 0.0, dim: int = 8,
-) -> None:
-    """Each rank's ``backend`` attention of its queries to the all-gathered keys, against the
-    whole batch's attention (dense reference, fp32), outputs and input gradients."""
+def dense_reference(documents: list[int], window: int | None, device: str, dtype: torch.dtype, dim: int):
+    """The whole batch's document attention (SDPA with a dense mask, fp32) of _qkv's inputs:
+    the output and the gradients of query, key and value."""
+    cu_seqlens = torch.tensor(documents, dtype=torch.int32, device=device)
+    attention.set_backend("sdpa")
+    inputs = [t.detach().float().requires_grad_() for t in _qkv(documents[-1], device, dtype, dim)]
+    out = attention.document_attention(*inputs, cu_seqlens, documents[-1], window=window)
+    return [out, *torch.autograd.grad(out.pow(2).sum(), inputs)]
+
+
+def attention_of_local_queries(
+    backend: str, size: int, balanced: bool, window: int | None, documents: list[int], device: str, dtype: torch.dtype, dim: int
+):
+    """Each rank's ``backend`` attention of its queries to the all-gathered keys, put back in the
+    batch's order: the output and the gradients of query, key and value, in fp32. With size 1 and
+    balanced False, the whole batch through the same backend."""
     total = documents[-1]
     cu_seqlens = torch.tensor(documents, dtype=torch.int32, device=device)
     query, key, value = _qkv(total, device, dtype, dim)
-    attention.set_backend("sdpa")
-    full = [t.detach().float().requires_grad_() for t in (query, key, value)]
-    expected = attention.document_attention(*full, cu_seqlens, total, window=window)
-    expected_grads = torch.autograd.grad(expected.pow(2).sum(), full)
-
     layouts = [BatchLayout.build(cu_seqlens, total, size, rank, balanced) for rank in range(size)]
     # what the all-gather gives every rank: each rank's keys/values, in rank order
     gathered_key = torch.cat([key[layout.positions] for layout in layouts])
     gathered_value = torch.cat([value[layout.positions] for layout in layouts])
-    out = torch.zeros_like(expected)
+    out = torch.zeros(query.shape, device=device)
     for layout in layouts:
         local = layout.attend(query[layout.positions], gathered_key, gathered_value, backend, None, window)
         out = out.index_put((layout.positions,), local.float())
     grads = torch.autograd.grad(out.pow(2).sum(), (query, key, value))
-    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
+    return [out, *(grad.float() for grad in grads)]
+
+
+def check_against_whole_batch(
+    backend: str, size: int, balanced: bool, window: int | None, documents: list[int] = DOCUMENTS,
+    device: str = "cpu", dtype: torch.dtype = torch.float32, atol: float = 1e-5, rtol: float = 0.0, dim: int = 8,
+) -> None:
+    """attention_of_local_queries against dense_reference: outputs and input gradients."""
+    expected = dense_reference(documents, window, device, dtype, dim)
+    got = attention_of_local_queries(backend, size, balanced, window, documents, device, dtype, dim)
+    for tensor, want in zip(got, expected):
+        torch.testing.assert_close(tensor, want, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("size,balanced,window", list(itertools.product([2, 3], [True, False], [None, 4])))

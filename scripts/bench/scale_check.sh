@@ -10,7 +10,9 @@
 #   pptp                  PP 2 x TP 2, 4 microbatches of $TOKENS/4, in fp32 (without FSDP torchtitan applies
 #                         no mixed precision); its reference rows1 is 1 GPU on the same rows in fp32
 #   cp2                   CP 2: fsdp1's row split over 2 GPUs, so fsdp1's losses
-#   cp2long               CP 2 at 2 x $TOKENS context (one document-masked row of 128K tokens)
+#   long1, cp2long        1 GPU and CP 2 on one causal sequence of 2 x $TOKENS (128K) tokens: documents
+#                         concatenated without a mask (--training.no-document_mask), full AC so that
+#                         1 GPU fits it, 8 steps (attention is most of the work at this length)
 # CONFIG=<json> trains that config instead of configs/<model>_340M.json (e.g. a copy with another
 # attn_mode; its seed is made from it). EXTRA_FLAGS="--training.mixed_precision_param float32"
 # adds flags to every layout. LAYOUTS="fsdp1 tp2" runs a subset; GPUs are the visible ones
@@ -25,7 +27,7 @@ out=/tmp/flame-gpu/scale-$model
 mkdir -p "$out"
 tokens=${TOKENS:-65536}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-layouts=" ${LAYOUTS:-fsdp1 fsdp2 fsdp4 tp2 rows2 pp2 rows1 pptp cp2 cp2long} "
+layouts=" ${LAYOUTS:-fsdp1 fsdp2 fsdp4 tp2 rows2 pp2 rows1 pptp cp2 long1 cp2long} "
 export FLAME_CACHE=${FLAME_CACHE:-/tmp/flame-cache} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export TRANSFORMERS_VERBOSITY=error RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 # seq_len here for the seed run (train_run.sh: seed_flags), which takes only these flags; every layout sets its own
@@ -57,8 +59,10 @@ layout rows1 1 "${rows4[@]}" --training.mixed_precision_param float32
 layout pptp 4 "${rows4[@]}" --training.mixed_precision_param float32 --parallelism.pipeline_parallel_degree 2 \
   --parallelism.tensor_parallel_degree 2
 layout cp2 2 "${row[@]}" --parallelism.context_parallel_degree 2
-layout cp2long 2 --training.varlen --training.batch_size 1 --training.seq_len $((2 * tokens)) \
-  --parallelism.context_parallel_degree 2
+long=(--training.batch_size 1 --training.seq_len $((2 * tokens)) --training.context_len $((2 * tokens))
+  --training.no-document_mask --activation_checkpoint.mode full --training.steps 8)
+layout long1 1 "${long[@]}"
+layout cp2long 2 "${long[@]}" --parallelism.context_parallel_degree 2
 
 python3 scripts/bench/compare_runs.py "$out" "$model 340M: layouts vs references" --baseline fsdp1 \
-  fsdp1=- fsdp2=- fsdp4=- tp2=fsdp2 rows2=- pp2=rows2 rows1=- pptp=rows1 cp2=fsdp1 cp2long=-
+  fsdp1=- fsdp2=- fsdp4=- tp2=fsdp2 rows2=- pp2=rows2 rows1=- pptp=rows1 cp2=fsdp1 long1=- cp2long=long1
