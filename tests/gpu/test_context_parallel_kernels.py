@@ -10,7 +10,12 @@ import random
 import pytest
 import torch
 
-from tests.test_context_parallel import DOCUMENTS, attention_of_local_queries, check_against_whole_batch, dense_reference
+from tests.test_context_parallel import (
+    DOCUMENTS,
+    attention_of_local_queries,
+    check_against_whole_batch,
+    dense_reference,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
