@@ -5,7 +5,9 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -81,22 +83,69 @@ def base_args(model: str, data: str, dump: Path, steps: int = 6) -> list[str]:
     ]
 
 
-def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``module`` (or a script path) under torchrun; the result keeps stdout+stderr."""
+def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeout: int = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``module`` (or a script path) under torchrun, ``env`` added to its environment; the result
+    keeps stdout+stderr."""
     target = ["-m", module] if not module.endswith(".py") else [module]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args,
     ]
     return subprocess.run(
-        command, cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=timeout
+        command, cwd=ROOT, env=flame_env() | (env or {}), capture_output=True, text=True, timeout=timeout
     )
 
 
-def torchrun_two_at_a_time(jobs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
-    """Independent single-process jobs, two at a time: most of a tiny job is single-threaded start-up."""
+def two_at_a_time(*jobs):
+    """The results of independent jobs (callables), run two at a time: most of a tiny job is
+    single-threaded start-up and torchtitan's closing 2-second sleep, which overlap."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(torchrun, args) for name, args in jobs.items()}
-    return {name: future.result() for name, future in futures.items()}
+        futures = [pool.submit(job) for job in jobs]
+    return [future.result() for future in futures]
+
+
+def torchrun_two_at_a_time(jobs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
+    """Independent single-process jobs, two at a time."""
+    return dict(zip(jobs, two_at_a_time(*(partial(torchrun, args) for args in jobs.values()))))
+
+
+def first_runs(**jobs: Callable[[Path, str, str], subprocess.CompletedProcess]):
+    """Declare the runs a test starts with, each ``job(dump folder, tiny_model, corpus)``; the test reads
+    them from ``started``. A module's first such test starts those of all its selected tests, two at a
+    time: a tiny run is mostly start-up and shutdown on one core, so runs of later tests overlap the
+    earlier tests instead of queueing behind them."""
+    def declare(test):
+        test.first_runs = jobs
+        return test
+    return declare
+
+
+def train_job(steps: int, *flags: str, **options) -> Callable[[Path, str, str], subprocess.CompletedProcess]:
+    """A first_runs job: base_args' ``steps`` plus ``flags``, under ``torchrun(..., **options)``."""
+    return lambda dump, model, data: torchrun(base_args(model, data, dump, steps=steps) + list(flags), **options)
+
+
+@pytest.fixture(scope="module")
+def _first_runs(request, tmp_path_factory, tiny_model, corpus):
+    # the selected tests of this module, in order, each once (however many parameters it has)
+    tests = {item.originalname: item.function.first_runs for item in request.session.items
+             if getattr(item, "module", None) is request.module and hasattr(item.function, "first_runs")}
+    root = tmp_path_factory.mktemp("first_runs")
+    futures = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for test, jobs in tests.items():
+            (root / test).mkdir()
+            for name, job in jobs.items():
+                futures[test, name] = root / test / name, pool.submit(job, root / test / name, tiny_model, corpus)
+        yield futures
+        pool.shutdown(cancel_futures=True)  # the runs of tests a stopped session (-x) will not reach
+
+
+@pytest.fixture
+def started(request, _first_runs) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """This test's first_runs, once finished: run name -> (dump folder, result)."""
+    test = request.node.originalname
+    return {name: (dump, future.result()) for (owner, name), (dump, future) in _first_runs.items() if owner == test}
 
 
 def parse_job(monkeypatch, world_size: int, *args: str):

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from flame.models import attention, load_model_config
+from flame.utils import convert_dcp_to_hf
 from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
 
 CONFIG = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
@@ -67,7 +68,7 @@ def test_packed_documents_do_not_see_each_other(model):
     torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
 
 
-def test_example_trains_exports_and_generates(tmp_path, corpus):
+def test_example_trains_exports_and_generates(tmp_path, corpus, capsys):
     dump, logits_file = tmp_path / "run", tmp_path / "logits.pt"
     os.environ["FLAME_TEST_LOGITS"] = str(logits_file)
     try:
@@ -80,8 +81,9 @@ def test_example_trains_exports_and_generates(tmp_path, corpus):
     assert all(torch.isfinite(torch.tensor(value)) for value in loss.values()), loss
     assert max(loss[7], loss[8]) < loss[1] - 0.3, loss
 
-    result = python("-m", "flame.utils.convert_dcp_to_hf", "--path", str(dump), "--sample", "def main(")
-    assert "sample from" in result.stdout  # the converter's own load + sampling generate worked
+    # the converter in this process (a process of its own would spend seconds importing torch again)
+    assert convert_dcp_to_hf.main(["--path", str(dump), "--sample", "def main("]) == 0
+    assert "sample from" in capsys.readouterr().out  # the converter's own load + sampling generate worked
     # a fresh process, like a user's: only `import custom_models` makes the model_type known
     script = (
         "import sys, torch, custom_models\n"

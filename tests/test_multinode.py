@@ -35,15 +35,23 @@ def test_two_nodes_over_loopback_match_one_node_with_two_processes(tmp_path, tin
     nodes_dump, single_dump = tmp_path / "nodes", tmp_path / "single"
     env = clean_env(NNODE="2", NGPU="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     command = ["bash", str(ROOT / "train.sh"), *base_args(tiny_model, corpus, nodes_dump, steps=4)]
-    nodes = [subprocess.Popen(command, cwd=ROOT, env=env | {"NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (1, 0)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    logs = {rank: tmp_path / f"node{rank}.out" for rank in (1, 0)}  # files: nothing blocks on a full pipe meanwhile
+    nodes = []
+    for rank, log in logs.items():
+        with open(log, "w") as out:
+            nodes.append(subprocess.Popen(command, cwd=ROOT, env=env | {"NODE_RANK": str(rank)}, stdout=out,
+                                          stderr=subprocess.STDOUT))
+    # the reference meanwhile: most of each run is start-up on one core
+    single = torchrun(base_args(tiny_model, corpus, single_dump, steps=4), nproc=2)
+    for node in nodes:
+        node.wait(timeout=300)
+    outputs = [log.read_text() for log in logs.values()]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-4000:]
     node1, node0 = outputs
     assert "Applied FSDP2 over 2 ranks" in node0
 
-    check(torchrun(base_args(tiny_model, corpus, single_dump, steps=4), nproc=2))
+    check(single)
     expected, got = losses(single_dump), losses(nodes_dump)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     assert got == pytest.approx(expected, rel=1e-5)

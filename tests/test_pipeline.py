@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,15 @@ from safetensors.torch import load_file
 
 from flame import launch
 from flame.models.pipeline import stage_layers
-from tests.conftest import ROOT, assert_same_curve, base_args, check, metrics, torchrun
+from tests.conftest import (
+    ROOT,
+    assert_same_curve,
+    base_args,
+    check,
+    metrics,
+    torchrun,
+    two_at_a_time,
+)
 
 LLAMA_4_LAYERS = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -75,9 +84,10 @@ def test_custom_model_pipelines_with_tensor_parallel_stages_like_one_process(tmp
     config = json.loads((ROOT / "custom_models" / "example_lm" / "config_tiny.json").read_text())
     model = write_config(tmp_path, {**config, "tie_word_embeddings": False, "num_hidden_layers": 3})
     common = ["--checkpoint.no-enable", "--training.batch_size=2"]
-    one = run([*base_args(model, corpus, tmp_path / "one", steps=3), *common], nproc=1)
     split = ["--parallelism.pipeline_parallel_split_points=1", "--parallelism.tensor_parallel_degree=2"]  # blocks 0 | 1, 2
-    pp = run([*base_args(model, corpus, tmp_path / "pp", steps=3), *common, *PP2, *split], nproc=4)
+    one, pp = two_at_a_time(partial(run, [*base_args(model, corpus, tmp_path / "one", steps=3), *common], nproc=1),
+                            partial(run, [*base_args(model, corpus, tmp_path / "pp", steps=3), *common, *PP2, *split],
+                                    nproc=4))
     assert_same_curve(pp, one)
 
 

@@ -8,6 +8,7 @@ tests/test_layouts.py: resumed from an FSDP 4 checkpoint, it trains the single p
 
 import json
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,15 @@ from flame.models.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
 )
-from tests.conftest import ROOT, assert_same_curve, base_args, check, metrics, torchrun
+from tests.conftest import (
+    ROOT,
+    assert_same_curve,
+    base_args,
+    check,
+    metrics,
+    torchrun,
+    two_at_a_time,
+)
 
 TP2 = ["--parallelism.tensor_parallel_degree=2"]
 EXAMPLE = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
@@ -95,26 +104,37 @@ def test_sharded_gradients_equal_unsharded_gradients(tmp_path):
 
 def test_tensor_parallel_run_matches_one_process(tmp_path, tiny_model, corpus, single_process_run):
     single, fused, compiled = single_process_run, tmp_path / "tp_fused", tmp_path / "tp_compiled"
-    result = check(torchrun(base_args(tiny_model, corpus, fused, steps=4) + TP2 + ["--training.fused_cross_entropy=on"],
-                            nproc=2))
+    result, compiled_result = two_at_a_time(
+        partial(torchrun, base_args(tiny_model, corpus, fused, steps=4) + TP2 + ["--training.fused_cross_entropy=on"],
+                nproc=2),
+        # logits + CE under loss_parallel, with the blocks compiled and checkpointed
+        partial(torchrun, base_args(tiny_model, corpus, compiled, steps=4) + TP2 + [
+            "--training.fused_cross_entropy=off", "--training.compile", "--compile.backend=aot_eager",
+            "--activation_checkpoint.mode=full"], nproc=2),
+    )
+    check(result)
+    check(compiled_result)
     assert "Applied tensor parallelism over 2 ranks with sequence parallelism to 2 blocks" in result.stdout + result.stderr
-    # logits + CE under loss_parallel, with the blocks compiled and checkpointed
-    check(torchrun(base_args(tiny_model, corpus, compiled, steps=4) + TP2 + [
-        "--training.fused_cross_entropy=off", "--training.compile", "--compile.backend=aot_eager",
-        "--activation_checkpoint.mode=full"], nproc=2))
     assert_same_curve(metrics(fused), metrics(single))
     assert_same_curve(metrics(compiled), metrics(single))
 
 
 def test_tensor_parallel_checkpoint_exports_the_single_process_weights(tmp_path, corpus):
     """The custom example (tied embeddings, fused loss): DCP saved by 2 TP ranks -> HF = the 1-process export."""
+    from flame.utils import convert_dcp_to_hf
+
     single, sharded = tmp_path / "single", tmp_path / "tp"
-    check(torchrun(base_args(EXAMPLE, corpus, single, steps=4)))
-    check(torchrun(base_args(EXAMPLE, corpus, sharded, steps=4) + TP2 + ["--training.fused_cross_entropy=on"], nproc=2))
+    for result in two_at_a_time(
+        partial(torchrun, base_args(EXAMPLE, corpus, single, steps=4)),
+        partial(torchrun, base_args(EXAMPLE, corpus, sharded, steps=4) + TP2 + ["--training.fused_cross_entropy=on"],
+                nproc=2),
+    ):
+        check(result)
     assert_same_curve(metrics(sharded), metrics(single))
     exported = []
     for run in (single, sharded):
-        check(torchrun(["--path", str(run)], module="flame.utils.convert_dcp_to_hf"))
+        # in this process: the export needs no process group, and a fresh one would import torch again
+        assert convert_dcp_to_hf.main(["--path", str(run)]) == 0
         weights = {}
         for shard in (run / "hf").glob("*.safetensors"):
             weights.update(load_file(shard))

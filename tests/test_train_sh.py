@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job
+import pytest
+
+from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job, two_at_a_time
 
 
 def train_sh(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -40,10 +43,17 @@ log_freq = 1
     return path
 
 
-def test_trains_and_exports_to_the_dump_folder_named_only_in_toml(tmp_path, tiny_model, corpus):
-    result = train_sh("--job.config_file", str(job_toml(tmp_path, tiny_model, corpus)))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model, corpus) -> tuple[Path, subprocess.CompletedProcess]:
+    """train.sh on job_toml's 4 steps (checkpoints at steps 2 and 4): its job file and its result."""
+    job = job_toml(tmp_path_factory.mktemp("train_sh"), tiny_model, corpus)
+    return job, train_sh("--job.config_file", str(job))
+
+
+def test_trains_and_exports_to_the_dump_folder_named_only_in_toml(trained):
+    job, result = trained
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    dump = tmp_path / "dump"
+    dump = job.parent / "dump"
     assert (dump / "hf" / "config.json").is_file() and (dump / "hf" / "model.safetensors").is_file()
     assert "exported step 4" in result.stdout
     assert list((dump / "logs").rglob("stdout.log")), "per-rank logs under <dump>/logs"
@@ -57,23 +67,24 @@ def test_bad_config_fails_before_any_process_starts(tmp_path, tiny_model, corpus
     assert not (tmp_path / "dump").exists()
 
 
-def test_a_dump_folder_of_another_model_is_refused_before_anything_is_overwritten(tmp_path, tiny_model, corpus):
-    job = str(job_toml(tmp_path, tiny_model, corpus, steps=2))
-    assert train_sh("--job.config_file", job).returncode == 0
-    run_config = tmp_path / "dump" / "job_config.json"
+def test_a_dump_folder_of_another_model_is_refused_before_anything_is_overwritten(tmp_path, tiny_model, trained):
+    job, trained_result = trained  # its folder holds checkpoints of 4 steps of tiny_model
+    assert trained_result.returncode == 0
+    dump = job.parent / "dump"
+    run_config = dump / "job_config.json"
     saved = run_config.read_text()  # the export of this folder's checkpoints reads its model config here
     wider = tmp_path / "wider.json"
     wider.write_text(json.dumps({**json.loads(Path(tiny_model).read_text()), "hidden_size": 128}))
-    result = train_sh("--job.config_file", job, "--model.config", str(wider), "--training.steps", "4")
+    result = train_sh("--job.config_file", str(job), "--model.config", str(wider), "--training.steps", "6")
     assert result.returncode == 2
     error = result.stderr.strip().splitlines()[-1]
-    assert error.startswith(f"flame: error: this run would load {tmp_path / 'dump' / 'checkpoint' / 'step-2'}, "
+    assert error.startswith(f"flame: error: this run would load {dump / 'checkpoint' / 'step-4'}, "
                             f"which does not fit --model.config {wider}: model.embed_tokens.weight is [4096, 64] there, "
                             "[4096, 128] here"), error
     assert "--job.dump_folder" in error
-    assert run_config.read_text() == saved and not (tmp_path / "dump" / "checkpoint" / "step-4").exists()
+    assert run_config.read_text() == saved and not (dump / "checkpoint" / "step-6").exists()
     # the folder's own model passes the same check (resuming itself is tested in test_training.py)
-    result = train_sh("--job.config_file", job, "--training.steps", "4", env_extra={"FLAME_DRY_RUN": "1"})
+    result = train_sh("--job.config_file", str(job), "--training.steps", "6", env_extra={"FLAME_DRY_RUN": "1"})
     assert result.returncode == 0 and "flame: dry run" in result.stdout, result.stderr
 
 
@@ -154,11 +165,12 @@ def test_flame_dump_stacks_after_prints_the_stacks_once_without_a_signal():
         "print('still running')\n"
     )
     # train.sh turns FLAME_DUMP_STACKS_AFTER into this time: its own start + the seconds
-    result = run_python(code, {"FLAME_DUMP_STACKS_AT": str(time.time() + 1)})
+    result, unset = two_at_a_time(partial(run_python, code, {"FLAME_DUMP_STACKS_AT": str(time.time() + 1)}),
+                                  partial(run_python, code))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "still running"
     assert result.stderr.count("Timeout (") == 1 and 'File "<string>", line 4' in result.stderr
-    assert "Timeout" not in run_python(code).stderr  # unset: no dump
+    assert "Timeout" not in unset.stderr  # unset: no dump
 
 
 def test_a_bad_flame_dump_stacks_after_is_refused_before_anything_starts():

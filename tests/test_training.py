@@ -1,17 +1,36 @@
-"""Training runs end to end on CPU: real data, real processes, real checkpoints."""
+"""Training runs end to end on CPU: real data, real processes, real checkpoints.
+
+Each test's runs that need no earlier run are declared with first_runs: they start early, two at
+a time, and each test waits only for its own.
+"""
 
 import json
 import math
 import os
-import subprocess
-import sys
+from pathlib import Path
 
-from tests.conftest import ROOT, base_args, check, flame_env, losses, metrics, torchrun, torchrun_two_at_a_time
+from tests.conftest import (
+    ROOT,
+    base_args,
+    check,
+    first_runs,
+    losses,
+    metrics,
+    torchrun,
+    train_job,
+)
 
 
-def test_single_process_loss_falls(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
-    check(torchrun(base_args(tiny_model, corpus, dump, steps=30)))
+def succeeded(started) -> dict[str, Path]:
+    """The dump folders of a test's first runs, each of which must have succeeded."""
+    for _, result in started.values():
+        check(result)
+    return {name: dump for name, (dump, _) in started.items()}
+
+
+@first_runs(run=train_job(30))
+def test_single_process_loss_falls(started):
+    dump = succeeded(started)["run"]
     curve = losses(dump)
     assert sorted(curve) == list(range(1, 31))
     first, last = curve[1], sum(curve[s] for s in range(26, 31)) / 5
@@ -20,18 +39,20 @@ def test_single_process_loss_falls(tmp_path, tiny_model, corpus):
     assert (dump / "checkpoint" / "step-30" / ".metadata").is_file()
 
 
-def _resume_args(model, data, dump, steps, workers=0):
+def _resume_flags(workers=0):
     # the LR schedule spans 12 steps whatever training.steps says, so a short first run and
     # its resumption follow the same schedule as the uninterrupted run
-    return base_args(model, data, dump, steps=steps) + [
-        "--lr_scheduler.total_steps=12", "--checkpoint.interval=4", f"--training.num_workers={workers}",
-    ]
+    return ["--lr_scheduler.total_steps=12", "--checkpoint.interval=4", f"--training.num_workers={workers}"]
 
 
-def test_resume_is_bit_identical_and_skips_an_interrupted_save(tmp_path, tiny_model, corpus):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    check(torchrun(_resume_args(tiny_model, corpus, straight, 12)))
-    check(torchrun(_resume_args(tiny_model, corpus, resumed, 8)))
+def _resume_args(model, data, dump, steps, workers=0):
+    return base_args(model, data, dump, steps=steps) + _resume_flags(workers)
+
+
+@first_runs(straight=train_job(12, *_resume_flags()), resumed=train_job(8, *_resume_flags()))
+def test_resume_is_bit_identical_and_skips_an_interrupted_save(started, tiny_model, corpus):
+    dumps = succeeded(started)
+    straight, resumed = dumps["straight"], dumps["resumed"]
     # DCP writes .metadata last (atomically): a save that died midway has none, and the
     # resume must come from the step-4 checkpoint before it
     os.remove(resumed / "checkpoint" / "step-8" / ".metadata")
@@ -42,28 +63,23 @@ def test_resume_is_bit_identical_and_skips_an_interrupted_save(tmp_path, tiny_mo
     assert metrics(resumed)[12]["lr"] == metrics(straight)[12]["lr"]
 
 
-def test_resume_is_bit_identical_with_dataloader_workers(tmp_path, tiny_model, corpus):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    check(torchrun(_resume_args(tiny_model, corpus, straight, 12, workers=2)))
-    check(torchrun(_resume_args(tiny_model, corpus, resumed, 4, workers=2)))
+@first_runs(straight=train_job(12, *_resume_flags(workers=2)), resumed=train_job(4, *_resume_flags(workers=2)))
+def test_resume_is_bit_identical_with_dataloader_workers(started, tiny_model, corpus):
+    dumps = succeeded(started)
+    straight, resumed = dumps["straight"], dumps["resumed"]
     check(torchrun(_resume_args(tiny_model, corpus, resumed, 12, workers=2)))
     expected, got = losses(straight), losses(resumed)
     assert [got[s] for s in range(5, 13)] == [expected[s] for s in range(5, 13)]
 
 
-def _run_with_bad_steps(tmp_path, tiny_model, corpus, extra):
-    dump = tmp_path / "run"
-    os.environ["FLAME_TEST_BAD_STEPS"] = "3,5"
-    try:
-        result = torchrun(base_args(tiny_model, corpus, dump, steps=8) + extra,
-                          module=str(ROOT / "tests" / "scripts" / "inject_nonfinite.py"))
-    finally:
-        del os.environ["FLAME_TEST_BAD_STEPS"]
-    return dump, result
+def _bad_steps_job(*flags):
+    return train_job(8, *flags, module=str(ROOT / "tests" / "scripts" / "inject_nonfinite.py"),
+                     env={"FLAME_TEST_BAD_STEPS": "3,5"})
 
 
-def test_skip_nan_inf_skips_the_update_and_continues(tmp_path, tiny_model, corpus):
-    dump, result = _run_with_bad_steps(tmp_path, tiny_model, corpus, ["--training.skip_nan_inf"])
+@first_runs(run=_bad_steps_job("--training.skip_nan_inf"))
+def test_skip_nan_inf_skips_the_update_and_continues(started):
+    dump, result = started["run"]
     check(result)
     rows = metrics(dump)
     assert [rows[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 2, 2, 2, 2]
@@ -72,8 +88,9 @@ def test_skip_nan_inf_skips_the_update_and_continues(tmp_path, tiny_model, corpu
     assert "step 3: gradient norm is inf; update skipped" in result.stdout + result.stderr
 
 
-def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path, tiny_model, corpus):
-    dump, result = _run_with_bad_steps(tmp_path, tiny_model, corpus, ["--checkpoint.interval=2"])
+@first_runs(run=_bad_steps_job("--checkpoint.interval=2"))
+def test_non_finite_gradient_stops_the_run_naming_the_step(started):
+    dump, result = started["run"]
     assert result.returncode != 0
     assert "step 3: gradient norm is inf" in result.stdout + result.stderr
     assert "--training.skip_nan_inf" in result.stdout + result.stderr
@@ -81,23 +98,18 @@ def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path, tiny_model,
     assert not (dump / "checkpoint" / "step-4").exists()
 
 
-def test_gradient_accumulation_matches_a_larger_batch(tmp_path, tiny_model, corpus):
-    # the packer hands out rows in order, so 2 micro-batches of 1 row hold the rows of 1 batch of 2
-    big, accumulated = tmp_path / "big", tmp_path / "accumulated"
-    for result in torchrun_two_at_a_time({
-        "big": base_args(tiny_model, corpus, big, steps=5),
-        "accumulated": base_args(tiny_model, corpus, accumulated, steps=5)
-        + ["--training.batch_size=1", "--training.gradient_accumulation_steps=2"],
-    }).values():
-        check(result)
-    expected, got = losses(big), losses(accumulated)
+# the packer hands out rows in order, so 2 micro-batches of 1 row hold the rows of 1 batch of 2
+@first_runs(big=train_job(5), accumulated=train_job(5, "--training.batch_size=1", "--training.gradient_accumulation_steps=2"))
+def test_gradient_accumulation_matches_a_larger_batch(started):
+    dumps = succeeded(started)
+    expected, got = losses(dumps["big"]), losses(dumps["accumulated"])
     for step in range(1, 6):
         assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
 
 
-def test_keep_latest_k_and_load_step(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
-    check(torchrun(_resume_args(tiny_model, corpus, dump, 12) + ["--checkpoint.interval=2", "--checkpoint.keep_latest_k=3"]))
+@first_runs(run=train_job(12, *_resume_flags(), "--checkpoint.interval=2", "--checkpoint.keep_latest_k=3"))
+def test_keep_latest_k_and_load_step(started, tiny_model, corpus):
+    dump = succeeded(started)["run"]
     kept = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir())
     assert kept == [8, 10, 12]
     straight = losses(dump)
@@ -106,73 +118,71 @@ def test_keep_latest_k_and_load_step(tmp_path, tiny_model, corpus):
     assert [losses(dump)[s] for s in (9, 10, 11, 12)] == [straight[s] for s in (9, 10, 11, 12)]
 
 
-def test_tensorboard_and_offline_wandb_logging(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
-    os.environ["WANDB_DIR"] = str(tmp_path)
-    os.environ["HOME"], home = str(tmp_path), os.environ["HOME"]  # no ~/.netrc: no W&B credentials
-    try:
-        result = check(torchrun(base_args(tiny_model, corpus, dump, steps=3)
-                                + ["--metrics.enable_tensorboard", "--metrics.enable_wandb"]))
-    finally:
-        os.environ["HOME"] = home
-        del os.environ["WANDB_DIR"]
+def _logging_run(dump, model, data):
+    # W&B writes under the test's folder, which is also HOME: no ~/.netrc, no W&B credentials
+    home = str(dump.parent)
+    return torchrun(base_args(model, data, dump, steps=3) + ["--metrics.enable_tensorboard", "--metrics.enable_wandb"],
+                    env={"WANDB_DIR": home, "HOME": home})
+
+
+@first_runs(run=_logging_run)
+def test_tensorboard_and_offline_wandb_logging(started):
+    dump, result = started["run"]
+    check(result)
     assert "W&B: no credentials found, logging offline" in result.stdout + result.stderr
     assert list((dump / "tb").rglob("events.out.tfevents.*"))
     assert list((dump / "tb").rglob("offline-run-*")), "a W&B offline run directory"
 
 
-def test_compile_and_activation_checkpointing_keep_the_loss_curve(tmp_path, tiny_model, corpus, single_process_run):
+SELECTIVE = "Applied selective activation checkpointing to 2 blocks"
+COMPILE_AND_CHECKPOINTING = {  # name: (flags, what the log must say)
+    # aot_eager traces and partitions each block like inductor does, without a C++ toolchain
+    "compiled": (["--training.compile", "--compile.backend=aot_eager"], "Compiling each of the 2 decoder blocks"),
+    "full": (["--activation_checkpoint.mode=full"], "Applied full activation checkpointing to 2 blocks"),
+    "selective_op": (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"],
+                     SELECTIVE),
+    "selective_every_2": (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
+                          SELECTIVE),
+}
+
+
+@first_runs(**{name: train_job(4, *flags) for name, (flags, _) in COMPILE_AND_CHECKPOINTING.items()})
+def test_compile_and_activation_checkpointing_keep_the_loss_curve(started, single_process_run):
     """Compiled blocks and every activation-checkpointing mode train the eager run's curve."""
     expected = losses(single_process_run)
-    selective = "Applied selective activation checkpointing to 2 blocks"
-    variants = {  # name: (flags, what the log must say)
-        # aot_eager traces and partitions each block like inductor does, without a C++ toolchain
-        "compiled": (["--training.compile", "--compile.backend=aot_eager"], "Compiling each of the 2 decoder blocks"),
-        "full": (["--activation_checkpoint.mode=full"], "Applied full activation checkpointing to 2 blocks"),
-        "selective_op": (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"],
-                         selective),
-        "selective_every_2": (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
-                              selective),
-    }
-    runs = torchrun_two_at_a_time({name: base_args(tiny_model, corpus, tmp_path / name, steps=4) + flags
-                                   for name, (flags, _) in variants.items()})
-    for name, (_, log_line) in variants.items():
-        result = check(runs[name])
+    for name, (_, log_line) in COMPILE_AND_CHECKPOINTING.items():
+        dump, result = started[name]
+        check(result)
         assert log_line in result.stdout + result.stderr, name
-        got = losses(tmp_path / name)
+        got = losses(dump)
         for step in range(1, 5):
             assert math.isclose(got[step], expected[step], rel_tol=1e-4), (name, step)
 
 
-def test_compiled_varlen_run_never_recompiles(tmp_path, tiny_model, corpus):
+VARLEN = ["--training.varlen", "--training.batch_size=1", "--training.seq_len=256", "--training.context_len=64"]
+
+
+@first_runs(run=train_job(8, *VARLEN, "--training.compile", "--compile.backend=aot_eager",
+                          env={"TORCH_LOGS": "recompiles"}))
+def test_compiled_varlen_run_never_recompiles(started):
     """Document counts and lengths change every step; the compiled blocks must not recompile."""
-    args = base_args(tiny_model, corpus, tmp_path, steps=8) + [
-        "--training.varlen", "--training.batch_size=1", "--training.seq_len=256", "--training.context_len=64",
-        "--training.compile", "--compile.backend=aot_eager",
-    ]
-    env = flame_env() | {"TORCH_LOGS": "recompiles"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "flame.train"]
-    result = check(subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600))
-    output = result.stdout + result.stderr
+    dump, result = started["run"]
+    output = check(result).stdout + result.stderr
     assert "Compiling each of the 2 decoder blocks" in output
     assert "Recompiling function" not in output, output[output.index("Recompiling function"):][:2000]
-    assert losses(tmp_path)[8] < losses(tmp_path)[1]
+    assert losses(dump)[8] < losses(dump)[1]
 
 
-def test_varlen_run_packs_one_row_and_trains(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "varlen"
-    args = base_args(tiny_model, corpus, dump, steps=20) + [
-        "--training.varlen", "--training.batch_size=1", "--training.seq_len=256", "--training.context_len=64",
-    ]
-    check(torchrun(args))
-    rows = metrics(dump)
+@first_runs(varlen=train_job(20, *VARLEN))
+def test_varlen_run_packs_one_row_and_trains(started):
+    rows = metrics(succeeded(started)["varlen"])
     assert rows[20]["n_tokens_seen"] == 20 * 256
     assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
 
 
-def test_elastic_resume_on_fewer_ranks_continues_the_data(tmp_path, tiny_model, corpus):
-    dump = tmp_path / "run"
-    check(torchrun(_resume_args(tiny_model, corpus, dump, 6) + ["--checkpoint.interval=3"], nproc=2))
+@first_runs(run=train_job(6, *_resume_flags(), "--checkpoint.interval=3", nproc=2))
+def test_elastic_resume_on_fewer_ranks_continues_the_data(started, tiny_model, corpus):
+    dump = succeeded(started)["run"]
     result = check(torchrun(_resume_args(tiny_model, corpus, dump, 12) + ["--checkpoint.interval=3"]))
     output = result.stdout + result.stderr
     assert "Training starts at step 7" in output
@@ -181,28 +191,38 @@ def test_elastic_resume_on_fewer_ranks_continues_the_data(tmp_path, tiny_model, 
     assert rows[12]["n_tokens_seen"] > 0 and math.isfinite(rows[12]["loss_metrics/global_avg_loss"])
 
 
-def test_running_out_of_data_stops_every_rank_and_saves(tmp_path, tiny_model):
-    data = tmp_path / "small.jsonl"
+def _small_data_run(dump, model, _):
+    data = dump.parent / "small.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n" for i in range(24)))
-    dump = tmp_path / "run"
-    args = base_args(tiny_model, str(data), dump, steps=1000) + [
+    args = base_args(model, str(data), dump, steps=1000) + [
         "--training.source_exhausted=stop", "--training.data_shards=4", "--checkpoint.interval=1000",
     ]
-    result = check(torchrun(args, nproc=2, timeout=300))
+    return torchrun(args, nproc=2, timeout=300)
+
+
+@first_runs(run=_small_data_run)
+def test_running_out_of_data_stops_every_rank_and_saves(started):
+    dump, result = started["run"]
+    check(result)
     assert "Ran out of data" in result.stdout + result.stderr
     last = max(metrics(dump))
     assert 1 <= last < 1000
     assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
 
 
-def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(tmp_path, tiny_model, corpus):
-    other = tmp_path / "other.jsonl"
+def _two_source_run(dump, model, corpus):
+    other = dump.parent / "other.jsonl"
     other.write_text("".join(json.dumps({"text": f"other document {i} " * 20}) + "\n" for i in range(200)))
-    dump = tmp_path / "run"
-    args = base_args(tiny_model, f"{corpus},{other}", dump, steps=8) + [
+    args = base_args(model, f"{corpus},{other}", dump, steps=8) + [
         "--training.data_probs=0.5,0.5", "--training.mix_unit=tokens",
     ]
-    result = check(torchrun(args, nproc=2))
+    return torchrun(args, nproc=2)
+
+
+@first_runs(run=_two_source_run)
+def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(started):
+    dump, result = started["run"]
+    check(result)
     row = metrics(dump)[8]
     by_source = {key: value for key, value in row.items() if key.startswith("data/") and key.endswith("/tokens")}
     assert len(by_source) == 2 and all(value > 0 for value in by_source.values())
