@@ -23,6 +23,7 @@ from flame.models.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
 )
+from flame.utils import convert_dcp_to_hf
 from tests.conftest import (
     ROOT,
     assert_same_curve,
@@ -121,8 +122,6 @@ def test_tensor_parallel_run_matches_one_process(tmp_path, tiny_model, corpus, s
 
 def test_tensor_parallel_checkpoint_exports_the_single_process_weights(tmp_path, corpus):
     """The custom example (tied embeddings, fused loss): DCP saved by 2 TP ranks -> HF = the 1-process export."""
-    from flame.utils import convert_dcp_to_hf
-
     single, sharded = tmp_path / "single", tmp_path / "tp"
     for result in two_at_a_time(
         partial(torchrun, base_args(EXAMPLE, corpus, single, steps=4)),
