@@ -102,9 +102,9 @@ def test_fla_models_are_refused_on_cpu_machines(monkeypatch):
     check_model_options(load_model_config(str(config_path)), job)
 
 
-@pytest.mark.parametrize("model_type, module, package", [("mamba3", "mamba_ssm", "mamba-ssm"), ("moba", "flash_attn", "flash-attn")])
+@pytest.mark.parametrize("model_type, module, package", [("mamba3", "mamba_ssm", "mamba-ssm")])
 def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_type, module, package):
-    # without the package, mamba3 raises inside step 1 and moba calls None there
+    # without the package, mamba3 raises inside step 1 (moba's flash-attn calls flame provides)
     import importlib.util
 
     from flame import device

@@ -19,12 +19,21 @@ from flame.models import (
     FlameModelArgs,
     attention,
     build_model,
+    fla_patches,
     load_model_config,
     model_inputs,
     registry,
 )
 from flame.models.flops import causal_pairs, model_flops
-from tests.conftest import ROOT, TINY_DECODER, base_args, check, flame_env, losses, torchrun_two_at_a_time
+from tests.conftest import (
+    ROOT,
+    TINY_DECODER,
+    base_args,
+    check,
+    flame_env,
+    losses,
+    torchrun_two_at_a_time,
+)
 
 TINY = {**TINY_DECODER, "vocab_size": 256}
 
@@ -251,6 +260,42 @@ def test_deltaformer_kernels_tune_once_not_per_document_length():
     kernels = {name: kernel for name, kernel in vars(parallel).items() if isinstance(kernel, Autotuner)}
     assert len(kernels) == 4
     assert all(kernel.keys == ["D"] for kernel in kernels.values()), {n: k.keys for n, k in kernels.items()}
+
+
+def test_log_linear_mamba2_gives_its_kernel_level_scales_in_the_queries_dtype(monkeypatch):
+    # under bf16 autocast its float32 level scales met bf16 queries in one Triton tl.dot, which fails to compile
+    registry.import_fla()
+    from fla.layers import log_linear_mamba2 as layer
+
+    assert layer.chunk_log_linear_attn.casts_level_scales  # installed at fla's import
+    seen = {}
+
+    def kernel(q, k, v, g, level_scales, **kwargs):  # stands in for the Triton kernel: records its inputs
+        seen.update(q=q.dtype, level_scales=level_scales.dtype)
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(layer, "chunk_log_linear_attn", fla_patches.casting_level_scales(kernel))
+    batch, length, heads, head_dim, state, levels = 1, 64, 2, 8, 16, 4
+    bf16 = {"dtype": torch.bfloat16}
+    layer.hmamba_chunk_scan_combined(  # the autocast case: projections in bf16, the L and A weights in float32
+        torch.randn(batch, length, heads, head_dim, **bf16), torch.randn(batch, length, heads, **bf16),
+        -torch.rand(heads), torch.randn(batch, length, 1, state, **bf16), torch.randn(batch, length, 1, state, **bf16),
+        torch.randn(batch, length, heads, levels, **bf16), torch.randn(heads, levels), chunk_size=64, dt_softplus=True,
+    )
+    assert seen == {"q": torch.bfloat16, "level_scales": torch.bfloat16}
+
+
+def test_moba_attention_runs_outside_compiled_graphs():
+    # compiled with its blocks, its gathers failed with a device-side index assert (H100, docs/models.md)
+    registry.import_fla()
+    from fla.layers import moba
+    from fla.ops.moba import parallel
+
+    assert moba.parallel_moba.runs_eagerly and moba.parallel_moba is not parallel.parallel_moba
+    q, k, v = (torch.randn(1, 96, 2, 16) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 40, 96], dtype=torch.int32)
+    options = {"max_seqlen": 56, "chunk_size": 16, "topk": 2}
+    assert torch.equal(moba.parallel_moba(q, k, v, cu_seqlens, **options), parallel.parallel_moba(q, k, v, cu_seqlens, **options))
 
 
 @pytest.mark.parametrize("attn_mode, warned", [("chunk", True), ("fused_recurrent", False)])

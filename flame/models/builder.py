@@ -95,10 +95,10 @@ FLA_GRADIENT_SPIKES = {
 
 
 # fla model types whose layers call a package fla does not depend on: (import name, pip name, what for).
-# Without it they fail inside step 1 (mamba3: a RuntimeError from fla; moba: calling None).
+# Without it they fail inside step 1 (mamba3: a RuntimeError from fla). (moba's flash-attn calls
+# flame provides: flame.models.flash_attn_internals.)
 FLA_NEEDS_PACKAGE = {
     "mamba3": ("mamba_ssm", "mamba-ssm", "its Mamba-3 SISO scan kernels"),
-    "moba": ("flash_attn", "flash-attn", "flash-attn's internal varlen forward/backward, which flame's attention does not provide"),
 }
 
 

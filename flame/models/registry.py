@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from flame.models import attention, fla_autotune
+from flame.models import attention, fla_patches
 
 # the class attribute each fla config declares, e.g. ``model_type = 'gla'`` in fla/models/gla/configuration_gla.py
 _MODEL_TYPE = re.compile(r"""^\s+model_type\s*=\s*['"](\w+)['"]""", re.MULTILINE)
@@ -39,12 +39,12 @@ def fla_model_types() -> frozenset[str]:
 @functools.cache
 def import_fla() -> None:
     """Import fla once: it registers its model types, its softmax-attention layers get flame's kernels,
-    and its kernels that would tune per document length tune once (flame.models.fla_autotune)."""
+    and flame's changes to fla's kernels apply (flame.models.fla_patches)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fla warns at import when no GPU is present
         import fla  # noqa: F401
     attention.install_in_fla()  # those layers need flash-attn otherwise
-    fla_autotune.tune_once_per_shape()
+    fla_patches.apply()
 
 
 def ensure_model_type(model_type: str) -> None:

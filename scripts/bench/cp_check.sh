@@ -6,13 +6,14 @@
 # (default 10) steps of SEQ (default 32768) tokens with `bash train.sh` on 1 GPU and with NGPU=2
 # --parallelism.context_parallel_degree 2, head-tail balanced and contiguous, in fp32 (so the
 # curves agree to rounding; fp32 attention runs FlexAttention); llama also in bf16 (the varlen
-# kernel), kda (fla's CP kernels) also with compiled blocks. Logs and metrics under /tmp/flame-gpu/cp;
+# kernel), kda (fla's CP kernels) also with compiled blocks. Logs and metrics under $CP_OUT;
 # last, one line per run: its losses and the largest relative difference from 1 GPU in the
 # same precision. About 50 s per run on 2 H200s (35-45 s of it process start), more while fla's
-# kernels autotune on a fresh machine: pass fewer configs to stay within one device command.
+# kernels autotune on a fresh machine: pass fewer configs to stay within one device command, or
+# run two at once with their own CP_OUT (default /tmp/flame-gpu/cp).
 # Every run of a config starts from one seed checkpoint (train_run.sh: seed_flags).
 set -uo pipefail
-out=/tmp/flame-gpu/cp  # packed into $OUT/cp.tgz after every run (train_run.sh)
+out=${CP_OUT:-/tmp/flame-gpu/cp}  # packed into $OUT/<its name>.tgz after every run (train_run.sh)
 mkdir -p "$out"
 steps=${STEPS:-10}
 seq=${SEQ:-32768}

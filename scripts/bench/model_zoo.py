@@ -122,6 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled run")
+    parser.add_argument("--compile-only", action="store_true", help="only the compiled run (for a type whose other stages ran)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per varlen row (shorter for slow scans)")
     args = parser.parse_args()
@@ -141,19 +142,20 @@ def main() -> None:
         model = build(args.config)
         result["model_type"] = model.config.model_type
         result["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
-        stage = "parity"
-        result.update(parity(model, *batches[0][:2]))
-        emit(stage)
-        stage = "eager"
-        result["eager"] = train(model, batches, compile_blocks=False)
-        emit(stage)
+        if not args.compile_only:
+            stage = "parity"
+            result.update(parity(model, *batches[0][:2]))
+            emit(stage)
+            stage = "eager"
+            result["eager"] = train(model, batches, compile_blocks=False)
+            emit(stage)
         if not args.no_compile:
             stage = "compile"
             del model
             torch.manual_seed(0)
             result["compile"] = train(build(args.config), batches, compile_blocks=True)
             emit(stage)
-        for mode in ("full", "selective"):
+        for mode in ("full", "selective") if not args.compile_only else ():
             stage = f"ac {mode}"
             torch.manual_seed(0)
             run = train(build(args.config), batches[:8], ac_mode=mode)
