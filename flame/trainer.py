@@ -10,15 +10,18 @@ overrides:
 - ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), richer metrics (per-source data counts among them);
-- ``state_dict``: the train state also counts skipped steps.
+- ``state_dict``: the train state also counts skipped steps;
+and a one-process run skips the 2 s sleep that ends torchtitan's ``train()`` (_TimeWithoutLoneSleep).
 """
 
 import json
 import os
+import time
 from typing import Any
 
 import numpy as np
 import torch
+import torchtitan.train
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -45,6 +48,25 @@ from flame.models.pipeline import pipeline_model
 
 class NonFiniteGradientError(RuntimeError):
     pass
+
+
+class _TimeWithoutLoneSleep:
+    """The ``time`` module as torchtitan.train sees it, without the sleep that ends its ``train()``.
+
+    Rank 0 sleeps 2 s there "for other ranks to complete"; a single process has none to wait for,
+    and the sleep cost every one-process run (each test launch, the CPU debug job) 2 s.
+    """
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            time.sleep(seconds)
+
+
+torchtitan.train.time = _TimeWithoutLoneSleep()
 
 
 def register_flame_train_spec() -> None:
