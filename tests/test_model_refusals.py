@@ -128,6 +128,35 @@ def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_t
         assert str(error.value).startswith(f"fla's {model_type} needs ") and f"pip install {package}" in str(error.value)
 
 
+@pytest.mark.parametrize("model_type, option, module, package", [
+    ("moba", "use_flash_moba", "flash_moba", "flash-moba"), ("mamba3", "is_mimo", "tilelang", "tilelang"),
+])
+def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_type, option, module, package):
+    # without it fla raises while building the model, in every process
+    import importlib.util
+
+    from flame import device
+
+    config_path = ROOT / f"configs/tiny/{model_type}.json"
+    job = parse_job(monkeypatch, 1, f"--model.config={config_path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+                    "--training.dataset=builtin:python-stdlib")
+    monkeypatch.setattr(device, "CUDA", True)
+    find_spec = importlib.util.find_spec
+    installed = {"mamba_ssm"}  # mamba3's own package: only the option's is missing
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: (object() if name in installed else None) if name in {module, "mamba_ssm"}
+                        else find_spec(name, *args))
+    config = load_model_config(str(config_path))
+    check_model_options(config, job)  # the option off: nothing missing
+    setattr(config, option, True)
+    with pytest.raises(ConfigError) as error:
+        check_model_options(config, job)
+    assert str(error.value).startswith(f"fla's {model_type} with {option} true needs ")
+    assert str(error.value).endswith(f": pip install {package} (not installed here), or set {option} to false in the model config")
+    installed.add(module)
+    check_model_options(config, job)
+
+
 @pytest.mark.parametrize(
     "world_size, flags, reason",
     [

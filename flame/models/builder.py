@@ -100,6 +100,12 @@ FLA_GRADIENT_SPIKES = {
 FLA_NEEDS_PACKAGE = {
     "mamba3": ("mamba_ssm", "mamba-ssm", "its Mamba-3 SISO scan kernels"),
 }
+# fla config options that call such a package: (model_type, option) -> (import name, pip name, what for).
+# Without it fla raises while building the model, after the processes started.
+FLA_OPTION_NEEDS_PACKAGE = {
+    ("moba", "use_flash_moba"): ("flash_moba", "flash-moba", "FlashMoBA's fused kernel"),
+    ("mamba3", "is_mimo"): ("tilelang", "tilelang", "the Mamba-3 MIMO kernels, written in TileLang"),
+}
 
 
 # fla model types whose chunk kernels assert that their inputs are not float32 (fla 0.6)
@@ -181,6 +187,12 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
         module, package, purpose = FLA_NEEDS_PACKAGE.get(model_type, (None, None, None))
         if module and importlib.util.find_spec(module) is None:
             raise ConfigError(f"fla's {model_type} needs {purpose}: pip install {package} (not installed here)")
+        for (option_type, option), (module, package, purpose) in FLA_OPTION_NEEDS_PACKAGE.items():
+            if option_type == model_type and getattr(config, option, False) and importlib.util.find_spec(module) is None:
+                raise ConfigError(
+                    f"fla's {model_type} with {option} true needs {purpose}: pip install {package} (not installed "
+                    f"here), or set {option} to false in the model config"
+                )
         return
     # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
     if getattr(config, "attn_logit_softcapping", None):
