@@ -98,7 +98,7 @@ def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeo
 
 def two_at_a_time(*jobs):
     """The results of independent jobs (callables), run two at a time: most of a tiny job is
-    single-threaded start-up and torchtitan's closing 2-second sleep, which overlap."""
+    single-threaded start-up and shutdown, which overlap."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [pool.submit(job) for job in jobs]
     return [future.result() for future in futures]

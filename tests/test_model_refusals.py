@@ -142,10 +142,9 @@ def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_
                     "--training.dataset=builtin:python-stdlib")
     monkeypatch.setattr(device, "CUDA", True)
     find_spec = importlib.util.find_spec
-    installed = {"mamba_ssm"}  # mamba3's own package: only the option's is missing
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: (object() if name in installed else None) if name in {module, "mamba_ssm"}
-                        else find_spec(name, *args))
+    missing = {module}  # only the option's package: mamba3's own counts as installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        None if name in missing else object() if name in {module, "mamba_ssm"} else find_spec(name, *args)))
     config = load_model_config(str(config_path))
     check_model_options(config, job)  # the option off: nothing missing
     setattr(config, option, True)
@@ -153,7 +152,7 @@ def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_
         check_model_options(config, job)
     assert str(error.value).startswith(f"fla's {model_type} with {option} true needs ")
     assert str(error.value).endswith(f": pip install {package} (not installed here), or set {option} to false in the model config")
-    installed.add(module)
+    missing.clear()
     check_model_options(config, job)
 
 

@@ -94,15 +94,12 @@ FLA_GRADIENT_SPIKES = {
 }
 
 
-# fla model types whose layers call a package fla does not depend on: (import name, pip name, what for).
-# Without it they fail inside step 1 (mamba3: a RuntimeError from fla). (moba's flash-attn calls
-# flame provides: flame.models.flash_attn_internals.)
+# fla model types, or their config options, whose layers call a package fla does not depend on:
+# (model_type, option or None for the type itself) -> (import name, pip name, what for). Without it
+# fla fails after the processes started: mamba3 inside step 1, the options while building the model.
+# (moba's flash-attn calls flame provides: flame.models.flash_attn_internals.)
 FLA_NEEDS_PACKAGE = {
-    "mamba3": ("mamba_ssm", "mamba-ssm", "its Mamba-3 SISO scan kernels"),
-}
-# fla config options that call such a package: (model_type, option) -> (import name, pip name, what for).
-# Without it fla raises while building the model, after the processes started.
-FLA_OPTION_NEEDS_PACKAGE = {
+    ("mamba3", None): ("mamba_ssm", "mamba-ssm", "its Mamba-3 SISO scan kernels"),
     ("moba", "use_flash_moba"): ("flash_moba", "flash-moba", "FlashMoBA's fused kernel"),
     ("mamba3", "is_mimo"): ("tilelang", "tilelang", "the Mamba-3 MIMO kernels, written in TileLang"),
 }
@@ -184,15 +181,13 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
                 f"fla's {model_type} runs fla's Triton kernels (its norms, activations and token mixer), which need a "
                 "CUDA GPU; on a CPU machine train a transformers model (configs/llama_4M.json) or one from custom_models/"
             )
-        module, package, purpose = FLA_NEEDS_PACKAGE.get(model_type, (None, None, None))
-        if module and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"fla's {model_type} needs {purpose}: pip install {package} (not installed here)")
-        for (option_type, option), (module, package, purpose) in FLA_OPTION_NEEDS_PACKAGE.items():
-            if option_type == model_type and getattr(config, option, False) and importlib.util.find_spec(module) is None:
-                raise ConfigError(
-                    f"fla's {model_type} with {option} true needs {purpose}: pip install {package} (not installed "
-                    f"here), or set {option} to false in the model config"
-                )
+        for (needing_type, option), (module, package, purpose) in FLA_NEEDS_PACKAGE.items():
+            if needing_type != model_type or (option and not getattr(config, option, False)):
+                continue
+            if importlib.util.find_spec(module) is None:
+                subject = f"fla's {model_type} with {option} true" if option else f"fla's {model_type}"
+                alternative = f", or set {option} to false in the model config" if option else ""
+                raise ConfigError(f"{subject} needs {purpose}: pip install {package} (not installed here){alternative}")
         return
     # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
     if getattr(config, "attn_logit_softcapping", None):

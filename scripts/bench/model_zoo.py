@@ -121,8 +121,9 @@ def train(model, batches, compile_blocks: bool = False, ac_mode: str | None = No
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled run")
-    parser.add_argument("--compile-only", action="store_true", help="only the compiled run (for a type whose other stages ran)")
+    stages = parser.add_mutually_exclusive_group()
+    stages.add_argument("--no-compile", action="store_true", help="skip the compiled run")
+    stages.add_argument("--compile-only", action="store_true", help="only the compiled run (for a type whose other stages ran)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per varlen row (shorter for slow scans)")
     args = parser.parse_args()
