@@ -102,8 +102,10 @@ def test_fla_models_are_refused_on_cpu_machines(monkeypatch):
     check_model_options(load_model_config(str(config_path)), job)
 
 
-@pytest.mark.parametrize("model_type, module, package", [("mamba3", "mamba_ssm", "mamba-ssm")])
-def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_type, module, package):
+@pytest.mark.parametrize("model_type, module, install", [
+    ("mamba3", "mamba_ssm", "pip install --no-build-isolation --no-deps mamba-ssm"),
+])
+def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_type, module, install):
     # without the package, mamba3 raises inside step 1 (moba's flash-attn calls flame provides)
     import importlib.util
 
@@ -125,13 +127,14 @@ def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_t
             continue
         with pytest.raises(ConfigError) as error:
             check_model_options(model_config, job)
-        assert str(error.value).startswith(f"fla's {model_type} needs ") and f"pip install {package}" in str(error.value)
+        assert str(error.value).startswith(f"fla's {model_type} needs ") and f"{install} (not installed here)" in str(error.value)
 
 
-@pytest.mark.parametrize("model_type, option, module, package", [
-    ("moba", "use_flash_moba", "flash_moba", "flash-moba"), ("mamba3", "is_mimo", "tilelang", "tilelang"),
+@pytest.mark.parametrize("model_type, option, module, package, settings", [
+    ("moba", "use_flash_moba", "flash_moba", "flash-moba", {}),
+    ("mamba3", "is_mimo", "tilelang", "tilelang", {"chunk_size": 16}),  # what MIMO's kernels need (test_mamba3_kernels)
 ])
-def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_type, option, module, package):
+def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_type, option, module, package, settings):
     # without it fla raises while building the model, in every process
     import importlib.util
 
@@ -147,7 +150,8 @@ def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_
         None if name in missing else object() if name in {module, "mamba_ssm"} else find_spec(name, *args)))
     config = load_model_config(str(config_path))
     check_model_options(config, job)  # the option off: nothing missing
-    setattr(config, option, True)
+    for name, value in {option: True, **settings}.items():
+        setattr(config, name, value)
     with pytest.raises(ConfigError) as error:
         check_model_options(config, job)
     assert str(error.value).startswith(f"fla's {model_type} with {option} true needs ")

@@ -30,7 +30,7 @@ from flame import device
 from flame.components.loss import use_fused_cross_entropy
 from flame.config_manager import ConfigError, fsdp_enabled
 from flame.data.tokenizer import load_tokenizer
-from flame.models import attention
+from flame.models import attention, fla_patches
 from flame.models.context_parallel import check_context_parallel
 from flame.models.flops import model_flops
 from flame.models.inputs import (
@@ -95,13 +95,18 @@ FLA_GRADIENT_SPIKES = {
 
 
 # fla model types, or their config options, whose layers call a package fla does not depend on:
-# (model_type, option or None for the type itself) -> (import name, pip name, what for). Without it
-# fla fails after the processes started: mamba3 inside step 1, the options while building the model.
-# (moba's flash-attn calls flame provides: flame.models.flash_attn_internals.)
+# (model_type, option or None for the type itself) -> (import name, install command, what for).
+# Without it fla fails after the processes started: mamba3 inside step 1, the options while building
+# the model. (moba's flash-attn calls flame provides: flame.models.flash_attn_internals.)
 FLA_NEEDS_PACKAGE = {
-    ("mamba3", None): ("mamba_ssm", "mamba-ssm", "its Mamba-3 SISO scan kernels"),
-    ("moba", "use_flash_moba"): ("flash_moba", "flash-moba", "FlashMoBA's fused kernel"),
-    ("mamba3", "is_mimo"): ("tilelang", "tilelang", "the Mamba-3 MIMO kernels, written in TileLang"),
+    # mamba_ssm's Triton files suffice (flame.models.fla_patches): no CUDA build, no dependencies
+    ("mamba3", None): (
+        "mamba_ssm",
+        "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
+        "mamba_ssm's Mamba-3 scan kernels",
+    ),
+    ("moba", "use_flash_moba"): ("flash_moba", "pip install flash-moba", "FlashMoBA's fused kernel"),
+    ("mamba3", "is_mimo"): ("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang"),
 }
 
 
@@ -181,13 +186,15 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
                 f"fla's {model_type} runs fla's Triton kernels (its norms, activations and token mixer), which need a "
                 "CUDA GPU; on a CPU machine train a transformers model (configs/llama_4M.json) or one from custom_models/"
             )
-        for (needing_type, option), (module, package, purpose) in FLA_NEEDS_PACKAGE.items():
+        for (needing_type, option), (module, install, purpose) in FLA_NEEDS_PACKAGE.items():
             if needing_type != model_type or (option and not getattr(config, option, False)):
                 continue
             if importlib.util.find_spec(module) is None:
                 subject = f"fla's {model_type} with {option} true" if option else f"fla's {model_type}"
                 alternative = f", or set {option} to false in the model config" if option else ""
-                raise ConfigError(f"{subject} needs {purpose}: pip install {package} (not installed here){alternative}")
+                raise ConfigError(f"{subject} needs {purpose}: {install} (not installed here){alternative}")
+        if model_type == "mamba3":
+            check_mamba3_kernels(config)
         return
     # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
     if getattr(config, "attn_logit_softcapping", None):
@@ -200,6 +207,48 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
             f"{model_type}: attention_dropout {config.attention_dropout} is not supported by flame's document "
             "attention; set it to 0.0 in the model config"
         )
+
+
+def check_mamba3_kernels(config: PretrainedConfig) -> None:
+    """Refuse a mamba3 config that mamba_ssm's kernels here cannot run (flame.models.fla_patches loads them)."""
+    if config.is_mimo:
+        if config.chunk_size * config.mimo_rank > 64:  # mamba_ssm's Mamba3 module: "64/mimo_rank for MIMO"
+            raise ConfigError(
+                f"fla's mamba3 with is_mimo true: chunk_size {config.chunk_size} x mimo_rank {config.mimo_rank} "
+                "needs more shared memory than a GPU has in mamba_ssm's MIMO kernels (410 KB at 64 x 4 on an "
+                f"H100, which has 227 KB); set chunk_size to {max(64 // config.mimo_rank, 1)} in the model config"
+            )
+        if unmet := _unmet_requirement("mamba_ssm", "tilelang"):  # 0.1.15's compiler fails on them (H100)
+            required, installed = unmet
+            raise ConfigError(
+                f"fla's mamba3 with is_mimo true runs mamba_ssm's TileLang kernels, written for {required}, not the "
+                f"{installed} installed: pip install '{required}', or set is_mimo to false in the model config"
+            )
+    kernel = "mamba3_mimo_combined" if config.is_mimo else "mamba3_siso_combined"
+    if error := fla_patches.mamba3_kernel_errors.get(kernel):
+        install = FLA_NEEDS_PACKAGE[("mamba3", None)][1]
+        raise ConfigError(
+            f"fla's mamba3 found no {kernel} in the mamba_ssm installed here ({error}); mamba-ssm >= 2.3.2 "
+            f"has the Mamba-3 kernels: {install} --upgrade"
+        )
+
+
+def _unmet_requirement(package: str, dependency: str) -> tuple[str, str] | None:
+    """``package``'s requirement on ``dependency`` and the version installed, when that version does not meet it."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        requirements = [Requirement(line) for line in metadata.requires(package) or ()]
+        installed = metadata.version(dependency)
+    except metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        unconditional = requirement.name == dependency and requirement.marker is None
+        if unconditional and not requirement.specifier.contains(installed, prereleases=True):
+            return str(requirement), installed
+    return None
 
 
 class TorchtitanInit:

@@ -17,21 +17,51 @@
    ``parallel_moba`` failed at the first compiled step with a device-side index assert in an
    inductor kernel (H100, docs/models.md). It now runs eagerly, as flame's own attention does (a
    graph break per layer); the block's projections, norms and MLP still compile.
+4. mamba3's kernels from a mamba_ssm built without its CUDA extensions. fla's mamba3 layer takes
+   its scan from mamba_ssm (>= 2.3.2): Triton (SISO) or TileLang (MIMO) files. But
+   ``mamba_ssm/__init__`` imports the compiled selective-scan extension, which Mamba-3 never
+   calls, so a build without it (``MAMBA_SKIP_CUDA_BUILD=TRUE``: no nvcc, seconds instead of a
+   long compile) fails to import and fla's layer finds no kernel. flame imports the kernel modules
+   under a stand-in ``mamba_ssm`` package that skips that ``__init__`` (its subpackages' are
+   empty), then removes the stand-in: ``import mamba_ssm`` fails afterwards as before, and
+   fla's other layers keep the paths they chose at import.
+5. mamba3 under activation checkpointing. mamba_ssm's Mamba-3 backward (SISO and MIMO) reads
+   ``ctx.saved_tensors`` twice, once to check it is not empty; torch's checkpointing lets each
+   saved tensor be unpacked once, so full and op-level AC failed in the first backward (H100,
+   docs/models.md). flame hands that backward a context whose saved tensors were unpacked once.
+6. mamba3's gated RMS norms outside torch.compile graphs. Compiled with its blocks, fla's
+   ``RMSNormGated`` failed while tracing: dynamo made the norm's width symbolic (fla's
+   ``input_guard`` wrapper is one code object shared by every kernel it wraps, so sizes seen
+   there change between calls) and could not pass the ``num_warps`` computed from it to the
+   Triton kernel (H100). Run eagerly, the compiled blocks give eager's loss curve with no
+   recompilation.
 """
 
 import functools
 import importlib
+import importlib.util
+import sys
 
 import torch
 
 # module -> the length arguments to drop from its autotuned kernels' keys
 _KEYED_ON_LENGTH = {"fla.ops.deltaformer.parallel": ("C", "T")}
 
+# fla.layers.mamba3's names for the kernels it trains with -> (mamba_ssm module, name there)
+MAMBA3_KERNELS = {
+    "mamba3_siso_combined": ("mamba_ssm.ops.triton.mamba3.mamba3_siso_combined", "mamba3_siso_combined"),
+    "mamba3_mimo_combined": ("mamba_ssm.ops.tilelang.mamba3.mamba3_mimo", "mamba3_mimo"),
+}
+# kernel name -> why it could not be imported from the installed mamba_ssm (preflight reports it)
+mamba3_kernel_errors: dict[str, str] = {}
+
 
 def apply() -> None:
     tune_once_per_shape()
     level_scales_in_query_dtype()
     moba_attention_eager()
+    mamba3_kernels_from_mamba_ssm()
+    mamba3_norms_eager()
 
 
 def _import(module_name: str):
@@ -79,3 +109,68 @@ def moba_attention_eager() -> None:
         eager = torch.compiler.disable(moba)
         eager.runs_eagerly = True
         layer.parallel_moba = eager
+
+
+def mamba3_kernels_from_mamba_ssm() -> None:
+    """Give fla's mamba3 layer the kernels an installed mamba_ssm has, even if it cannot be imported."""
+    layer = _import("fla.layers.mamba3")
+    if layer is None or importlib.util.find_spec("mamba_ssm") is None:
+        return  # no mamba_ssm: preflight refuses mamba3 with the install command
+    missing = [name for name in MAMBA3_KERNELS if getattr(layer, name, None) is None]
+    stand_in = "mamba_ssm" not in sys.modules and bool(missing)
+    if stand_in:  # the package's module, its __init__ not run
+        sys.modules["mamba_ssm"] = importlib.util.module_from_spec(importlib.util.find_spec("mamba_ssm"))
+    try:
+        for name in missing:
+            module_name, kernel = MAMBA3_KERNELS[name]
+            try:
+                setattr(layer, name, getattr(importlib.import_module(module_name), kernel))
+            except ImportError as error:  # no TileLang (MIMO), or a mamba_ssm older than Mamba-3
+                mamba3_kernel_errors[name] = str(error)
+    finally:
+        if stand_in:
+            del sys.modules["mamba_ssm"]
+    layer.is_fast_path_available = layer.mamba3_siso_combined is not None
+    for name in MAMBA3_KERNELS:
+        kernel = getattr(layer, name, None)
+        function = kernel.__globals__.get("_Mamba3Function") if kernel is not None else None
+        if function is not None:
+            unpack_saved_tensors_once(function)
+
+
+class _SavedTensorsUnpackedOnce:
+    """An autograd context whose ``saved_tensors`` were unpacked once; everything else is the context's."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self.saved_tensors = ctx.saved_tensors
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def unpack_saved_tensors_once(function: type[torch.autograd.Function]) -> None:
+    """Make ``function``'s backward see saved tensors unpacked once, however often it reads them."""
+    backward = function.backward
+    if getattr(backward, "unpacks_once", False):
+        return
+
+    def backward_unpacking_once(ctx, *grads):
+        return backward(_SavedTensorsUnpackedOnce(ctx), *grads)
+
+    backward_unpacking_once.unpacks_once = True
+    function.backward = staticmethod(backward_unpacking_once)
+
+
+def mamba3_norms_eager() -> None:
+    """Make the gated RMS norms fla's mamba3 layer builds run outside compiled graphs."""
+    layer = _import("fla.layers.mamba3")
+    norm = getattr(layer, "RMSNormGated", None)
+    if norm is None or getattr(norm, "runs_eagerly", False):
+        return
+
+    class EagerRMSNormGated(norm):
+        runs_eagerly = True
+        forward = torch.compiler.disable(norm.forward)
+
+    layer.RMSNormGated = EagerRMSNormGated
