@@ -55,13 +55,16 @@ MAMBA3_KERNELS = {
 # kernel name -> why it could not be imported from the installed mamba_ssm (preflight reports it)
 mamba3_kernel_errors: dict[str, str] = {}
 
+# fla layer module -> the function it calls, or the module class it builds, that runs outside
+# torch.compile graphs (points 3 and 6 above; only that layer's name is replaced)
+_RUN_EAGERLY = {"fla.layers.moba": "parallel_moba", "fla.layers.mamba3": "RMSNormGated"}
+
 
 def apply() -> None:
     tune_once_per_shape()
     level_scales_in_query_dtype()
-    moba_attention_eager()
+    outside_compiled_graphs()
     mamba3_kernels_from_mamba_ssm()
-    mamba3_norms_eager()
 
 
 def _import(module_name: str):
@@ -101,25 +104,31 @@ def level_scales_in_query_dtype() -> None:
         layer.chunk_log_linear_attn = casting_level_scales(kernel)
 
 
-def moba_attention_eager() -> None:
-    """Make moba's layer call ``parallel_moba`` outside compiled graphs."""
-    layer = _import("fla.layers.moba")
-    moba = getattr(layer, "parallel_moba", None)
-    if moba is not None and not getattr(moba, "runs_eagerly", False):
-        eager = torch.compiler.disable(moba)
+def outside_compiled_graphs() -> None:
+    """Make the layers in ``_RUN_EAGERLY`` call those functions, or build those modules, eagerly."""
+    for module_name, name in _RUN_EAGERLY.items():
+        layer = _import(module_name)
+        original = getattr(layer, name, None)
+        if original is None or getattr(original, "runs_eagerly", False):
+            continue
+        if isinstance(original, type):  # a module class: the layer's instances of it run eagerly
+            eager = type(original.__name__, (original,), {"forward": torch.compiler.disable(original.forward)})
+        else:
+            eager = torch.compiler.disable(original)
         eager.runs_eagerly = True
-        layer.parallel_moba = eager
+        setattr(layer, name, eager)
 
 
 def mamba3_kernels_from_mamba_ssm() -> None:
     """Give fla's mamba3 layer the kernels an installed mamba_ssm has, even if it cannot be imported."""
     layer = _import("fla.layers.mamba3")
-    if layer is None or importlib.util.find_spec("mamba_ssm") is None:
+    package = importlib.util.find_spec("mamba_ssm")
+    if layer is None or package is None:
         return  # no mamba_ssm: preflight refuses mamba3 with the install command
     missing = [name for name in MAMBA3_KERNELS if getattr(layer, name, None) is None]
     stand_in = "mamba_ssm" not in sys.modules and bool(missing)
     if stand_in:  # the package's module, its __init__ not run
-        sys.modules["mamba_ssm"] = importlib.util.module_from_spec(importlib.util.find_spec("mamba_ssm"))
+        sys.modules["mamba_ssm"] = importlib.util.module_from_spec(package)
     try:
         for name in missing:
             module_name, kernel = MAMBA3_KERNELS[name]
@@ -160,17 +169,3 @@ def unpack_saved_tensors_once(function: type[torch.autograd.Function]) -> None:
 
     backward_unpacking_once.unpacks_once = True
     function.backward = staticmethod(backward_unpacking_once)
-
-
-def mamba3_norms_eager() -> None:
-    """Make the gated RMS norms fla's mamba3 layer builds run outside compiled graphs."""
-    layer = _import("fla.layers.mamba3")
-    norm = getattr(layer, "RMSNormGated", None)
-    if norm is None or getattr(norm, "runs_eagerly", False):
-        return
-
-    class EagerRMSNormGated(norm):
-        runs_eagerly = True
-        forward = torch.compiler.disable(norm.forward)
-
-    layer.RMSNormGated = EagerRMSNormGated
