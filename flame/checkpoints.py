@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from transformers import PretrainedConfig
 
-from flame.config_manager import ConfigError
+from flame.errors import ConfigError
 from flame.models.registry import meta_model
 
 

@@ -16,14 +16,11 @@ from torchtitan.config import ConfigManager, JobConfig
 
 from flame import device
 from flame.config import ALIASES, UNUSED_TORCHTITAN_FIELDS
+from flame.errors import ConfigError
 
 FLAME_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MODULE = "flame.config"
 RUN_CONFIG_FILE = "job_config.json"  # the parsed job config, saved in the dump folder by rank 0
-
-
-class ConfigError(ValueError):
-    """A job setting that cannot work; the message names the fix."""
 
 
 def _get(obj: Any, dotted: str) -> Any:

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
+from flame.errors import ConfigError
+
 CUDA = torch.cuda.is_available()
 # NCCL can scale inside a reduce-scatter (PREMUL_SUM); gloo only sums.
 COLLECTIVES_SCALE_IN_REDUCTION = CUDA
@@ -98,8 +100,6 @@ def check_supported(job_config) -> None:
     """Options that need CUDA, refused up front on a CPU machine."""
     if CUDA:
         return
-    from flame.config_manager import ConfigError
-
     if job_config.profiling.enable_memory_snapshot:
         raise ConfigError("--profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
     if job_config.profiling.enable_profiling:

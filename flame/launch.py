@@ -14,24 +14,9 @@ import os
 import shlex
 import sys
 
-from flame.config_manager import ConfigError, FlameConfigManager
-
-
-def preflight(config) -> None:
-    from flame.checkpoints import check_checkpoint_fits_model
-    from flame.data.shards import DataPlan
-    from flame.data.tokenizer import load_tokenizer
-    from flame.models.builder import (
-        check_model_options,
-        check_vocabulary,
-        load_model_config,
-    )
-
-    model_config = load_model_config(config.model.config)
-    check_vocabulary(model_config, config.model.tokenizer_path)
-    check_model_options(model_config, config)
-    check_checkpoint_fits_model(config, model_config)
-    DataPlan.from_config(config, load_tokenizer(config.model.tokenizer_path))
+from flame.config_manager import FlameConfigManager
+from flame.errors import ConfigError
+from flame.preflight import check_job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["WORLD_SIZE"] = str(args.world_size)
     try:
         config = FlameConfigManager().parse_args(train_args)
-        preflight(config)
+        check_job(config)
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2

@@ -13,7 +13,8 @@ import traceback
 import torch
 from torchtitan.tools.logging import init_logger, logger
 
-from flame.config_manager import ConfigError, FlameConfigManager
+from flame.config_manager import FlameConfigManager
+from flame.errors import ConfigError, NonFiniteGradientError
 
 
 def arrange_stack_dumps() -> None:
@@ -39,10 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
 
-    from flame.trainer import (  # after parsing: `-h` and config errors stay fast
-        NonFiniteGradientError,
-        Trainer,
-    )
+    from flame.trainer import Trainer  # after parsing: `-h` and config errors stay fast
 
     trainer = None
     every_rank_stops = True  # the errors caught by name are raised on every rank alike

@@ -4,7 +4,7 @@ torchtitan builds everything from the "flame" TrainSpec registered below (HF mod
 config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
 overrides:
 - ``post_dataloading_process``: hands the model the inputs its family understands (under
-  context parallelism, this rank's share of the tokens: flame.models.context_parallel);
+  context parallelism, this rank's share of the tokens: flame.distributed.context_parallel);
 - ``forward_backward_step``: under pipeline parallelism, the schedule gets each stage's
   document and label inputs and a loss over the step's global target count;
 - ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
@@ -35,19 +35,17 @@ from torchtitan.protocols.train_spec import (
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
-from flame import device
+from flame import device, preflight
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
 from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
-from flame.models import AnyFlavor, build_model, model_inputs, parallelize_model
-from flame.models.context_parallel import ContextParallel
-from flame.models.pipeline import pipeline_model
-
-
-class NonFiniteGradientError(RuntimeError):
-    pass
+from flame.distributed.context_parallel import ContextParallel
+from flame.distributed.parallelize import parallelize_model
+from flame.distributed.pipeline import pipeline_model
+from flame.errors import NonFiniteGradientError
+from flame.models import AnyFlavor, build_model, model_inputs
 
 
 class _TimeWithoutLoneSleep:
@@ -95,6 +93,7 @@ def register_flame_train_spec() -> None:
 class Trainer(TorchtitanTrainer):
     def __init__(self, job_config):
         device.use_cpu_if_no_accelerator()
+        preflight.check_model(job_config)  # train.sh checked it all already; a bare torchrun launch did not
         register_flame_train_spec()
         self.skipped_steps = 0
         self.data_exhausted = False

@@ -150,7 +150,9 @@ def started(request, _first_runs) -> dict[str, tuple[Path, subprocess.CompletedP
 
 def parse_job(monkeypatch, world_size: int, *args: str):
     """The JobConfig the ranks of a ``world_size``-process job would parse from ``args`` (validation included)."""
-    from flame.config_manager import FlameConfigManager  # conftest itself imports no flame module
+    from flame.config_manager import (
+        FlameConfigManager,  # conftest itself imports no flame module
+    )
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     return FlameConfigManager().parse_args(list(args))

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from flame.config_manager import ConfigError, FlameConfigManager
+from flame.config_manager import FlameConfigManager
+from flame.errors import ConfigError
 from tests.conftest import ROOT, flame_env
 
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from flame import launch
+from flame.distributed.context_parallel import BatchLayout, rank_intervals
 from flame.models import attention
-from flame.models.context_parallel import BatchLayout, rank_intervals
 from tests.conftest import ROOT, base_args, check, metrics, torchrun
 
 CP2 = ["--parallelism.context_parallel_degree=2"]

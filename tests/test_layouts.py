@@ -16,10 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from flame import device, launch
-from flame.config_manager import ConfigError
+from flame.errors import ConfigError
 from flame.utils import convert_dcp_to_hf
 from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
-from tests.conftest import assert_same_curve, base_args, check, metrics, parse_job, torchrun
+from tests.conftest import (
+    assert_same_curve,
+    base_args,
+    check,
+    metrics,
+    parse_job,
+    torchrun,
+)
 
 DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"]
 # name: (processes, flags); every layout reads 4 rows of 64 tokens per step
@@ -217,8 +224,9 @@ def test_fsdp_reshard_after_forward_reaches_every_block(policy, resharded, two_r
 
     from transformers import AutoModelForCausalLM
 
+    from flame.distributed.parallelize import apply_fsdp
     from flame.models import load_model_config
-    from flame.models.parallelize import apply_fsdp, decoder_layers
+    from flame.models.registry import decoder_layers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_model_config(tiny_model))

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from flame.config_manager import ConfigError
+from flame.errors import ConfigError
 from flame.models import load_model_config
-from flame.models.builder import FLA_NEEDS_PACKAGE, check_mamba3_kernels
 from flame.models.fla_patches import unpack_saved_tensors_once
+from flame.preflight import FLA_NEEDS_PACKAGE, check_mamba3_kernels
 from tests.conftest import ROOT, check
 
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the release fla 0.6's mamba3 layer calls
@@ -44,9 +44,10 @@ for name in [name for name in sys.modules if name.startswith("mamba_ssm.")]:
     del sys.modules[name]
 
 from flame import device
-from flame.config_manager import ConfigError, FlameConfigManager
+from flame.config_manager import FlameConfigManager
+from flame.errors import ConfigError
 from flame.models import load_model_config
-from flame.models.builder import check_model_options
+from flame.preflight import check_model_options
 
 config = load_model_config(sys.argv[1])  # imports fla through flame: its patches apply
 layer = fla.layers.mamba3

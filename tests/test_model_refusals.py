@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from flame.config_manager import ConfigError
+from flame.errors import ConfigError
 from flame.models import load_model_config
-from flame.models.builder import check_model_options, check_position_table
+from flame.preflight import check_model_options, check_position_table
 from tests.conftest import ROOT, TINY_DECODER, base_args, parse_job, torchrun
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from flame import launch
-from flame.models.pipeline import stage_layers
+from flame.distributed.pipeline import stage_layers
 from tests.conftest import (
     ROOT,
     assert_same_curve,

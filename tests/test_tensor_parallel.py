@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from flame import launch
-from flame.config_manager import ConfigError
-from flame.models.tensor_parallel import (
+from flame.distributed.tensor_parallel import (
     PLANS,
     apply_tensor_parallel,
     check_tensor_parallel,
 )
+from flame.errors import ConfigError
 from flame.utils import convert_dcp_to_hf
 from tests.conftest import (
     ROOT,
@@ -157,7 +157,7 @@ def preflight_error(tmp_path, capsys, monkeypatch, model_config: dict, *flags: s
 def test_layouts_tensor_parallelism_cannot_run_are_refused_before_training(tmp_path, capsys, monkeypatch):
     llama = json.loads(Path(TINY["llama"]).read_text())
     error = preflight_error(tmp_path, capsys, monkeypatch, json.loads((ROOT / "configs/tiny/rwkv7.json").read_text()))
-    assert "no tensor-parallel plan for model_type 'rwkv7'" in error and "flame/models/tensor_parallel.py" in error
+    assert "no tensor-parallel plan for model_type 'rwkv7'" in error and "flame/distributed/tensor_parallel.py" in error
     assert "llama" in error and "mamba2" in error  # the types that have one
     error = preflight_error(tmp_path, capsys, monkeypatch, {**llama, "num_key_value_heads": 1})
     assert "--parallelism.tensor_parallel_degree 2 does not divide llama's num_key_value_heads (1)" in error

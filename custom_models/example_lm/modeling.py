@@ -97,7 +97,7 @@ class ExampleLMAttention(nn.Module):
     def forward(self, x, cos, sin, mask: torch.Tensor | None, **attention_kwargs) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # qkv_proj's output is laid out head by head (q, k, v of head 0, then of head 1, ...), so a
-        # tensor-parallel shard of its rows holds whole heads (flame/models/tensor_parallel.py)
+        # tensor-parallel shard of its rows holds whole heads (flame/distributed/tensor_parallel.py)
         qkv = self.qkv_proj(x).view(batch, seq_len, self.num_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (batch, heads, seq, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -12,7 +12,8 @@ import argparse
 import sys
 import time
 
-from flame.config_manager import ConfigError, FlameConfigManager
+from flame.config_manager import FlameConfigManager
+from flame.errors import ConfigError
 
 
 def measure(job_config, workers: int, batches: int) -> float:

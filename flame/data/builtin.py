@@ -18,6 +18,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from flame.errors import ConfigError
+
 PREFIX = "builtin:"
 CORPUS = "python-stdlib"
 TOKENIZER = "python-stdlib-bpe"
@@ -43,8 +45,6 @@ def resolve(spec: str) -> str:
     name = spec.removeprefix(PREFIX)
     builders = {CORPUS: _build_corpus, TOKENIZER: _build_tokenizer}
     if name not in builders:
-        from flame.config_manager import ConfigError
-
         raise ConfigError(f"unknown built-in '{spec}'; available: {', '.join(PREFIX + n for n in builders)}")
     target = cache_dir() / "builtin" / f"{name}-{_VERSION}"
     if not target.exists():

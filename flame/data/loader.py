@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from flame.config_manager import ConfigError
 from flame.data.packing import collate_rows
 from flame.data.shards import DataPlan, DataShard, shards_of_reader
 from flame.data.streams import SourceExhausted
+from flame.errors import ConfigError
 
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

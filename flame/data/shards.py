@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from torchtitan.tools.logging import logger
 
-from flame.config_manager import ConfigError, split_list
+from flame.config_manager import split_list
 from flame.data.packing import (
     DOCUMENTS_PER_READ,
     DocumentMixer,
@@ -25,6 +25,7 @@ from flame.data.packing import (
 from flame.data.sources import SourceSpec, document_column, load_source, source_specs
 from flame.data.streams import IterStream, MapStream
 from flame.data.tokenizer import Delimiters, document_delimiters
+from flame.errors import ConfigError
 
 DEFAULT_SHARDS = 64
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import datasets
 
-from flame.config_manager import ConfigError, split_list
+from flame.config_manager import split_list
 from flame.data import builtin
+from flame.errors import ConfigError
 
 # file extension -> datasets' packaged builder
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}

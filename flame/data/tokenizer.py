@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from flame.config_manager import ConfigError
 from flame.data import builtin
+from flame.errors import ConfigError
 
 
 @functools.cache

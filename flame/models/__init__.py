@@ -18,6 +18,5 @@ from flame.models.builder import (  # noqa: E402
     load_model_config,
 )
 from flame.models.inputs import model_inputs  # noqa: E402
-from flame.models.parallelize import parallelize_model  # noqa: E402
 
-__all__ = ["AnyFlavor", "FlameModelArgs", "build_model", "load_model_config", "model_inputs", "parallelize_model"]
+__all__ = ["AnyFlavor", "FlameModelArgs", "build_model", "load_model_config", "model_inputs"]

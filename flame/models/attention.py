@@ -22,7 +22,7 @@ Kernels need the longest document as a Python int; flame records it for each bat
 (``use_batch_documents``) so that no layer has to synchronize with the GPU to find it.
 Under context parallelism the batch's record also holds the CP layout
 (``use_context_parallel``): the layers then attend their ranks' queries to every key of
-their documents (flame.models.context_parallel).
+their documents (flame.distributed.context_parallel).
 The attention call runs outside torch.compile graphs (a graph break per layer), so the
 per-batch lengths never cause recompilation.
 """
@@ -45,7 +45,7 @@ _backend = "auto"
 _RECENT_BATCHES = 16
 _batch_documents: list[tuple[torch.Tensor, int]] = []
 _batch_masks: dict = {}
-# The current batch's context-parallel layout (flame.models.context_parallel), if any
+# The current batch's context-parallel layout (flame.distributed.context_parallel), if any
 _batch_context = None
 # torch 2.11's varlen_attn has no grouped-query option; later versions do
 _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from flame.models.inputs import is_fla_config
+from flame.models.registry import decoder_layers
+
 CHUNK_SIZE = 64
 # fla layers whose cost grows with the square of the document length, like softmax attention
 _FLA_QUADRATIC = {
@@ -79,9 +82,6 @@ class ModelFlops:
 
 
 def model_flops(model: nn.Module) -> ModelFlops:
-    from flame.models.inputs import is_fla_config
-    from flame.models.parallelize import decoder_layers
-
     params = matmul_parameters(model)
     flops = ModelFlops(dense_per_token=6 * params, matmul_params=params)
     config = model.config

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from flame.errors import ConfigError
 from flame.models import attention, fla_patches
 
 # the class attribute each fla config declares, e.g. ``model_type = 'gla'`` in fla/models/gla/configuration_gla.py
@@ -60,3 +61,11 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
     """
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder blocks: the ModuleList holding most parameters (any HF layout)."""
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not stacks:
+        raise ConfigError(f"{type(model).__name__} keeps no blocks in an nn.ModuleList; flame cannot shard it")
+    return max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))

@@ -21,8 +21,9 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from flame.checkpoints import complete_steps, weight_mismatches
-from flame.config_manager import RUN_CONFIG_FILE, ConfigError
+from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.tokenizer import load_tokenizer
+from flame.errors import ConfigError
 from flame.models import load_model_config
 from flame.models.registry import meta_model
 

@@ -17,9 +17,9 @@ import sys
 
 import pyarrow.compute
 
-from flame.config_manager import ConfigError
 from flame.data.sources import SourceSpec, document_column, load_source
 from flame.data.tokenizer import document_delimiters, load_tokenizer
+from flame.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torchtitan.config.job_config import ActivationCheckpoint
 
 from flame.components.loss import LossHead
+from flame.distributed.parallelize import checkpoint_blocks
 from flame.models import FlameModelArgs, build_model, load_model_config, model_inputs
-from flame.models.parallelize import checkpoint_blocks, decoder_layers
+from flame.models.registry import decoder_layers
 from scripts.bench.packed_data import packed_batches
 
 

@@ -5,13 +5,13 @@ import re
 import datasets
 import pytest
 
-from flame.config_manager import ConfigError
 from flame.data.packing import (
     TokenizedSource,
 )
 from flame.data.shards import DataPlan
 from flame.data.sources import SourceSpec, document_column
 from flame.data.tokenizer import Delimiters, document_delimiters, load_tokenizer
+from flame.errors import ConfigError
 from tests.conftest import TOKENIZER
 from tests.data.conftest import (
     EOS_TEXT,

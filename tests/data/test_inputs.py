@@ -6,10 +6,10 @@ import pickle
 import datasets
 import pytest
 
-from flame.config_manager import ConfigError
 from flame.data.shards import DataPlan
 from flame.data.sources import SourceSpec, document_column, load_source
 from flame.data.streams import MapStream
+from flame.errors import ConfigError
 from tests.conftest import TOKENIZER
 from tests.data.conftest import (
     SHARDS_4,

@@ -4,7 +4,7 @@
 
 For each config, rank 0 prints ``parity <config> <loss rel err> <worst grad rel err>``: the
 summed loss of a packed batch (documents crossing the ranks' parts) and every parameter's
-gradient, from the ranks' shards (flame.models.context_parallel, inputs as the trainer makes
+gradient, from the ranks' shards (flame.distributed.context_parallel, inputs as the trainer makes
 them, gradients summed over the ranks) against one process computing the whole batch with the
 same weights. fla's Triton kernels are swapped for PyTorch equivalents (as in
 tp_grad_parity.py; the rotary one here also takes per-sequence offsets), so fla's
@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 warnings.simplefilter("ignore")
 
 from flame.components.loss import cross_entropy_sum
+from flame.distributed.context_parallel import ContextParallel
 from flame.models import attention, load_model_config, model_inputs
-from flame.models.context_parallel import ContextParallel
 from flame.models.inputs import is_fla_model
 from tests.scripts.tp_grad_parity import build
 
@@ -76,7 +76,7 @@ def parity(path: str, balanced: bool, mesh) -> tuple[float, float]:
     reference, reference_grads = loss_and_grads(batch, labels)
     context_parallel = ContextParallel(mesh, balanced)
     if is_fla_model(model):
-        from flame.models.context_parallel import _install_in_fla
+        from flame.distributed.context_parallel import _install_in_fla
 
         _install_in_fla(model)
     loss, grads = loss_and_grads(*context_parallel.shard(batch, labels))

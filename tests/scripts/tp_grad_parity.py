@@ -39,9 +39,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 warnings.simplefilter("ignore")
 
 from flame.components.loss import build_loss, use_fused_cross_entropy
+from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.models import attention, load_model_config, model_inputs
 from flame.models.builder import _trainable_class
-from flame.models.tensor_parallel import apply_tensor_parallel
 
 
 def _rms_norm(self, x, residual=None, prenorm=False, residual_in_fp32=False):

@@ -15,7 +15,7 @@ each stage derives the microbatch's documents from its position ids (they restar
 attention segment) on the CPU, so nothing waits for the GPU.
 
 With tensor parallelism, each stage is sharded by the model type's TP plan like a whole model
-(flame.models.tensor_parallel); between stages every TP rank passes its sequence shard.
+(flame.distributed.tensor_parallel); between stages every TP rank passes its sequence shard.
 
 Stage inputs and outputs are declared up front (their shapes follow from the microbatch
 size, seq_len and hidden size), because torch's shape inference would run the stage on meta
@@ -40,9 +40,9 @@ from torchtitan.tools.logging import logger
 
 from flame import device
 from flame.components.loss import LossHead
-from flame.config_manager import ConfigError
+from flame.errors import ConfigError
 from flame.models.inputs import document_kwargs, flattens_rows, segments_from_positions
-from flame.models.parallelize import decoder_layers
+from flame.models.registry import decoder_layers
 
 
 class StageLayers(nn.ModuleList):

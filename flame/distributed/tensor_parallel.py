@@ -12,7 +12,7 @@ How a model runs on a TP mesh of ``tp`` ranks (Megatron's layout):
   ``cu_seqlens``); the rotary tables HF models compute once from the full ``position_ids``
   match the gathered rows.
 - Parameters are DTensors; modules compute on their local shards, with the size attributes the
-  plan names (``num_heads``, ...) holding local values while they run (flame.models.tp_local).
+  plan names (``num_heads``, ...) holding local values while they run (flame.distributed.tp_local).
   Replicated parameters get their gradients summed over the ranks (each rank's gradient covers
   its own tokens or heads); a bias added after a row-sharded projection is added by the first
   rank only (``ONCE``), so the reduce-scatter sums it once.
@@ -39,9 +39,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.tools.logging import logger
 from transformers import PretrainedConfig
 
-from flame.config_manager import ConfigError
-from flame.models.registry import meta_model
-from flame.models.tp_local import (
+from flame.distributed.tp_local import (
     COLUMNS,
     NORM,
     ONCE,
@@ -57,6 +55,8 @@ from flame.models.tp_local import (
     maybe_enable_async_tp,
     submodule,
 )
+from flame.errors import ConfigError
+from flame.models.registry import meta_model
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def plan_for(model_type: str) -> Plan:
     if model_type not in PLANS:
         raise ConfigError(
             f"--parallelism.tensor_parallel_degree: no tensor-parallel plan for model_type '{model_type}'; plans exist "
-            f"for {', '.join(sorted(PLANS))}. Add one to PLANS in flame/models/tensor_parallel.py, or use FSDP alone"
+            f"for {', '.join(sorted(PLANS))}. Add one to PLANS in flame/distributed/tensor_parallel.py, or use FSDP alone"
         )
     return PLANS[model_type]
 
@@ -303,7 +303,7 @@ def plan_layout(model: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[Local,
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(
             f"--parallelism.tensor_parallel_degree {tp} cannot shard this {model.config.model_type}: {problems[0]}{more}; "
-            "choose a degree that divides the model's heads and sizes (or fix its plan in flame/models/tensor_parallel.py)"
+            "choose a degree that divides the model's heads and sizes (or fix its plan in flame/distributed/tensor_parallel.py)"
         )
     return entries
 

@@ -1,6 +1,6 @@
 """How a module planned for tensor parallelism runs: DTensor storage, local compute.
 
-The vocabulary of the plans in flame.models.tensor_parallel (parameter layouts and ``Local``)
+The vocabulary of the plans in flame.distributed.tensor_parallel (parameter layouts and ``Local``)
 and the hooks that carry it out. Parameters are DTensors on the TP mesh, so FSDP, the
 optimizer, gradient clipping and DCP checkpoints see ordinary sharded tensors; but the modules
 compute on plain local tensors (fla's Triton kernels take no DTensor): while a planned module

@@ -45,7 +45,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torchtitan.tools.logging import logger
 
 from flame import device
-from flame.config_manager import ConfigError
+from flame.errors import ConfigError
 from flame.models import attention
 from flame.models.inputs import is_fla_model, uses_flame_attention
 

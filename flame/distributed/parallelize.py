@@ -3,7 +3,7 @@
 The one thing flame needs to know about a model is where its decoder blocks are; the
 stack is found generically (the ModuleList holding most parameters), so any HF model that
 keeps its blocks in a ModuleList works without a model-specific entry (tensor parallelism
-needs a plan per model_type: flame.models.tensor_parallel). Order follows torchtitan: TP
+needs a plan per model_type: flame.distributed.tensor_parallel). Order follows torchtitan: TP
 shards the blocks, AC wraps each block, compile wraps each (wrapped) block, FSDP shards (or
 DDP replicates) last.
 """
@@ -24,16 +24,9 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
 from flame import device
-from flame.config_manager import ConfigError
-from flame.models.tensor_parallel import apply_tensor_parallel
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder blocks."""
-    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not stacks:
-        raise ConfigError(f"{type(model).__name__} keeps no blocks in an nn.ModuleList; flame cannot shard it")
-    return max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
+from flame.distributed.tensor_parallel import apply_tensor_parallel
+from flame.errors import ConfigError
+from flame.models.registry import decoder_layers
 
 
 def _wrap_blocks(layers: nn.ModuleList, wrap) -> None:
@@ -57,7 +50,7 @@ def checkpoint_blocks(layers: nn.ModuleList, ac_config, model_compile_enabled: b
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    if parallel_dims.tp_enabled:  # first, on the unwrapped blocks (flame.models.tensor_parallel)
+    if parallel_dims.tp_enabled:  # first, on the unwrapped blocks (flame.distributed.tensor_parallel)
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"), job_config)
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint

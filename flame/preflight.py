@@ -1,0 +1,217 @@
+"""The up-front checks of a job: everything that can be refused before a process group, a dataset
+or a model exists, so that bad input costs seconds, not GPU time.
+
+train.sh runs ``check_job`` once, in one process, before torchrun starts the ranks (flame.launch);
+every rank runs ``check_model`` again as its Trainer starts (the cheap part: no data sources).
+"""
+
+import importlib.util
+import os
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from flame import device
+from flame.checkpoints import check_checkpoint_fits_model
+from flame.config_manager import fsdp_enabled
+from flame.data.shards import DataPlan
+from flame.data.tokenizer import load_tokenizer
+from flame.distributed.context_parallel import check_context_parallel
+from flame.distributed.pipeline import check_pipeline_parallel
+from flame.distributed.tensor_parallel import check_tensor_parallel
+from flame.errors import ConfigError
+from flame.models import fla_patches
+from flame.models.builder import load_model_config
+from flame.models.inputs import (
+    is_fla_config,
+    keeps_rows_whole,
+)
+from flame.models.registry import meta_model
+
+
+def check_job(job_config) -> None:
+    """Every check: the model, its checkpoint, and every data source (train.sh's preflight)."""
+    model_config = check_model(job_config)
+    check_checkpoint_fits_model(job_config, model_config)
+    DataPlan.from_config(job_config, load_tokenizer(job_config.model.tokenizer_path))
+
+
+def check_model(job_config) -> PretrainedConfig:
+    """The job's model config, after checking that it fits the tokenizer, the options and the layout."""
+    model_config = load_model_config(job_config.model.config)
+    check_vocabulary(model_config, job_config.model.tokenizer_path)
+    check_model_options(model_config, job_config)
+    return model_config
+
+
+def check_vocabulary(config: PretrainedConfig, tokenizer_path: str) -> None:
+    """The embedding must cover every id the tokenizer can produce, added tokens included."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ConfigError(
+            f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+            f"({tokenizer_path}): set vocab_size >= {len(tokenizer)} (a multiple of 64) in the model config"
+        )
+
+
+# fla model types whose layers fail under torch.compile (measured, docs/models.md)
+FLA_NOT_COMPILABLE = {
+    "rwkv7": "inductor fails on an in-place op on a view returned by fla's custom autograd Function",
+    "parallax": "inductor fails to compile fla's parallel_parallax_fwd_kernel",
+    "nsa": "the compiled blocks give a NaN loss",
+    "stickbreaking_attn": "the compiled blocks give a NaN loss",
+    "deltaformer": "Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it",
+}
+
+# fla model types, or their config options, whose layers call a package fla does not depend on:
+# (model_type, option or None for the type itself) -> (import name, install command, what for).
+# Without it fla fails after the processes started: mamba3 inside step 1, the options while building
+# the model. (moba's flash-attn calls flame provides: flame.models.flash_attn_internals.)
+FLA_NEEDS_PACKAGE = {
+    # mamba_ssm's Triton files suffice (flame.models.fla_patches): no CUDA build, no dependencies
+    ("mamba3", None): (
+        "mamba_ssm",
+        "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
+        "mamba_ssm's Mamba-3 scan kernels",
+    ),
+    ("moba", "use_flash_moba"): ("flash_moba", "pip install flash-moba", "FlashMoBA's fused kernel"),
+    ("mamba3", "is_mimo"): ("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang"),
+}
+
+
+# fla model types whose chunk kernels assert that their inputs are not float32 (fla 0.6)
+FLA_NEEDS_HALF_PRECISION = {"delta_net": "chunk_delta_rule", "gated_deltaproduct": "chunk_gated_delta_product"}
+
+
+def float32_compute(job_config) -> str | None:
+    """Why this job computes in float32 (a phrase), or None when it runs under bf16/fp16 mixed precision."""
+    if not device.CUDA:
+        return "CPU runs compute in float32"
+    if job_config.training.mixed_precision_param == "float32":
+        return "--training.mixed_precision_param float32"
+    p = job_config.parallelism
+    # torchtitan: FSDP casts the weights; without it, only a plain or DDP run gets autocast
+    fsdp = fsdp_enabled(job_config, int(os.environ.get("WORLD_SIZE", "1")))
+    if not fsdp and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
+        return "tensor/pipeline parallelism without FSDP, where torchtitan applies no mixed precision"
+    return None
+
+
+def _has_learned_position_table(config: PretrainedConfig) -> bool:
+    """Whether the model embeds absolute positions in a table (GPT-2's wpe, fla cat's pos_tokens).
+
+    Built on the meta device: rotary and ALiBi models have no such table; a learned one is an
+    nn.Embedding of max_position_embeddings rows (OPT's has 2 more) besides the token embeddings.
+    """
+    model = meta_model(config)
+    rows = {config.max_position_embeddings, config.max_position_embeddings + 2}
+    return any(
+        isinstance(module, nn.Embedding) and module.num_embeddings in rows and module.num_embeddings != config.vocab_size
+        for module in model.modules()
+    )
+
+
+def check_position_table(config: PretrainedConfig, job_config) -> None:
+    """Refuse rows or documents longer than a learned position table: they fail in step 1 (a device assert on GPUs)."""
+    t = job_config.training
+    if keeps_rows_whole(config):
+        longest, flag, spans = t.seq_len, "--training.seq_len", "rows (it takes no document boundaries, so it sees each row whole)"
+    else:  # position ids restart at every document, and documents are cut at context_len
+        longest, flag, spans = t.context_len, "--training.context_len", "documents"
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit or longest <= limit or not _has_learned_position_table(config):
+        return
+    raise ConfigError(
+        f"{config.model_type} learns {limit} positions (max_position_embeddings in {job_config.model.config}), but this "
+        f"job gives it {spans} of up to {longest} tokens; set {flag} to at most {limit}, or raise max_position_embeddings"
+    )
+
+
+def check_model_options(config: PretrainedConfig, job_config) -> None:
+    """Refuse model settings flame cannot honour, before any expensive work."""
+    model_type = config.model_type
+    check_position_table(config, job_config)
+    check_tensor_parallel(config, job_config)
+    check_context_parallel(config, job_config)
+    check_pipeline_parallel(config, job_config)
+    if job_config.compile.enable and model_type in FLA_NOT_COMPILABLE:
+        raise ConfigError(
+            f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"
+        )
+    if model_type in FLA_NEEDS_HALF_PRECISION and (reason := float32_compute(job_config)):
+        raise ConfigError(
+            f"fla's {model_type} kernel ({FLA_NEEDS_HALF_PRECISION[model_type]}) refuses float32, but this job computes "
+            f"in float32 ({reason}): train it on GPUs in bf16, with FSDP (--parallelism.data_parallel_shard_degree > 1) "
+            "under tensor or pipeline parallelism"
+        )
+    if is_fla_config(config):
+        # otherwise step 1 fails deep in Triton ("0 active drivers"); a seed checkpoint runs no kernel
+        if not device.CUDA and not job_config.checkpoint.create_seed_checkpoint:
+            raise ConfigError(
+                f"fla's {model_type} runs fla's Triton kernels (its norms, activations and token mixer), which need a "
+                "CUDA GPU; on a CPU machine train a transformers model (configs/llama_4M.json) or one from custom_models/"
+            )
+        for (needing_type, option), (module, install, purpose) in FLA_NEEDS_PACKAGE.items():
+            if needing_type != model_type or (option and not getattr(config, option, False)):
+                continue
+            if importlib.util.find_spec(module) is None:
+                subject = f"fla's {model_type} with {option} true" if option else f"fla's {model_type}"
+                alternative = f", or set {option} to false in the model config" if option else ""
+                raise ConfigError(f"{subject} needs {purpose}: {install} (not installed here){alternative}")
+        if model_type == "mamba3":
+            check_mamba3_kernels(config)
+        return
+    # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ConfigError(
+            f"{model_type}: attn_logit_softcapping needs eager/flash-attn attention, which flame's document "
+            "attention does not replace; set it to null in the model config"
+        )
+    if getattr(config, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"{model_type}: attention_dropout {config.attention_dropout} is not supported by flame's document "
+            "attention; set it to 0.0 in the model config"
+        )
+
+
+def check_mamba3_kernels(config: PretrainedConfig) -> None:
+    """Refuse a mamba3 config that mamba_ssm's kernels here cannot run (flame.models.fla_patches loads them)."""
+    if config.is_mimo:
+        if config.chunk_size * config.mimo_rank > 64:  # mamba_ssm's Mamba3 module: "64/mimo_rank for MIMO"
+            raise ConfigError(
+                f"fla's mamba3 with is_mimo true: chunk_size {config.chunk_size} x mimo_rank {config.mimo_rank} "
+                "needs more shared memory than a GPU has in mamba_ssm's MIMO kernels (410 KB at 64 x 4 on an "
+                f"H100, which has 227 KB); set chunk_size to {max(64 // config.mimo_rank, 1)} in the model config"
+            )
+        if unmet := _unmet_requirement("mamba_ssm", "tilelang"):  # 0.1.15's compiler fails on them (H100)
+            required, installed = unmet
+            raise ConfigError(
+                f"fla's mamba3 with is_mimo true runs mamba_ssm's TileLang kernels, written for {required}, not the "
+                f"{installed} installed: pip install '{required}', or set is_mimo to false in the model config"
+            )
+    kernel = "mamba3_mimo_combined" if config.is_mimo else "mamba3_siso_combined"
+    if error := fla_patches.mamba3_kernel_errors.get(kernel):
+        install = FLA_NEEDS_PACKAGE[("mamba3", None)][1]
+        raise ConfigError(
+            f"fla's mamba3 found no {kernel} in the mamba_ssm installed here ({error}); mamba-ssm >= 2.3.2 "
+            f"has the Mamba-3 kernels: {install} --upgrade"
+        )
+
+
+def _unmet_requirement(package: str, dependency: str) -> tuple[str, str] | None:
+    """``package``'s requirement on ``dependency`` and the version installed, when that version does not meet it."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        requirements = [Requirement(line) for line in metadata.requires(package) or ()]
+        installed = metadata.version(dependency)
+    except metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        unconditional = requirement.name == dependency and requirement.marker is None
+        if unconditional and not requirement.specifier.contains(installed, prereleases=True):
+            return str(requirement), installed
+    return None
