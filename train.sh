@@ -3,7 +3,7 @@
 #
 #   bash train.sh                        the embedded default job (configs/debug.toml): trains a
 #                                        small llama on the Python stdlib, exports it, prints a sample
-#   bash train.sh --job.config_file flame/models/flame.toml --training.steps 100 ...
+#   bash train.sh --job.config_file flame/models/fla.toml --training.steps 100 ...   (fla.toml = flame.toml)
 #   bash train.sh -h                     every option, with help
 #
 # Environment:
@@ -14,11 +14,12 @@
 #   LOG_RANK     local ranks whose output shows on the console (default 0; all ranks log to files)
 #   FLAME_PYTHON use this interpreter as it is instead of the managed .venv (see 3rdparty/install.sh)
 #   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
+#   FLAME_CACHE  where the built-in corpus and tokenizer are built (default ~/.cache/flame)
 #   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
 #   FLAME_DUMP_STACKS_AFTER  seconds: every rank prints its Python stacks to its stderr.log once,
-#                that long after train.sh started (where a signal does not reach it), and goes on; a
-#                busy rank can crash then (faulthandler reads frames while they change: 3 of 4 ranks
-#                did once on an H200), so set it only near a limit that kills the run anyway
+#                that long after train.sh started, and goes on (for where SIGUSR1 does not reach the
+#                ranks). faulthandler reads a busy rank's frames while they change and can crash it,
+#                so set it just before a point where you would stop the run anyway
 #
 # A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)" makes every rank
 # print its Python stacks to its stderr.log and go on.
