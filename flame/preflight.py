@@ -22,11 +22,9 @@ from flame.distributed.tensor_parallel import check_tensor_parallel
 from flame.errors import ConfigError
 from flame.models import fla_patches
 from flame.models.builder import load_model_config
-from flame.models.inputs import (
-    is_fla_config,
-    keeps_rows_whole,
-)
+from flame.models.inputs import keeps_rows_whole
 from flame.models.registry import meta_model
+from flame.models.support import Documents, support_for
 
 
 def check_job(job_config) -> None:
@@ -53,35 +51,6 @@ def check_vocabulary(config: PretrainedConfig, tokenizer_path: str) -> None:
             f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
             f"({tokenizer_path}): set vocab_size >= {len(tokenizer)} (a multiple of 64) in the model config"
         )
-
-
-# fla model types whose layers fail under torch.compile (measured, docs/models.md)
-FLA_NOT_COMPILABLE = {
-    "rwkv7": "inductor fails on an in-place op on a view returned by fla's custom autograd Function",
-    "parallax": "inductor fails to compile fla's parallel_parallax_fwd_kernel",
-    "nsa": "the compiled blocks give a NaN loss",
-    "stickbreaking_attn": "the compiled blocks give a NaN loss",
-    "deltaformer": "Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it",
-}
-
-# fla model types, or their config options, whose layers call a package fla does not depend on:
-# (model_type, option or None for the type itself) -> (import name, install command, what for).
-# Without it fla fails after the processes started: mamba3 inside step 1, the options while building
-# the model. (moba's flash-attn calls flame provides: flame.models.flash_attn_internals.)
-FLA_NEEDS_PACKAGE = {
-    # mamba_ssm's Triton files suffice (flame.models.fla_patches): no CUDA build, no dependencies
-    ("mamba3", None): (
-        "mamba_ssm",
-        "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
-        "mamba_ssm's Mamba-3 scan kernels",
-    ),
-    ("moba", "use_flash_moba"): ("flash_moba", "pip install flash-moba", "FlashMoBA's fused kernel"),
-    ("mamba3", "is_mimo"): ("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang"),
-}
-
-
-# fla model types whose chunk kernels assert that their inputs are not float32 (fla 0.6)
-FLA_NEEDS_HALF_PRECISION = {"delta_net": "chunk_delta_rule", "gated_deltaproduct": "chunk_gated_delta_product"}
 
 
 def float32_compute(job_config) -> str | None:
@@ -129,48 +98,50 @@ def check_position_table(config: PretrainedConfig, job_config) -> None:
 
 
 def check_model_options(config: PretrainedConfig, job_config) -> None:
-    """Refuse model settings flame cannot honour, before any expensive work."""
-    model_type = config.model_type
+    """Refuse model settings flame cannot honour, before any expensive work (what the model's record says)."""
+    support = support_for(config)
     check_position_table(config, job_config)
     check_tensor_parallel(config, job_config)
     check_context_parallel(config, job_config)
     check_pipeline_parallel(config, job_config)
-    if job_config.compile.enable and model_type in FLA_NOT_COMPILABLE:
+    if job_config.compile.enable and support.compile_fails:
         raise ConfigError(
-            f"--training.compile: fla's {model_type} does not compile ({FLA_NOT_COMPILABLE[model_type]}); train it without compile"
+            f"--training.compile: {support.name} does not compile ({support.compile_fails}); train it without compile"
         )
-    if model_type in FLA_NEEDS_HALF_PRECISION and (reason := float32_compute(job_config)):
+    if support.float32_refused_by and (reason := float32_compute(job_config)):
         raise ConfigError(
-            f"fla's {model_type} kernel ({FLA_NEEDS_HALF_PRECISION[model_type]}) refuses float32, but this job computes "
+            f"{support.name} kernel ({support.float32_refused_by}) refuses float32, but this job computes "
             f"in float32 ({reason}): train it on GPUs in bf16, with FSDP (--parallelism.data_parallel_shard_degree > 1) "
             "under tensor or pipeline parallelism"
         )
-    if is_fla_config(config):
-        # otherwise step 1 fails deep in Triton ("0 active drivers"); a seed checkpoint runs no kernel
-        if not device.CUDA and not job_config.checkpoint.create_seed_checkpoint:
-            raise ConfigError(
-                f"fla's {model_type} runs fla's Triton kernels (its norms, activations and token mixer), which need a "
-                "CUDA GPU; on a CPU machine train a transformers model (configs/llama_4M.json) or one from custom_models/"
-            )
-        for (needing_type, option), (module, install, purpose) in FLA_NEEDS_PACKAGE.items():
-            if needing_type != model_type or (option and not getattr(config, option, False)):
-                continue
-            if importlib.util.find_spec(module) is None:
-                subject = f"fla's {model_type} with {option} true" if option else f"fla's {model_type}"
-                alternative = f", or set {option} to false in the model config" if option else ""
-                raise ConfigError(f"{subject} needs {purpose}: {install} (not installed here){alternative}")
-        if model_type == "mamba3":
-            check_mamba3_kernels(config)
-        return
-    # HF attention settings that only flash-attn/eager kernels implement, not flame's attention
+    # otherwise step 1 fails deep in Triton ("0 active drivers"); a seed checkpoint runs no kernel
+    if support.cuda_only and not device.CUDA and not job_config.checkpoint.create_seed_checkpoint:
+        raise ConfigError(
+            f"{support.name} {support.cuda_only}, which need a CUDA GPU; on a CPU machine train a transformers "
+            "model (configs/llama_4M.json) or one from custom_models/"
+        )
+    # without them fla fails after the processes started: mamba3 inside step 1, the options while building the model
+    for package in support.packages_needed(config):
+        if importlib.util.find_spec(package.module) is None:
+            subject = f"{support.name} with {package.option} true" if package.option else support.name
+            alternative = f", or set {package.option} to false in the model config" if package.option else ""
+            raise ConfigError(f"{subject} needs {package.purpose}: {package.install} (not installed here){alternative}")
+    if config.model_type == "mamba3":
+        check_mamba3_kernels(config)
+    if support.documents is Documents.ATTENTION:
+        check_attention_settings(config)
+
+
+def check_attention_settings(config: PretrainedConfig) -> None:
+    """Refuse HF attention settings that only flash-attn/eager kernels implement, not flame's attention."""
     if getattr(config, "attn_logit_softcapping", None):
         raise ConfigError(
-            f"{model_type}: attn_logit_softcapping needs eager/flash-attn attention, which flame's document "
+            f"{config.model_type}: attn_logit_softcapping needs eager/flash-attn attention, which flame's document "
             "attention does not replace; set it to null in the model config"
         )
     if getattr(config, "attention_dropout", 0.0):
         raise ConfigError(
-            f"{model_type}: attention_dropout {config.attention_dropout} is not supported by flame's document "
+            f"{config.model_type}: attention_dropout {config.attention_dropout} is not supported by flame's document "
             "attention; set it to 0.0 in the model config"
         )
 
@@ -192,7 +163,7 @@ def check_mamba3_kernels(config: PretrainedConfig) -> None:
             )
     kernel = "mamba3_mimo_combined" if config.is_mimo else "mamba3_siso_combined"
     if error := fla_patches.mamba3_kernel_errors.get(kernel):
-        install = FLA_NEEDS_PACKAGE[("mamba3", None)][1]
+        install = support_for("mamba3").package("mamba_ssm").install
         raise ConfigError(
             f"fla's mamba3 found no {kernel} in the mamba_ssm installed here ({error}); mamba-ssm >= 2.3.2 "
             f"has the Mamba-3 kernels: {install} --upgrade"

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 from flame.errors import ConfigError
 from flame.models import load_model_config
 from flame.models.fla_patches import unpack_saved_tensors_once
-from flame.preflight import FLA_NEEDS_PACKAGE, check_mamba3_kernels
+from flame.models.support import support_for
+from flame.preflight import check_mamba3_kernels
 from tests.conftest import ROOT, check
 
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the release fla 0.6's mamba3 layer calls
@@ -81,7 +82,7 @@ print(json.dumps(report))
 def mamba_ssm_without_cuda(tmp_path_factory) -> Path:
     """A directory holding mamba_ssm installed with preflight's command (pinned, into a target directory)."""
     target = tmp_path_factory.mktemp("mamba_ssm")
-    install = FLA_NEEDS_PACKAGE[("mamba3", None)][1]
+    install = support_for("mamba3").package("mamba_ssm").install
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's pip
     check(subprocess.run(["bash", "-c", f"{install}=={MAMBA_SSM_VERSION} --quiet --target {target}"],
                          check=False, env=env, capture_output=True, text=True, timeout=600))

@@ -21,8 +21,10 @@ from flame.distributed.tensor_parallel import (
     PLANS,
     apply_tensor_parallel,
     check_tensor_parallel,
+    plan_for,
 )
 from flame.errors import ConfigError
+from flame.models.support import RECORDS, model_types_where
 from flame.utils import convert_dcp_to_hf
 from tests.conftest import (
     ROOT,
@@ -36,7 +38,8 @@ from tests.conftest import (
 
 TP2 = ["--parallelism.tensor_parallel_degree=2"]
 EXAMPLE = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
-TINY = {name: str(ROOT / "configs" / "tiny" / f"{name}.json") for name in PLANS if name != "flame_example_lm"}
+WITH_PLANS = model_types_where(lambda support: support.tensor_parallel_plan)
+TINY = {name: str(ROOT / "configs" / "tiny" / f"{name}.json") for name in WITH_PLANS if name != "flame_example_lm"}
 TINY["flame_example_lm"] = EXAMPLE
 
 
@@ -52,10 +55,11 @@ def two_rank_mesh():
     dist.destroy_process_group()
 
 
-def test_every_plan_has_a_tiny_config():
-    assert set(TINY) == set(PLANS)
+def test_every_plan_is_named_by_a_record_and_has_a_tiny_config():
+    assert {RECORDS[name].tensor_parallel_plan for name in WITH_PLANS} == set(PLANS)
+    assert set(TINY) == set(WITH_PLANS)
     for path in TINY.values():
-        assert json.loads(Path(path).read_text())["model_type"] in PLANS
+        assert json.loads(Path(path).read_text())["model_type"] in WITH_PLANS
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -78,7 +82,7 @@ def test_plan_shards_every_parameter_of_the_tiny_model(model_type, two_rank_mesh
     assert params.keys() == shapes.keys()
     for name, param in params.items():
         assert isinstance(param, DTensor) and param.shape == shapes[name], name  # the full shape, sharded
-    plan = PLANS[model_type]
+    plan = plan_for(model_type)
     for path, local in plan.block.items():  # every sub-layer splits its heads or features
         prefix = f"{plan.layers}.0.{path}."
         placements = [param.placements[0] for name, param in params.items() if name.startswith(prefix)]

@@ -48,20 +48,8 @@ from flame import device
 from flame.errors import ConfigError
 from flame.models import attention
 from flame.models.inputs import is_fla_model, uses_flame_attention
+from flame.models.support import ContextParallelism, model_types_where, support_for
 
-ATTENTION = "softmax attention"
-FLA_KERNELS = "fla's context-parallel kernels (NVIDIA GPUs)"
-# model_type -> how its token mixers see the tokens of other ranks
-CONTEXT_PARALLEL = {
-    "llama": ATTENTION,
-    "mistral": ATTENTION,
-    "qwen2": ATTENTION,
-    "qwen3": ATTENTION,
-    "flame_example_lm": ATTENTION,  # custom_models/example_lm
-    "transformer": ATTENTION,  # fla
-    "kda": FLA_KERNELS,
-    "gated_deltanet": FLA_KERNELS,
-}
 LOAD_BALANCERS = ("headtail", None)
 
 
@@ -72,17 +60,17 @@ def check_context_parallel(config, job_config) -> None:
     if cp <= 1:
         return
     flag = f"--parallelism.context_parallel_degree {cp}"
-    model_type = config.model_type
-    if model_type not in CONTEXT_PARALLEL:
-        can = ", ".join(sorted(CONTEXT_PARALLEL))
+    model_type, support = config.model_type, support_for(config)
+    if support.context_parallel is ContextParallelism.NONE:
+        can = ", ".join(model_types_where(lambda other: other.context_parallel is not ContextParallelism.NONE))
         raise ConfigError(
             f"{flag}: {model_type} cannot run context parallel (its token mixers would need the state or the tokens "
             f"of other ranks, which flame does not pass for it); types that can: {can}. "
             "Use data parallelism for it (--parallelism.context_parallel_degree 1)"
         )
-    if CONTEXT_PARALLEL[model_type] == FLA_KERNELS:
+    if support.context_parallel is ContextParallelism.FLA_KERNELS:
         if not device.CUDA:
-            raise ConfigError(f"{flag}: fla's {model_type} runs context parallel with fla's CP kernels, which need NVIDIA GPUs")
+            raise ConfigError(f"{flag}: {support.name} runs context parallel with fla's CP kernels, which need NVIDIA GPUs")
         if p.tensor_parallel_degree > 1:
             raise ConfigError(
                 f"{flag}: fla's CP kernels with tensor parallelism are not verified for {model_type}; "

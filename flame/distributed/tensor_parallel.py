@@ -1,4 +1,4 @@
-"""Tensor parallelism with sequence parallelism: one plan per model_type, in PLANS below.
+"""Tensor parallelism with sequence parallelism: the plans in PLANS below, named by the model types' records.
 
 How a model runs on a TP mesh of ``tp`` ranks (Megatron's layout):
 
@@ -22,7 +22,8 @@ How a model runs on a TP mesh of ``tp`` ranks (Megatron's layout):
   computes a vocabulary-parallel chunked cross entropy (flame.components.loss).
 
 Adding a model type: write its ``Plan`` (where the decoder blocks and the final norm are, and
-for each module of a block how it runs, as a ``Local``) and add it to PLANS. ``plan_layout``
+for each module of a block how it runs, as a ``Local``), add it to PLANS, and name it in the
+type's record (``tensor_parallel_plan`` in flame/models/support.py). ``plan_layout``
 refuses a plan that misses a parameter or names a module the model lacks, and a degree that
 does not divide a sharded size; tests/test_tensor_parallel.py checks every plan on a tiny config.
 """
@@ -57,6 +58,7 @@ from flame.distributed.tp_local import (
 )
 from flame.errors import ConfigError
 from flame.models.registry import meta_model
+from flame.models.support import model_types_where, support_for
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,7 @@ def _hf_heads(config) -> dict[str, int]:
     return {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
 
 
-def _hf_plan() -> Plan:
-    return Plan(layers="model.layers", norm="model.norm", block=_HF_DECODER, heads=_hf_heads)
+_HF_PLAN = Plan(layers="model.layers", norm="model.norm", block=_HF_DECODER, heads=_hf_heads)
 
 
 # custom_models/example_lm: qkv_proj is laid out head by head ([q k v] of head 0, then head 1, ...),
@@ -229,13 +230,11 @@ _MAMBA2 = Plan(
     refuse=_mamba2_refusal,
 )
 
+# plan name (a record's tensor_parallel_plan, flame.models.support) -> plan
 PLANS: dict[str, Plan] = {
-    "llama": _hf_plan(),
-    "mistral": _hf_plan(),
-    "qwen2": _hf_plan(),
-    "qwen3": _hf_plan(),
-    "flame_example_lm": _EXAMPLE_LM,
-    "transformer": _fla_plan(_TRANSFORMER, _heads("num_heads", "num_kv_heads")),
+    "hf_decoder": _HF_PLAN,
+    "example_lm": _EXAMPLE_LM,
+    "fla_transformer": _fla_plan(_TRANSFORMER, _heads("num_heads", "num_kv_heads")),
     "gla": _fla_plan(_GLA, _heads("num_heads", "num_kv_heads")),
     "gsa": _fla_plan(_GSA, _heads("num_heads", "num_kv_heads"), install=_install_gsa),
     "delta_net": _fla_plan(_DELTA_NET, _heads("num_heads")),
@@ -245,12 +244,16 @@ PLANS: dict[str, Plan] = {
 
 
 def plan_for(model_type: str) -> Plan:
-    if model_type not in PLANS:
+    """The plan that ``model_type``'s record names."""
+    name = support_for(model_type).tensor_parallel_plan
+    if name is None:
         raise ConfigError(
             f"--parallelism.tensor_parallel_degree: no tensor-parallel plan for model_type '{model_type}'; plans exist "
-            f"for {', '.join(sorted(PLANS))}. Add one to PLANS in flame/distributed/tensor_parallel.py, or use FSDP alone"
+            f"for {', '.join(model_types_where(lambda support: support.tensor_parallel_plan))}. Add one to PLANS in "
+            "flame/distributed/tensor_parallel.py and name it in the type's record (flame/models/support.py), "
+            "or use FSDP alone"
         )
-    return PLANS[model_type]
+    return PLANS[name]
 
 
 def plan_layout(model: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[Local, dict[str, Layout]]]:

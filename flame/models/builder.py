@@ -30,11 +30,9 @@ from flame.components.loss import use_fused_cross_entropy
 from flame.errors import ConfigError
 from flame.models import attention
 from flame.models.flops import model_flops
-from flame.models.inputs import (
-    FLA_DOCUMENTS_NOT_ISOLATED,
-    is_fla_config,
-)
+from flame.models.inputs import is_fla_config
 from flame.models.registry import ensure_model_type
+from flame.models.support import Documents, support_for
 
 
 def load_model_config(path: str) -> PretrainedConfig:
@@ -55,19 +53,6 @@ def load_model_config(path: str) -> PretrainedConfig:
     if os.path.isdir(path):
         return AutoConfig.from_pretrained(path)  # as transformers loads a model directory
     return CONFIG_MAPPING[model_type].from_dict(config_dict)
-
-
-# fla kernels measured to spike a model's gradients on GPUs: (model_type, attn_mode) -> the measurement.
-# gla's gradient is ill-conditioned at each document's first token: the output there is (q.k) v,
-# which the per-head output norm divides by |q.k| (scripts/bench/gradient_conditioning.py: on one
-# GPU in fp32, a 1e-7 relative weight change moved the 340M gla's step-1 gradient norm by 31%, a
-# transformer's gradients by 5e-6, and 99.9998% of gla's layer-0 dL/dq change sat on first tokens),
-# so the kernels' rounding decides how large a step's gradient comes out.
-FLA_GRADIENT_SPIKES = {
-    ("gla", "chunk"): "its chunk kernels gave step-1 gradient norms of 5,227 and 13,424 where attn_mode "
-    "fused_recurrent gave 6.8 and 6.3 (same weights, batch and loss; H200, fla 0.6; docs/perf-log.md, sessions 15-16)",
-}
-
 
 
 class TorchtitanInit:
@@ -180,9 +165,10 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
 
 def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Module:
     if is_fla_config(config):
-        if config.model_type in FLA_DOCUMENTS_NOT_ISOLATED:
+        support = support_for(config)
+        if support.documents is Documents.ROWS_WHOLE:
             logger.warning(
-                f"fla's {config.model_type} does not isolate packed documents ({FLA_DOCUMENTS_NOT_ISOLATED[config.model_type]}): "
+                f"{support.name} does not isolate packed documents ({support.not_isolated_because}): "
                 "its state crosses the documents of a row; use --training.no-varlen with short rows to limit it"
             )
         if device.CUDA:  # a run that seems stuck before step 1 is most often this
@@ -191,13 +177,9 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
                 "step 1 can take minutes; Triton caches both (~/.triton/cache; the choices with "
                 "TRITON_CACHE_AUTOTUNING=1, train.sh's default), so later runs on this machine start sooner"
             )
-            spikes = FLA_GRADIENT_SPIKES.get((config.model_type, getattr(config, "attn_mode", None)))
-            if spikes:
-                logger.warning(
-                    f"fla's {config.model_type}: {spikes}; gradient clipping bounds such steps, and "
-                    '"attn_mode": "fused_recurrent" in the model config makes them rarer and smaller '
-                    "(at most 207 in 20 bf16 steps) at ~1/2.7 the speed"
-                )
+            spikes = support.gradient_spikes
+            if spikes and getattr(config, "attn_mode", None) == spikes.attn_mode:
+                logger.warning(f"{support.name} with attn_mode {spikes.attn_mode}: {spikes.cause}; {spikes.remedy}")
         return AutoModelForCausalLM.from_config(config)
     try:
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention.HF_ATTENTION)

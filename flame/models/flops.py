@@ -6,10 +6,11 @@
 
 - Matmul parameters: weights of Linear and Conv1d modules (and HF's Conv1D); embedding
   lookups are not matmuls; a tied lm_head is one parameter, counted once.
-- Softmax attention (HF decoders' attention layers, fla's ``Attention`` and its quadratic
-  relatives): a query attends to itself and the earlier keys of its document (or of its
-  sliding window). Under varlen the pairs are counted from the real document lengths of each
-  batch (``batch_flops``); ``flops_per_token(context_len)`` assumes full context_len documents.
+- Softmax attention (HF decoders' attention layers; the fla layers the model types' records
+  name, flame.models.support): a query attends to itself and the earlier keys of its
+  document (or of its sliding window). Under varlen the pairs are counted from the real
+  document lengths of each batch (``batch_flops``); ``flops_per_token(context_len)`` assumes
+  full context_len documents.
 - Linear attention / SSMs, with chunk size C = 64, per head and token: reading and updating a
   dk x dv state, 4·dk·dv, plus the intra-chunk causal attention, C·(dk + dv); x3 for training.
   The head dims come from the layer (``head_k_dim``/``head_v_dim``, Mamba's state sizes).
@@ -23,13 +24,9 @@ from torch import nn
 
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers
+from flame.models.support import softmax_attention_layers
 
 CHUNK_SIZE = 64
-# fla layers whose cost grows with the square of the document length, like softmax attention
-_FLA_QUADRATIC = {
-    "Attention", "BitAttention", "ForgettingAttention", "PaTHAttention", "StickBreakingAttention",
-    "MultiheadLatentAttention", "MultiHeadLatentAttention",
-}
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -88,10 +85,11 @@ def model_flops(model: nn.Module) -> ModelFlops:
     if not is_fla_config(config):
         _add_hf_attention(flops, config)
         return flops
+    quadratic = softmax_attention_layers()  # fla layers whose cost grows with the square of the document length
     for block in decoder_layers(model):
         for mixer in block.children():
             if type(mixer).__module__.startswith("fla.layers."):
-                _add_fla_mixer(flops, mixer)
+                _add_fla_mixer(flops, mixer, quadratic)
     return flops
 
 
@@ -116,10 +114,10 @@ def _add_hf_attention(flops: ModelFlops, config) -> None:
             flops.uncounted.append(f"{config.model_type} {layer_type} layers")
 
 
-def _add_fla_mixer(flops: ModelFlops, mixer: nn.Module) -> None:
+def _add_fla_mixer(flops: ModelFlops, mixer: nn.Module, quadratic: set[str]) -> None:
     name = type(mixer).__name__
     heads = getattr(mixer, "num_heads", None)
-    if name in _FLA_QUADRATIC:
+    if name in quadratic:
         head_dim = getattr(mixer, "head_dim", None) or mixer.head_k_dim
         _add_attention(flops, getattr(mixer, "window_size", None), heads * head_dim)
         return

@@ -7,28 +7,15 @@ A batch holds rows of packed documents: ``position_ids`` restart at every docume
   attention implementations turn restarting position ids into a document mask themselves.
 - fla models take documents only as ``cu_seqlens`` over a single row, so the batch is
   flattened into one row (same tokens, same targets, documents never cross rows anyway).
-  The fla types that cannot isolate documents (FLA_DOCUMENTS_NOT_ISOLATED) get the rows as
-  they are, each row one sequence.
+  The fla types that cannot isolate documents (their records in flame.models.support) get the
+  rows as they are, each row one sequence.
 """
 
 import torch
 from torch import nn
 
 from flame.models import attention
-
-# fla model types (fla 0.6) whose state crosses the documents of a packed row, and why
-FLA_DOCUMENTS_NOT_ISOLATED = {
-    "abc": "its layers refuse cu_seqlens",
-    "cat": "its layers refuse cu_seqlens",
-    "mamba": "its Mamba layers ignore cu_seqlens",
-    "mamba2": "its Mamba2 layers ignore cu_seqlens",
-    "samba": "its Mamba layers ignore cu_seqlens",
-    "log_linear_mamba2": "its layers ignore cu_seqlens; their chunk kernel refuses them",
-    "linear_attn": "packed and separate documents differ (measured, docs/models.md)",
-    "raven": "packed and separate documents differ (measured, docs/models.md)",
-    "mom": "packed and separate documents differ (measured, docs/models.md)",
-    "cyclic_flow_attention": "its varlen backward gives other gradients than separate documents (measured, docs/models.md)",
-}
+from flame.models.support import Documents, support_for
 
 
 def is_fla_config(config) -> bool:
@@ -44,13 +31,13 @@ def uses_flame_attention(model: nn.Module) -> bool:
 
 
 def keeps_rows_whole(config) -> bool:
-    """fla types that cannot isolate documents take each row as one sequence (their positions run over it)."""
-    return is_fla_config(config) and config.model_type in FLA_DOCUMENTS_NOT_ISOLATED
+    """Model types that cannot isolate documents take each row as one sequence (their positions run over it)."""
+    return support_for(config).documents is Documents.ROWS_WHOLE
 
 
 def flattens_rows(model: nn.Module) -> bool:
-    """fla models that isolate documents take a batch as one row with ``cu_seqlens``."""
-    return is_fla_model(model) and not keeps_rows_whole(model.config)
+    """Model types that take documents as ``cu_seqlens`` (fla's) take a batch as one row."""
+    return support_for(model.config).documents is Documents.CU_SEQLENS
 
 
 def document_kwargs(model: nn.Module, batch: dict) -> dict:
@@ -82,7 +69,7 @@ def segments_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, i
 def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(input ids, labels, keyword inputs) for ``model(input_ids, **kwargs)``.
 
-    fla types that cannot isolate documents (FLA_DOCUMENTS_NOT_ISOLATED) get the rows as they
+    fla types that cannot isolate documents (flame.models.support) get the rows as they
     are: their state restarts at each row.
     """
     kwargs = document_kwargs(model, batch)

@@ -1,0 +1,227 @@
+"""One capability record per model type: everything flame knows about training it, in one place.
+
+Every check and table that depends on the model type reads these records:
+- how it takes packed documents (flame.models.inputs; the build warning in flame.models.builder),
+- whether it compiles, the dtypes, device and packages its kernels need (flame.preflight),
+- its tensor-parallel plan, by name (the plans are in flame.distributed.tensor_parallel),
+- whether and how it runs context parallel (flame.distributed.context_parallel),
+- which of its layers FLOPs count as softmax attention (flame.models.flops),
+- measured gradient spikes it warns about (flame.models.builder),
+- the support table: ``python -m flame.models`` (``--markdown``: the README's, flame.models.support_table).
+
+A learned position table (GPT-2's ``wpe``, fla's ``cat``) is not recorded: preflight finds it in
+the model itself, so it covers any HF model. A model type without a record (any other
+transformers causal LM, a custom model) gets ``GENERIC``: flame's document attention, no TP
+plan, no context parallelism.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from transformers import PretrainedConfig
+
+from flame.models.registry import fla_model_types
+
+
+class Documents(Enum):
+    """How a model type takes a batch of rows of packed documents."""
+
+    ATTENTION = "flame's document attention"  # HF: position ids restart per document; attention masks by cu_seqlens
+    CU_SEQLENS = "cu_seqlens over one row"  # fla: the batch flattened into one row, documents as cu_seqlens
+    ROWS_WHOLE = "rows whole"  # each row one sequence: the model's state crosses its documents
+
+
+class ContextParallelism(Enum):
+    """How a model type's token mixers see the tokens of other context-parallel ranks."""
+
+    NONE = "no"
+    ATTENTION = "softmax attention"  # K/V all-gathered over the CP ranks (flame.models.attention)
+    FLA_KERNELS = "fla's CP kernels"  # the recurrent state passed between ranks (NVIDIA GPUs)
+
+
+@dataclass(frozen=True)
+class Package:
+    """A package a model type (or one of its config options) needs and fla does not install."""
+
+    module: str  # its import name
+    install: str  # the command that installs it
+    purpose: str  # what the model needs it for
+    option: str | None = None  # the config option that needs it; None: the model type itself
+
+
+@dataclass(frozen=True)
+class GradientSpikes:
+    """Measured gradient spikes under one setting of ``attn_mode``, warned about at build on GPUs."""
+
+    attn_mode: str
+    cause: str
+    remedy: str
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """What flame knows about training one model type."""
+
+    model_type: str
+    library: str  # "transformers", "fla" or "custom_models"
+    family: str  # the kind of token mixer
+    documents: Documents = Documents.ATTENTION
+    not_isolated_because: str = ""  # ROWS_WHOLE: why its documents cannot be kept apart
+    compile_fails: str | None = None  # why torch.compile fails on its blocks; None: it compiles
+    tensor_parallel_plan: str | None = None  # its plan's name in flame.distributed.tensor_parallel.PLANS
+    context_parallel: ContextParallelism = ContextParallelism.NONE
+    float32_refused_by: str | None = None  # the kernel that asserts its inputs are not float32
+    cuda_only: str | None = None  # why it runs on CUDA GPUs only
+    packages: tuple[Package, ...] = ()
+    gradient_spikes: GradientSpikes | None = None
+    softmax_layers: tuple[str, ...] = ()  # its fla layer classes that compute softmax attention (quadratic FLOPs)
+    notes: str = ""
+
+    @property
+    def name(self) -> str:
+        """How messages name it: fla's types as "fla's <type>"."""
+        return f"fla's {self.model_type}" if self.library == "fla" else self.model_type
+
+    def package(self, module: str) -> Package:
+        """Its package imported as ``module``."""
+        return next(package for package in self.packages if package.module == module)
+
+    def packages_needed(self, config: PretrainedConfig) -> list[Package]:
+        """The packages this config needs: the type's own, and those of the options it sets."""
+        return [p for p in self.packages if p.option is None or getattr(config, p.option, False)]
+
+
+_FLA_DEFAULTS = {
+    "documents": Documents.CU_SEQLENS,
+    "cuda_only": "runs fla's Triton kernels (its norms, activations and token mixer)",
+}
+
+
+def _fla(model_type: str, family: str, **fields) -> ModelSupport:
+    return ModelSupport(model_type, "fla", family, **{**_FLA_DEFAULTS, **fields})
+
+
+def _rows_whole(why: str) -> dict:
+    return {"documents": Documents.ROWS_WHOLE, "not_isolated_because": why}
+
+
+SOFTMAX, SPARSE, LINEAR, SSM, HYBRID = "softmax attention", "sparse attention", "linear attention", "state space", "hybrid"
+_ATTENTION_CP = {"context_parallel": ContextParallelism.ATTENTION}
+_HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
+_MEASURED = "packed and separate documents differ (measured, docs/models.md)"
+# fla refuses the gated delta rule's Triton backward on Hopper with the pinned Triton (wrong results, fla #640)
+_TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
+_MAMBA_SCAN = (
+    "fast only with mamba_ssm's and causal_conv1d's CUDA builds; without them fla's Mamba layers scan token by token"
+)
+_MAMBA_SSM = Package(
+    # the Triton files suffice (flame.models.fla_patches loads them): no CUDA build, no dependencies
+    "mamba_ssm",
+    "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
+    "mamba_ssm's Mamba-3 scan kernels",
+)
+_TILELANG = Package("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang", "is_mimo")
+# (moba's calls to flash-attn need no package: flame provides them, flame.models.flash_attn_internals)
+_FLASH_MOBA = Package("flash_moba", "pip install flash-moba", "FlashMoBA's fused kernel", "use_flash_moba")
+# gla's gradient is ill-conditioned at each document's first token: the output there is (q.k) v, which
+# the per-head output norm divides by |q.k|; how large a step's gradient comes out then depends on the
+# kernels' rounding, and fla's chunk kernels round it far from fused_recurrent's (docs/models.md)
+_GLA_SPIKES = GradientSpikes(
+    "chunk",
+    "its gradient is ill-conditioned at each document's first token, and the chunk kernels can make a step's "
+    "gradient norm hundreds of times the one fused_recurrent gives on the same weights and batch",
+    'gradient clipping bounds such steps, and "attn_mode": "fused_recurrent" in the model config makes them '
+    "rarer and smaller at ~1/2.7 the speed",
+)
+
+_RECORDS = (
+    ModelSupport("llama", "transformers", SOFTMAX, **_HF_DECODER),
+    ModelSupport("mistral", "transformers", SOFTMAX, **_HF_DECODER),
+    ModelSupport("qwen2", "transformers", SOFTMAX, **_HF_DECODER),
+    ModelSupport("qwen3", "transformers", SOFTMAX, **_HF_DECODER),
+    ModelSupport("gpt2", "transformers", SOFTMAX,
+                 notes="learned position table: documents of at most max_position_embeddings tokens"),
+    ModelSupport("flame_example_lm", "custom_models", SOFTMAX, tensor_parallel_plan="example_lm", **_ATTENTION_CP,
+                 notes="custom_models/example_lm, the template for your own architecture"),
+    _fla("abc", LINEAR, **_rows_whole("its layers refuse cu_seqlens")),
+    _fla("bitnet", SOFTMAX, softmax_layers=("BitAttention",)),
+    _fla("cat", SOFTMAX, **_rows_whole("its layers refuse cu_seqlens"),
+         notes="learned position table: rows of at most max_position_embeddings tokens"),
+    _fla("comba", LINEAR, notes=_TILELANG_ON_HOPPER),
+    _fla("cyclic_flow_attention", LINEAR,
+         **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models.md)")),
+    _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule"),
+    _fla("deltaformer", SOFTMAX,
+         compile_fails="Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it"),
+    _fla("forgetting_transformer", SOFTMAX, softmax_layers=("ForgettingAttention",)),
+    _fla("gated_deltanet", LINEAR, tensor_parallel_plan="gated_deltanet",
+         context_parallel=ContextParallelism.FLA_KERNELS, notes=_TILELANG_ON_HOPPER),
+    _fla("gated_deltaproduct", LINEAR, float32_refused_by="chunk_gated_delta_product"),
+    _fla("gla", LINEAR, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES),
+    _fla("gsa", LINEAR, tensor_parallel_plan="gsa"),
+    _fla("hgrn", LINEAR),
+    _fla("hgrn2", LINEAR),
+    _fla("kda", LINEAR, context_parallel=ContextParallelism.FLA_KERNELS),
+    _fla("lightnet", LINEAR),
+    _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
+    _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
+    _fla("mamba", SSM, **_rows_whole("its Mamba layers ignore cu_seqlens"), notes=_MAMBA_SCAN),
+    _fla("mamba2", SSM, **_rows_whole("its Mamba2 layers ignore cu_seqlens"), tensor_parallel_plan="mamba2",
+         notes="tensor parallel without mamba_ssm installed and with rmsnorm true"),
+    _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
+    _fla("mesa_net", LINEAR),
+    _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",)),
+    _fla("moba", SPARSE, packages=(_FLASH_MOBA,)),
+    _fla("mom", LINEAR, **_rows_whole(_MEASURED), notes=_TILELANG_ON_HOPPER),
+    _fla("nsa", SPARSE, compile_fails="the compiled blocks give a NaN loss"),
+    _fla("parallax", LINEAR, compile_fails="inductor fails to compile fla's parallel_parallax_fwd_kernel"),
+    _fla("path_attn", SOFTMAX, softmax_layers=("PaTHAttention",)),
+    _fla("precond_gated_deltanet", LINEAR, notes=_TILELANG_ON_HOPPER),
+    _fla("precond_kda", LINEAR),
+    _fla("raven", LINEAR, **_rows_whole(_MEASURED)),
+    _fla("retnet", LINEAR),
+    _fla("rodimus", LINEAR),
+    _fla("rwkv6", LINEAR),
+    _fla("rwkv7", LINEAR,
+         compile_fails="inductor fails on an in-place op on a view returned by fla's custom autograd Function"),
+    _fla("samba", HYBRID, **_rows_whole("its Mamba layers ignore cu_seqlens"), softmax_layers=("Attention",),
+         notes=_MAMBA_SCAN),
+    _fla("stickbreaking_attn", SOFTMAX, compile_fails="the compiled blocks give a NaN loss",
+         softmax_layers=("StickBreakingAttention",)),
+    # fla's Attention is also the softmax layer of the hybrids' attn layers
+    _fla("transformer", SOFTMAX, tensor_parallel_plan="fla_transformer", softmax_layers=("Attention",),
+         **_ATTENTION_CP),
+    _fla("wall_transformer", SOFTMAX),
+    _fla("yoco", HYBRID, notes=_TILELANG_ON_HOPPER),
+)
+RECORDS: dict[str, ModelSupport] = {record.model_type: record for record in _RECORDS}
+
+# any other transformers causal LM, or a custom model; a model that cannot take flame's attention
+# keeps its own (flame.models.builder warns)
+GENERIC = ModelSupport(
+    "*", "transformers", SOFTMAX,
+    notes="one that cannot take flame's attention keeps its own, which does not reliably keep documents apart (warned)",
+)
+# an fla type without a record (an fla checkout newer than the records): fla's defaults
+GENERIC_FLA = _fla("*", LINEAR)
+
+
+def support_for(config_or_model_type: PretrainedConfig | str) -> ModelSupport:
+    """The record of a model type (or of a config's), or the generic one for its library."""
+    model_type = config_or_model_type if isinstance(config_or_model_type, str) else config_or_model_type.model_type
+    if model_type in RECORDS:
+        return RECORDS[model_type]
+    generic = GENERIC_FLA if model_type in fla_model_types() else GENERIC
+    return dataclasses.replace(generic, model_type=model_type)
+
+
+def model_types_where(condition: Callable[[ModelSupport], object]) -> list[str]:
+    """The recorded model types whose record meets ``condition``, sorted (for messages)."""
+    return sorted(model_type for model_type, record in RECORDS.items() if condition(record))
+
+
+def softmax_attention_layers() -> set[str]:
+    """The fla layer classes that compute softmax attention, over every record."""
+    return {layer for record in RECORDS.values() for layer in record.softmax_layers}

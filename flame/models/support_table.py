@@ -1,0 +1,103 @@
+"""The support table, generated from the capability records (flame.models.support).
+
+    python -m flame.models                  the table, as plain text
+    python -m flame.models --markdown       the README's table (with its legend)
+    python -m flame.models --write-readme   rewrite the README's table between its markers
+"""
+
+import argparse
+from pathlib import Path
+
+from flame.models.support import GENERIC, RECORDS, Documents, ModelSupport
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BEGIN = "<!-- BEGIN support table: python -m flame.models --markdown -->"
+END = "<!-- END support table -->"
+COLUMNS = ("model type", "from", "family", "documents isolated", "compile", "TP", "CP", "needs", "notes")
+_ISOLATED = {
+    Documents.ATTENTION: "yes (flame's attention)",
+    Documents.CU_SEQLENS: "yes (cu_seqlens)",
+    Documents.ROWS_WHOLE: "no (rows whole)",
+}
+_LIBRARIES = ("transformers", "custom_models", "fla")
+LEGEND = """\
+- **documents isolated**: whether a token sees only its own document when documents are packed into rows:
+  through flame's document attention (transformers models), through `cu_seqlens` over one row (fla), or
+  not: each row is one sequence (flame warns; `--training.no-varlen` with short rows limits the mixing).
+- **compile**: `--training.compile`; **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
+  `--parallelism.context_parallel_degree` (softmax attention all-gathers K/V over the CP ranks; fla's CP
+  kernels pass the recurrent state between them). What a type cannot do is refused at preflight.
+- **needs**: a CUDA GPU for fla's Triton kernels, bf16 compute for kernels that refuse float32 (on GPUs,
+  with FSDP under tensor or pipeline parallelism), packages fla does not install (preflight prints the
+  command). A model with a learned position table is refused when this job's documents (rows, for types
+  that keep rows whole) are longer than it.
+- Any other transformers causal LM trains like the last row; these rows come from
+  `flame/models/support.py`."""
+
+
+def row(record: ModelSupport) -> tuple[str, ...]:
+    """The table's cells for one record."""
+    needs = []
+    if record.cuda_only:
+        needs.append("CUDA GPU")
+    if record.float32_refused_by:
+        needs.append(f"bf16 ({record.float32_refused_by})")
+    needs += [f"{p.module} ({p.option})" if p.option else p.module for p in record.packages]
+    notes = []
+    if record.documents is Documents.ROWS_WHOLE:
+        notes.append(f"not isolated: {record.not_isolated_because}")
+    if record.compile_fails:
+        notes.append(f"no compile: {record.compile_fails}")
+    if spikes := record.gradient_spikes:
+        notes.append(f"gradient spikes with attn_mode {spikes.attn_mode} (warned on GPUs)")
+    if record.notes:
+        notes.append(record.notes)
+    model_type = "any other" if record is GENERIC else record.model_type
+    return (
+        model_type, record.library, record.family, _ISOLATED[record.documents],
+        "no" if record.compile_fails else "yes", "yes" if record.tensor_parallel_plan else "no",
+        record.context_parallel.value, ", ".join(needs) or "-", "; ".join(notes),
+    )
+
+
+def rows() -> list[tuple[str, ...]]:
+    """Every record, transformers' first, then custom models', then fla's, each by name; the generic record last."""
+    records = sorted(RECORDS.values(), key=lambda r: (_LIBRARIES.index(r.library), r.model_type))
+    return [row(record) for record in [*records, GENERIC]]
+
+
+def plain_table() -> str:
+    table = [COLUMNS, *rows()]
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(COLUMNS) - 1)]  # notes: not padded
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(cells, widths)), cells[-1]]).rstrip() for cells in table)
+
+
+def markdown_table() -> str:
+    """The README's support table and its legend."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for model_type, *cells in rows():
+        lines.append("| " + " | ".join([f"`{model_type}`" if model_type != "any other" else model_type, *cells]) + " |")
+    return "\n".join(lines) + "\n\n" + LEGEND
+
+
+def readme_with_table(text: str) -> str:
+    """``text`` (the README) with the generated table between its markers."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"the README needs one line {BEGIN!r} and one line {END!r} after it, around the support table")
+    head, rest = text.split(BEGIN + "\n", 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{markdown_table()}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flame.models", description="What flame supports, per model type.")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--markdown", action="store_true", help="the README's Markdown table")
+    output.add_argument("--write-readme", action="store_true", help=f"rewrite the table in {README}")
+    args = parser.parse_args(argv)
+    if args.write_readme:
+        README.write_text(readme_with_table(README.read_text()))
+        print(f"wrote the support table into {README}")
+    else:
+        print(markdown_table() if args.markdown else plain_table())
+    return 0
