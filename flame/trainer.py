@@ -3,10 +3,11 @@
 torchtitan builds everything from the "flame" TrainSpec registered below (HF model from a
 config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
 overrides:
-- ``post_dataloading_process``: hands the model the inputs its family understands (under
-  context parallelism, this rank's share of the tokens: flame.distributed.context_parallel);
-- ``forward_backward_step``: under pipeline parallelism, the schedule gets each stage's
-  document and label inputs and a loss over the step's global target count;
+- ``forward_backward_step``: the model gets the inputs its family understands (under context
+  parallelism, this rank's share of the tokens: flame.distributed.context_parallel), and runs
+  forward and backward inside its batch's context (flame.batch_context: documents, targets,
+  loss normalization); under pipeline parallelism the schedule gets each stage's document
+  and label inputs;
 - ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), richer metrics (per-source data counts among them);
@@ -35,7 +36,8 @@ from torchtitan.protocols.train_spec import (
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
-from flame import device, preflight
+from flame import batch_context, device, preflight
+from flame.batch_context import BatchContext
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
 from flame.config_manager import RUN_CONFIG_FILE
@@ -108,27 +110,37 @@ class Trainer(TorchtitanTrainer):
             with open(os.path.join(job_config.job.dump_folder, RUN_CONFIG_FILE), "w") as f:
                 json.dump(job_config.to_dict(), f, indent=2, default=str)
 
-    def post_dataloading_process(self, input_dict, labels):
-        model = self.model_parts[0]
-        if self.context_parallel is not None:  # this rank's share of the batch's tokens
-            input_dict, labels = self.context_parallel.shard(input_dict, labels)
-        inputs, labels, kwargs = model_inputs(model, input_dict, labels)
-        head = model.get_output_embeddings()
-        if isinstance(head, LossHead):
-            head.targets = labels  # the head returns the loss of these targets (fused CE)
-        return inputs, labels, kwargs, {}
-
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
-        if not self.parallel_dims.pp_enabled:
-            return super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
+        """This rank's loss (summed over its targets, divided by the step's global count), after its backward."""
+        step = BatchContext(global_valid_tokens=global_valid_tokens)
+        if self.parallel_dims.pp_enabled:
+            return self._pipeline_forward_backward(step, input_dict, labels)
+        model = self.model_parts[0]
+        layout = None
+        if self.context_parallel is not None:  # this rank's share of the batch's tokens
+            input_dict, labels, layout = self.context_parallel.shard(input_dict, labels)
+        inputs, labels, kwargs = model_inputs(model, input_dict, labels)
+        fused_loss = isinstance(model.get_output_embeddings(), LossHead)  # the head returns the loss (fused CE)
+        batch = step.replace(
+            cu_seqlens=input_dict["cu_seqlens"],
+            max_seqlen=input_dict["max_seqlen"],
+            targets=labels if fused_loss else None,
+            context_parallel=layout,
+        )
+        with self.train_context(), batch_context.computing(batch):
+            with self.maybe_enable_amp:
+                # the output (all logits, unless fused) is freed before the backward
+                loss = self.loss_fn(model(inputs, **kwargs), labels) / global_valid_tokens
+            loss.backward()
+        return loss
+
+    def _pipeline_forward_backward(self, step: BatchContext, input_dict, labels) -> torch.Tensor:
         # Every stage gets the position ids (its documents) and the labels (the last stage's
-        # fused loss); the schedule splits them into microbatches like the inputs.
-        self.pp_schedule.flame_loss.global_valid_tokens = global_valid_tokens
+        # fused loss); the schedule splits them into microbatches like the inputs, and its loss
+        # divides by the step's global target count (flame.distributed.pipeline.TokenNormalizedLoss).
         losses = [] if self.pp_has_last_stage else None
         inputs = (input_dict["input"],) if self.pp_has_first_stage else ()
-        with self.train_context():
+        with self.train_context(), batch_context.computing(step):
             self.pp_schedule.step(
                 *inputs,
                 position_ids=input_dict["position_ids"],

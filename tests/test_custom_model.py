@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from flame import batch_context
+from flame.batch_context import BatchContext
 from flame.models import attention, load_model_config
 from flame.utils import convert_dcp_to_hf
 from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
@@ -62,8 +64,7 @@ def test_packed_documents_do_not_see_each_other(model):
     flame_built = AutoModelForCausalLM.from_config(load_model_config(CONFIG), attn_implementation=attention.HF_ATTENTION)
     flame_built.load_state_dict(model.state_dict())
     cu_seqlens = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
-    attention.use_batch_documents(cu_seqlens, 9)
-    with torch.no_grad():
+    with torch.no_grad(), batch_context.computing(BatchContext(cu_seqlens=cu_seqlens, max_seqlen=9)):
         logits = flame_built(packed, position_ids=position_ids, cu_seq_lens_q=cu_seqlens).logits
     torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
 

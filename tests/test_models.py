@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from flame import batch_context
+from flame.batch_context import BatchContext
 from flame.components.loss import (
     LossHead,
     linear_cross_entropy_sum,
@@ -163,13 +165,15 @@ def test_loss_head_keeps_parameters_ties_and_plain_logits():
     inputs, labels, kwargs = model_inputs(model, batch, labels)
     logits = model(inputs, **kwargs).logits
     head = use_fused_cross_entropy(model)
-    assert isinstance(head, LossHead) and head.weight is model.get_input_embeddings().weight
+    assert isinstance(head, LossHead) and model.get_output_embeddings() is head
+    assert head.weight is model.get_input_embeddings().weight
     assert model.state_dict().keys() == state.keys()
-    torch.testing.assert_close(model(inputs, **kwargs).logits, logits)  # no targets: logits as before
-    head.targets = labels
-    loss = model(inputs, **kwargs).logits
-    assert loss.ndim == 0 and head.targets is None  # targets are used once
+    torch.testing.assert_close(model(inputs, **kwargs).logits, logits)  # outside a batch: logits as before
+    with batch_context.computing(BatchContext(targets=labels)):
+        loss = model(inputs, **kwargs).logits
+    assert loss.ndim == 0
     torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    torch.testing.assert_close(model(inputs, **kwargs).logits, logits)  # the batch's targets end with it
 
 
 def test_fused_cross_entropy_refuses_heads_that_post_process_logits():

@@ -91,18 +91,6 @@ def test_custom_model_pipelines_with_tensor_parallel_stages_like_one_process(tmp
     assert_same_curve(pp, one)
 
 
-def test_attention_knows_the_longest_document_of_every_microbatch_in_flight():
-    from flame.models import attention
-
-    # a stage forwards microbatch 2 before activation checkpointing recomputes microbatch 1
-    first, second = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 30, 40], dtype=torch.int32)
-    attention.use_batch_documents(first, 7)
-    attention.use_batch_documents(second, 30)
-    assert attention._max_seqlen(first, upper_bound=40) == 7
-    assert attention._max_seqlen(second, upper_bound=40) == 30
-    assert attention._max_seqlen(torch.tensor([0, 40], dtype=torch.int32), upper_bound=40) == 40
-
-
 def test_balanced_split_counts_embedding_and_head_as_blocks():
     class Job:
         class parallelism:

@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torchtitan.components.loss import IGNORE_INDEX
 
+from flame import batch_context
+
 # tokens per chunk: 8192 x 32K vocab x 4 bytes = 1 GiB of fp32 logits at a time
 CHUNK_TOKENS = 8192
 
@@ -168,18 +170,27 @@ def vocab_parallel_linear_cross_entropy_sum(
 
 
 class LossHead(nn.Linear):
-    """An lm_head that, when given targets, returns their summed cross entropy instead of logits.
+    """An lm_head that, inside a batch with targets, returns their summed cross entropy instead of logits.
 
-    flame swaps the class of the model's own ``nn.Linear`` head (same Parameter objects, so
-    state dicts, tied embeddings, FSDP and exports see no difference) and sets ``targets``
-    right before each training forward. The model's forward is untouched: what it returns
-    as "logits" is then the 0-dim loss, which the loss function passes on.
+    flame puts it in place of the model's own ``nn.Linear`` head, holding the same Parameter
+    objects (so state dicts, tied embeddings, FSDP and exports see no difference). The targets
+    come from the batch being computed (flame.batch_context: HF's forward hands its head
+    the hidden states only); the model's forward is untouched: what it returns as "logits" is
+    then the 0-dim loss, which the loss function passes on. Outside such a batch it is the
+    plain linear head (evaluation, ``generate``).
     """
 
-    targets: torch.Tensor | None = None
+    @classmethod
+    def sharing_parameters_of(cls, head: nn.Linear) -> "LossHead":
+        with torch.device("meta"):  # no memory: the parameters are replaced by the head's own
+            loss_head = cls(head.in_features, head.out_features, bias=head.bias is not None)
+        loss_head.weight = head.weight
+        loss_head.bias = head.bias
+        return loss_head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, self.targets = self.targets, None
+        batch = batch_context.current()
+        targets = batch.targets if batch is not None else None
         if targets is None:
             return super().forward(hidden)
         if isinstance(self.weight, DTensor):  # tensor parallel: this rank holds a vocabulary shard
@@ -188,15 +199,18 @@ class LossHead(nn.Linear):
 
 
 def use_fused_cross_entropy(model: nn.Module) -> LossHead:
-    """Make the model's lm_head a LossHead; ValueError if its head is not a plain Linear."""
+    """Put a LossHead in place of the model's lm_head; ValueError if its head is not a plain Linear."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise ValueError(f"its lm_head is a {type(head).__name__}, not an nn.Linear")
     for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(model.config, attribute, None) not in (None, 1, 1.0):
             raise ValueError(f"it post-processes logits ({attribute})")
-    head.__class__ = LossHead
-    return head
+    loss_head = LossHead.sharing_parameters_of(head)
+    name = next(name for name, module in model.named_modules() if module is head)
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, loss_head)
+    return loss_head
 
 
 def build_loss(job_config, **kwargs):

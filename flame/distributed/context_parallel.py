@@ -9,8 +9,8 @@ are sharded that way; the model gets this rank's tokens as one row, and ``cu_seq
 the pieces of documents it holds.
 
 Softmax attention (HF models through transformers' registry, fla's attention layers through
-the flash-attn shims; both reach ``attention.document_attention`` with the batch's recorded
-``cu_seqlens``, so no model needs code of its own). Each layer all-gathers K and V over the
+the flash-attn shims; both reach ``attention.document_attention``, which finds this layout in
+the batch being computed (flame.batch_context), so no model needs code of its own). Each layer all-gathers K and V over the
 CP group (backward: their gradients are reduce-scattered back), puts them in global token
 order, and attends the local queries to them: the query at global position p of document d
 sees the keys g of d with g <= p (and p - g < window) -- the mask one process would use.
@@ -45,6 +45,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torchtitan.tools.logging import logger
 
 from flame import device
+from flame.batch_context import documents_of
 from flame.errors import ConfigError
 from flame.models import attention
 from flame.models.inputs import is_fla_model, uses_flame_attention
@@ -268,7 +269,7 @@ class BatchLayout:
 
 
 class ContextParallel:
-    """Shards each batch over the CP ranks and arms the attention for it."""
+    """Shards each batch over the CP ranks; the layout it returns goes into the batch's context."""
 
     def __init__(self, mesh: DeviceMesh, balanced: bool):
         self.mesh, self.balanced = mesh, balanced
@@ -289,23 +290,27 @@ class ContextParallel:
         logger.info(f"Context parallel over {mesh.size()} ranks ({balancer or 'contiguous'} layout)")
         return cls(mesh, balanced=balancer is not None)
 
-    def shard(self, batch: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        """This rank's part of the batch; the batch's documents are read on the CPU (a small sync)."""
+    def shard(self, batch: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor, BatchLayout]:
+        """This rank's part of the batch, and its layout (for the batch's context: flame.batch_context).
+
+        The batch's documents are read on the CPU (a small sync).
+        """
         size, rank = self.mesh.size(), self.mesh.get_local_rank()
         layout = BatchLayout.build(batch["cu_seqlens"], labels.numel(), size, rank, self.balanced, self.mesh)
-        attention.use_context_parallel(layout)
         sharded = {**batch, "cu_seqlens": layout.cu_seqlens}
         for name in ("input", "position_ids"):
             sharded[name] = layout.shard(batch[name])
-        return sharded, layout.shard(labels)
+        return sharded, layout.shard(labels), layout
 
 
 # fla: its layers pass cu_seqlens to their rotary, short convolutions and kernels; under
 # context parallelism those calls get the batch's offsets / FLACPContext as well.
 
 
-def _context(cu_seqlens):
-    return attention._context_of(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else None
+def _context(cu_seqlens) -> BatchLayout | None:
+    """The layout of the batch being computed, for a call given that batch's documents."""
+    batch = documents_of(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else None
+    return batch.context_parallel if batch is not None else None
 
 
 def _rotary_forward(original):

@@ -38,7 +38,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 from torchtitan.tools.logging import logger
 
-from flame import device
+from flame import batch_context, device
+from flame.batch_context import BatchContext
 from flame.components.loss import LossHead
 from flame.errors import ConfigError
 from flame.models.inputs import document_kwargs, flattens_rows, segments_from_positions
@@ -191,31 +192,34 @@ def _prune(model: nn.Module, spec: StageSpec) -> nn.Module:
             setattr(trunk, name, nn.Identity())
         parent, name = _parent(model, model.get_output_embeddings())
         setattr(parent, name, nn.Identity())
-    model.flame_stage = spec
     return model
 
 
 class PipelineStageModel:
     """Mixin: the forward of one pipeline stage (see the module docstring)."""
 
-    flame_stage: StageSpec
+    stage: StageSpec  # which stage this model is: set when it is made one (pipeline_model)
+    holds_part_of_model = True  # its weights are initialized as part of the whole model's (flame.models.builder)
 
     def forward(self, activations: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        spec = self.flame_stage
         # the schedule passes the position ids on the CPU, so finding the documents needs no sync; under
         # PP x FSDP, FSDP's root has already copied them to the GPU (a copy that waits for the stream)
         cu_seqlens, longest = segments_from_positions(position_ids.cpu())
         batch = {"position_ids": position_ids.to(self.device), "cu_seqlens": cu_seqlens.to(self.device), "max_seqlen": longest}
         kwargs = document_kwargs(self, batch)
         flatten = flattens_rows(self)
-        if spec.last:
-            head = self.get_output_embeddings()
-            if isinstance(head, LossHead):
-                head.targets = labels.reshape(1, -1) if flatten else labels
-        if spec.first:
-            output = super().forward(activations.reshape(1, -1) if flatten else activations, **kwargs)
-        else:
-            output = super().forward(inputs_embeds=activations, **kwargs)
+        fused_loss = self.stage.last and isinstance(self.get_output_embeddings(), LossHead)
+        # this microbatch's documents and targets, inside the step's context (its loss normalization)
+        microbatch = (batch_context.current() or BatchContext()).replace(
+            cu_seqlens=batch["cu_seqlens"],
+            max_seqlen=longest,
+            targets=(labels.reshape(1, -1) if flatten else labels) if fused_loss else None,
+        )
+        with batch_context.computing(microbatch):
+            if self.stage.first:
+                output = super().forward(activations.reshape(1, -1) if flatten else activations, **kwargs)
+            else:
+                output = super().forward(inputs_embeds=activations, **kwargs)
         return output.logits
 
 
@@ -269,14 +273,17 @@ def _autotune_on_the_current_stream() -> None:
 
 
 class TokenNormalizedLoss:
-    """The schedule's loss: each microbatch's summed loss over the step's global target count."""
+    """The schedule's loss: each microbatch's summed loss over the step's global target count.
+
+    The count comes from the step's context (flame.batch_context), which the trainer makes
+    around the schedule's step.
+    """
 
     def __init__(self, loss_fn):
         self.loss_fn = loss_fn
-        self.global_valid_tokens: torch.Tensor | None = None  # set by the trainer every step
 
     def __call__(self, output, labels):
-        return self.loss_fn(output, labels) / self.global_valid_tokens
+        return self.loss_fn(output, labels) / batch_context.current().global_valid_tokens
 
 
 def pipeline_model(model, parallel_dims: ParallelDims, job_config, device_, model_args, parallelize_fn, loss_fn):
@@ -292,7 +299,8 @@ def pipeline_model(model, parallel_dims: ParallelDims, job_config, device_, mode
     stages, parts = [], []
     for spec in specs:
         part = _prune(copy.deepcopy(model), spec)
-        part.__class__ = _stage_class(type(part))
+        part.__class__ = _stage_class(type(part))  # the stage's forward, on the same modules and names
+        part.stage = spec
         inputs, outputs = _stage_metadata(part, spec, job_config, parallel_dims, fused_loss)
         part = parallelize_fn(part, parallel_dims, job_config)
         stages.append(
@@ -302,7 +310,5 @@ def pipeline_model(model, parallel_dims: ParallelDims, job_config, device_, mode
         logger.info(f"Pipeline stage {spec.index} of {count}: decoder blocks {spec.layers[0]}-{spec.layers[-1]}")
     if device_.type == "cuda":
         _autotune_on_the_current_stream()
-    scaled_loss = TokenNormalizedLoss(loss_fn)
-    schedule = build_pipeline_schedule(job_config, stages, scaled_loss)
-    schedule.flame_loss = scaled_loss
+    schedule = build_pipeline_schedule(job_config, stages, TokenNormalizedLoss(loss_fn))
     return schedule, parts, any(s.first for s in specs), any(s.last for s in specs)

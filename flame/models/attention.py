@@ -18,11 +18,12 @@ The attention is plugged into
   flash-attn's ``flash_attn_func``/``flash_attn_varlen_func``: flame provides both (and, for
   fla's ``moba``, flash-attn's internal varlen forward/backward: flame.models.flash_attn_internals).
 
-Kernels need the longest document as a Python int; flame records it for each batch
-(``use_batch_documents``) so that no layer has to synchronize with the GPU to find it.
-Under context parallelism the batch's record also holds the CP layout
-(``use_context_parallel``): the layers then attend their ranks' queries to every key of
-their documents (flame.distributed.context_parallel).
+Kernels need the longest document as a Python int, and the dense/flex masks are best built
+once per batch: both come from the batch being computed (flame.batch_context), so that
+no layer has to synchronize with the GPU to find them. Under context parallelism that batch
+also holds the CP layout: the layers then attend their rank's queries to every key of their
+documents (flame.distributed.context_parallel). Outside an active batch (``generate``) the
+bound the caller gives is used and masks are built per call.
 The attention call runs outside torch.compile graphs (a graph break per layer), so the
 per-batch lengths never cause recompilation.
 """
@@ -35,18 +36,12 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 
+from flame.batch_context import BatchContext, documents_of
+
 BACKENDS = ("auto", "varlen", "flex", "sdpa")
 HF_ATTENTION = "flame"
 
-_backend = "auto"
-# The recent batches' cu_seqlens and longest documents, newest last: a pipeline stage has
-# several microbatches in flight, and activation checkpointing recomputes an older one. The
-# masks built for the newest batch (every layer of a forward pass reuses them).
-_RECENT_BATCHES = 16
-_batch_documents: list[tuple[torch.Tensor, int]] = []
-_batch_masks: dict = {}
-# The current batch's context-parallel layout (flame.distributed.context_parallel), if any
-_batch_context = None
+_backend = "auto"  # the job's --model.attention, set once at startup (set_backend)
 # torch 2.11's varlen_attn has no grouped-query option; later versions do
 _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
@@ -64,49 +59,14 @@ def resolve_backend(device: torch.device) -> str:
     return "varlen" if device.type == "cuda" else "sdpa"
 
 
-def use_batch_documents(cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
-    """Record the batch's longest document, for kernels that size their grid by it."""
-    _batch_documents.append((cu_seqlens, int(max_seqlen)))
-    del _batch_documents[:-_RECENT_BATCHES]
-    _batch_masks.clear()
-
-
-def use_context_parallel(context) -> None:
-    """Record the batch's context-parallel layout: attention given ``context.cu_seqlens`` uses it."""
-    global _batch_context
-    _batch_context = context
-
-
-def _context_of(cu_seqlens: torch.Tensor):
-    held = None if _batch_context is None else _batch_context.cu_seqlens
-    return _batch_context if held is not None and _same_tensor(held, cu_seqlens) else None
-
-
-def _same_tensor(held: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
-    # the record holds its tensor, so that memory cannot be another tensor's meanwhile
-    return held.data_ptr() == cu_seqlens.data_ptr() and held.numel() == cu_seqlens.numel()
-
-
-def _is_recorded_batch(cu_seqlens: torch.Tensor) -> bool:
-    """Whether ``cu_seqlens`` is the newest recorded batch's."""
-    return bool(_batch_documents) and _same_tensor(_batch_documents[-1][0], cu_seqlens)
-
-
-def _max_seqlen(cu_seqlens: torch.Tensor, upper_bound: int) -> int:
-    for held, longest in reversed(_batch_documents):
-        if _same_tensor(held, cu_seqlens):
-            return longest
-    return upper_bound
-
-
-def _batch_mask(kind: str, cu_seqlens: torch.Tensor, total: int, window: int | None, rows: int, build):
-    """The mask of the recorded batch's documents, built by the first layer that asks for it."""
-    if not _is_recorded_batch(cu_seqlens):
+def _batch_mask(kind: str, batch: BatchContext | None, total: int, window: int | None, rows: int, build):
+    """A mask of the batch's documents, built by the first layer that asks for it (per call outside a batch)."""
+    if batch is None:
         return build()
     key = (kind, total, window, rows)
-    if key not in _batch_masks:
-        _batch_masks[key] = build()
-    return _batch_masks[key]
+    if key not in batch.masks:
+        batch.masks[key] = build()
+    return batch.masks[key]
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -125,11 +85,13 @@ def document_attention(
     scale: float | None = None,
     window: int | None = None,
     rows: int = 1,
+    batch: BatchContext | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document: ``[T, Hq, D]`` queries, ``[T, Hkv, D]`` keys/values.
 
     ``window``: a query sees at most this many keys (itself included); None = the whole document.
-    ``max_seqlen`` may be an upper bound; the batch's recorded value is used when known.
+    ``max_seqlen`` may be an upper bound; ``batch``, the batch these documents are of (if they
+    are), gives the exact value, caches the masks and carries the context-parallel layout.
     ``rows``: the tokens are that many equal rows no document crosses (the dense reference
     path then masks each row, not the whole batch).
     """
@@ -141,15 +103,14 @@ def document_attention(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if backend == "varlen" and query.dtype == torch.float32:
         backend = "flex"  # fp32 training without autocast: the flash kernel has no fp32
-    context = _context_of(cu_seqlens)
-    if context is not None:  # this rank's queries, all ranks' keys
-        return context.attention(query, key, value, backend, scale, window)
+    if batch is not None and batch.context_parallel is not None:  # this rank's queries, all ranks' keys
+        return batch.context_parallel.attention(query, key, value, backend, scale, window)
     if backend == "varlen":
-        max_seqlen = _max_seqlen(cu_seqlens, max_seqlen)
+        max_seqlen = batch.max_seqlen if batch is not None else max_seqlen
         return _varlen(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, window)
     if backend == "flex":
-        return _flex(query, key, value, cu_seqlens, scale, window)
-    return _sdpa(query, key, value, cu_seqlens, scale, window, rows)
+        return _flex(query, key, value, cu_seqlens, scale, window, batch)
+    return _sdpa(query, key, value, cu_seqlens, scale, window, rows, batch)
 
 
 def _allowed(query_pos, key_pos, documents, window):
@@ -166,9 +127,9 @@ def _dense_mask(cu_seqlens, total, window, rows):
     return torch.stack([_allowed(positions[:, None], positions[None, :], row, window) for row in documents])
 
 
-def _sdpa(query, key, value, cu_seqlens, scale, window, rows):
+def _sdpa(query, key, value, cu_seqlens, scale, window, rows, batch):
     total, length = query.shape[0], query.shape[0] // rows
-    mask = _batch_mask("dense", cu_seqlens, total, window, rows, lambda: _dense_mask(cu_seqlens, total, window, rows))
+    mask = _batch_mask("dense", batch, total, window, rows, lambda: _dense_mask(cu_seqlens, total, window, rows))
     q, k, v = (t.view(rows, length, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=key.shape[1] != query.shape[1]
@@ -193,7 +154,7 @@ def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 _compiled_flex_attention = None
 
 
-def _flex(query, key, value, cu_seqlens, scale, window):
+def _flex(query, key, value, cu_seqlens, scale, window, batch):
     total = query.shape[0]
 
     def build():
@@ -202,7 +163,7 @@ def _flex(query, key, value, cu_seqlens, scale, window):
             lambda b, h, q, k: _allowed(q, k, documents, window), None, None, total, total, device=query.device
         )
 
-    return _flex_attention(query, key, value, _batch_mask("flex", cu_seqlens, total, window, 1, build), scale)
+    return _flex_attention(query, key, value, _batch_mask("flex", batch, total, window, 1, build), scale)
 
 
 def _flex_attention(query, key, value, block_mask, scale):
@@ -239,7 +200,7 @@ def hf_document_attention(
     """
     if dropout > 0:
         raise ValueError("flame's document attention has no attention dropout; set attention_dropout to 0")
-    batch, heads, length, head_dim = query.shape
+    rows, heads, length, head_dim = query.shape
     if cu_seq_lens_q is None:
         if attention_mask is not None or key.shape[2] != length and length > 1:
             raise ValueError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")
@@ -247,9 +208,11 @@ def hf_document_attention(
             query, key, value, is_causal=length > 1, scale=scaling, enable_gqa=key.shape[1] != heads
         )
         return out.transpose(1, 2), None
-    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value)]
-    out = document_attention(*flat, cu_seq_lens_q, length, scale=scaling, window=sliding_window, rows=batch)
-    return out.view(batch, length, heads, head_dim), None
+    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], head_dim) for t in (query, key, value)]
+    out = document_attention(
+        *flat, cu_seq_lens_q, length, scale=scaling, window=sliding_window, rows=rows, batch=documents_of(cu_seq_lens_q)
+    )
+    return out.view(rows, length, heads, head_dim), None
 
 
 AttentionInterface.register(HF_ATTENTION, hf_document_attention)
@@ -265,17 +228,19 @@ def flash_attn_varlen_func(
     # fla calls this for self-attention only: cu_seqlens_k describes the same documents
     _check_flash_call(causal, dropout_p, window_size, unsupported)
     window = None if window_size[0] < 0 else window_size[0] + 1
-    return document_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale=softmax_scale, window=window)
+    batch = documents_of(cu_seqlens_q)
+    return document_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale=softmax_scale, window=window, batch=batch)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported):
     _check_flash_call(causal, dropout_p, window_size, unsupported)
-    batch, length = q.shape[:2]
-    cu_seqlens = torch.arange(0, (batch + 1) * length, length, device=q.device, dtype=torch.int32)
-    flat = [t.reshape(batch * length, *t.shape[2:]) for t in (q, k, v)]
+    rows, length = q.shape[:2]
+    cu_seqlens = torch.arange(0, (rows + 1) * length, length, device=q.device, dtype=torch.int32)
+    flat = [t.reshape(rows * length, *t.shape[2:]) for t in (q, k, v)]
     window = None if window_size[0] < 0 else window_size[0] + 1
-    out = document_attention(*flat, cu_seqlens, length, scale=softmax_scale, window=window, rows=batch)
-    return out.view(batch, length, *out.shape[1:])
+    # equal rows, not the batch's documents (fla's types that take rows whole)
+    out = document_attention(*flat, cu_seqlens, length, scale=softmax_scale, window=window, rows=rows)
+    return out.view(rows, length, *out.shape[1:])
 
 
 def _check_flash_call(causal, dropout_p, window_size, unsupported):

@@ -58,11 +58,12 @@ def load_model_config(path: str) -> PretrainedConfig:
 class TorchtitanInit:
     """Mixin giving an HF model torchtitan's ``init_weights(buffer_device)``."""
 
-    flame_init_seed: int | None = None  # the job's seed (debug.seed), set by build_model
+    init_seed: int | None = None  # the job's seed (debug.seed): each trainable class is made for one
+    holds_part_of_model = False  # a pipeline stage does (flame.distributed.pipeline)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         # a pipeline stage holds part of the model: it takes its part of a whole model's init
-        if device.sharded_init_differs_from_full_init(self) or hasattr(self, "flame_stage"):
+        if device.sharded_init_differs_from_full_init(self) or self.holds_part_of_model:
             self._init_from_full_copy()
         else:
             _reinitialize(self)
@@ -75,8 +76,8 @@ class TorchtitanInit:
         twin.to_empty(device="cpu")
         # from the job's seed, as a single process draws it (torchtitan seeds pipeline ranks apart)
         with torch.random.fork_rng(devices=[]):
-            if self.flame_init_seed is not None:
-                torch.manual_seed(self.flame_init_seed)
+            if self.init_seed is not None:
+                torch.manual_seed(self.init_seed)
             _reinitialize(twin)
         own = dict(self.named_buffers())
         set_model_state_dict(self, twin.state_dict(), options=StateDictOptions(full_state_dict=True, strict=False))
@@ -98,8 +99,8 @@ def _reinitialize(model: nn.Module) -> None:
 
 
 @functools.cache
-def _trainable_class(hf_class: type) -> type:
-    attributes = {"__module__": hf_class.__module__, "_hf_class": hf_class}
+def _trainable_class(hf_class: type, init_seed: int | None) -> type:
+    attributes = {"__module__": hf_class.__module__, "_hf_class": hf_class, "init_seed": init_seed}
     return type(hf_class.__name__, (TorchtitanInit, hf_class), attributes)
 
 
@@ -149,8 +150,9 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
         model = _from_config(config, model_args)
     except ValueError as error:
         raise ConfigError(f"cannot build a causal LM from {model_args.config_path}: {error}") from None
-    model.__class__ = _trainable_class(type(model))
-    model.flame_init_seed = model_args.seed
+    # torchtitan's init_weights(buffer_device) on HF's model: a subclass of the model's own class
+    # (same name, so exports say e.g. LlamaForCausalLM), swapped in on the built instance
+    model.__class__ = _trainable_class(type(model), model_args.seed)
     if model_args.fused_cross_entropy:
         try:
             use_fused_cross_entropy(model)

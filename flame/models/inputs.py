@@ -47,7 +47,6 @@ def document_kwargs(model: nn.Module, batch: dict) -> dict:
     --training.no-document_mask the context_len pieces of each row.
     """
     cu_seqlens = batch["cu_seqlens"]
-    attention.use_batch_documents(cu_seqlens, batch["max_seqlen"])
     # the number of documents changes every batch: compiled blocks must not specialize on it
     torch._dynamo.mark_dynamic(cu_seqlens, 0)
     # no KV cache in training: it costs memory, and activation checkpointing's recompute would append to it

@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 warnings.simplefilter("ignore")
 
+from flame import batch_context
+from flame.batch_context import BatchContext
 from flame.components.loss import cross_entropy_sum
 from flame.distributed.context_parallel import ContextParallel
 from flame.models import attention, load_model_config, model_inputs
@@ -66,11 +68,13 @@ def parity(path: str, balanced: bool, mesh) -> tuple[float, float]:
     }
     count = (labels != -100).sum()
 
-    def loss_and_grads(batch, labels):
+    def loss_and_grads(batch, labels, layout=None):
         model.zero_grad()
         inputs, targets, kwargs = model_inputs(model, batch, labels)
-        loss = cross_entropy_sum(model(inputs, **kwargs).logits, targets) / count
-        loss.backward()
+        context = BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"], context_parallel=layout)
+        with batch_context.computing(context):  # as the trainer runs a batch
+            loss = cross_entropy_sum(model(inputs, **kwargs).logits, targets) / count
+            loss.backward()
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
     reference, reference_grads = loss_and_grads(batch, labels)
@@ -80,7 +84,6 @@ def parity(path: str, balanced: bool, mesh) -> tuple[float, float]:
 
         _install_in_fla(model)
     loss, grads = loss_and_grads(*context_parallel.shard(batch, labels))
-    attention.use_context_parallel(None)
     dist.all_reduce(loss)
     worst = 0.0
     for name, grad in grads.items():

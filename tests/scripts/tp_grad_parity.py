@@ -38,6 +38,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 warnings.simplefilter("ignore")
 
+from flame import batch_context
+from flame.batch_context import BatchContext
 from flame.components.loss import build_loss, use_fused_cross_entropy
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.models import attention, load_model_config, model_inputs
@@ -128,7 +130,7 @@ def build(config, fused: bool, torch_kernels: bool = True) -> torch.nn.Module:
 
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
     model = AutoModelForCausalLM.from_config(config, **options)
-    model.__class__ = _trainable_class(type(model))
+    model.__class__ = _trainable_class(type(model), None)
     if fused:
         use_fused_cross_entropy(model)
     if torch_kernels:
@@ -199,9 +201,8 @@ def parity(path: str, fused: bool, mesh, cuda: bool = False, attn_mode: str | No
     losses = []
     for model, context in ((reference, contextlib.nullcontext()), (sharded, loss_parallel())):
         inputs, targets, kwargs = model_inputs(model, batch, labels)
-        if fused:
-            model.get_output_embeddings().targets = targets
-        with context:
+        # as the trainer runs a batch: a fused loss head finds its targets in the batch's context
+        with context, batch_context.computing(BatchContext(targets=targets if fused else None)):
             loss = loss_fn(model(inputs, **kwargs), targets)
             loss.backward()
         losses.append(loss.item())
