@@ -1,4 +1,9 @@
-"""Shared fixtures: a tiny llama, a small real-text corpus, and a way to run real training jobs."""
+"""Shared fixtures: a tiny llama, a small real-text corpus, and ways to run real training jobs.
+
+``torchrun`` runs one job; ``two_at_a_time`` runs the independent jobs a test starts itself side
+by side; the ``background_runs`` fixture starts the runs a test declares with
+``@pytest.mark.background_runs`` ahead of the test (its docstring says how).
+"""
 
 import json
 import math
@@ -6,14 +11,16 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"  # programs tests run in processes of their own; each says how
 TOKENIZER = "builtin:python-stdlib-bpe"
+T = TypeVar("T")
 
 
 def flame_env(threads: int = 1) -> dict[str, str]:
@@ -96,56 +103,87 @@ def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeo
     )
 
 
-def two_at_a_time(*jobs):
-    """The results of independent jobs (callables), run two at a time: most of a tiny job is
-    single-threaded start-up and shutdown, which overlap."""
+def two_at_a_time(*jobs: Callable[[], T]) -> list[T]:
+    """The results of independent jobs (callables without arguments), in order, run two at a time.
+
+    For the runs a test starts itself: a tiny CPU run is mostly single-threaded start-up and
+    shutdown, so two of them take little longer than one on CI's 2 cores. A job's exception is
+    raised here once every job has ended."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [pool.submit(job) for job in jobs]
     return [future.result() for future in futures]
 
 
-def torchrun_two_at_a_time(jobs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
-    """Independent single-process jobs, two at a time."""
-    return dict(zip(jobs, two_at_a_time(*(partial(torchrun, args) for args in jobs.values()))))
+# ---------------------------------------------------------------- runs started ahead of their tests
+
+BackgroundJob = Callable[[Path, str, str], subprocess.CompletedProcess]
 
 
-def first_runs(**jobs: Callable[[Path, str, str], subprocess.CompletedProcess]):
-    """Declare the runs a test starts with, each ``job(dump folder, tiny_model, corpus)``; the test reads
-    them from ``started``. A module's first such test starts those of all its selected tests, two at a
-    time: a tiny run is mostly start-up and shutdown on one core, so runs of later tests overlap the
-    earlier tests instead of queueing behind them."""
-    def declare(test):
-        test.first_runs = jobs
-        return test
-    return declare
+class BackgroundRun(NamedTuple):
+    """A finished background run: its dump folder and its process's result (exit status not checked)."""
+
+    dump: Path
+    result: subprocess.CompletedProcess
 
 
-def train_job(steps: int, *flags: str, **options) -> Callable[[Path, str, str], subprocess.CompletedProcess]:
-    """A first_runs job: base_args' ``steps`` plus ``flags``, under ``torchrun(..., **options)``."""
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "background_runs(**jobs): runs the test needs, started ahead of it (the background_runs fixture)"
+    )
+
+
+def train_job(steps: int, *flags: str, **options) -> BackgroundJob:
+    """A background job: base_args' ``steps`` of the tiny llama on the corpus plus ``flags``, under
+    ``torchrun(..., **options)``."""
     return lambda dump, model, data: torchrun(base_args(model, data, dump, steps=steps) + list(flags), **options)
 
 
 @pytest.fixture(scope="module")
-def _first_runs(request, tmp_path_factory, tiny_model, corpus):
-    # the selected tests of this module, in order, each once (however many parameters it has)
-    tests = {item.originalname: item.function.first_runs for item in request.session.items
-             if getattr(item, "module", None) is request.module and hasattr(item.function, "first_runs")}
-    root = tmp_path_factory.mktemp("first_runs")
-    futures = {}
+def _background_queue(request, tmp_path_factory, tiny_model, corpus) -> dict[str, dict[str, tuple[Path, Future]]]:
+    """The background runs of this module's selected tests (test name -> run name -> (dump, future)),
+    queued in test order on two workers (see background_runs)."""
+    root = tmp_path_factory.mktemp("background_runs")
+    queued = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for test, jobs in tests.items():
+        for item in request.session.items:
+            marker = item.get_closest_marker("background_runs")
+            test = getattr(item, "originalname", None)  # a parametrized test's runs are queued once
+            if (getattr(item, "module", None) is not request.module or marker is None
+                    or "background_runs" not in item.fixturenames or test in queued):
+                continue
             (root / test).mkdir()
-            for name, job in jobs.items():
-                futures[test, name] = root / test / name, pool.submit(job, root / test / name, tiny_model, corpus)
-        yield futures
+            queued[test] = {name: (root / test / name, pool.submit(job, root / test / name, tiny_model, corpus))
+                            for name, job in marker.kwargs.items()}
+        yield queued
         pool.shutdown(cancel_futures=True)  # the runs of tests a stopped session (-x) will not reach
 
 
 @pytest.fixture
-def started(request, _first_runs) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """This test's first_runs, once finished: run name -> (dump folder, result)."""
+def background_runs(request, _background_queue) -> dict[str, BackgroundRun]:
+    """The finished runs this test declares with ``@pytest.mark.background_runs(name=job, ...)``:
+    run name -> BackgroundRun(dump, result).
+
+    What runs when: as the module's first test that uses this fixture begins, the declared runs of
+    all the module's selected tests that use it are queued in test order and run two at a time in
+    background threads, while the tests go on in the foreground (a test's own processes run beside
+    them). A tiny run is mostly single-threaded start-up and shutdown on one core, so the runs of
+    later tests overlap the earlier tests instead of queueing behind them. Declare only runs that
+    need nothing the test does first; what follows them (a resume, say) runs in the test body.
+    Runs not started when the module ends (a session stopped by -x) are cancelled.
+
+    Each job is called as ``job(dump, tiny_model, corpus)`` and returns its CompletedProcess
+    (``train_job`` makes the usual one); ``dump`` is a fresh path in a folder of the test's own
+    (``dump.parent``), where a job may also write its inputs.
+
+    What the test receives: this fixture waits for the test's own runs only, then returns them.
+    A run's exit status is not checked here: the test checks it (``check(result)``) or asserts the
+    failure it expects. An exception raised by a job (a timeout, say) is raised here, failing the
+    test that declared the run.
+    """
     test = request.node.originalname
-    return {name: (dump, future.result()) for (owner, name), (dump, future) in _first_runs.items() if owner == test}
+    if test not in _background_queue:
+        raise pytest.UsageError(f"{test} uses background_runs: declare its runs with @pytest.mark.background_runs")
+    return {name: BackgroundRun(dump, future.result()) for name, (dump, future) in _background_queue[test].items()}
 
 
 def parse_job(monkeypatch, world_size: int, *args: str):

@@ -1,6 +1,5 @@
 """The example user architecture (custom_models/example_lm) registers, masks documents, trains and exports."""
 
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ from flame import batch_context
 from flame.batch_context import BatchContext
 from flame.models import attention, load_model_config
 from flame.utils import convert_dcp_to_hf
-from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
+from tests.conftest import ROOT, SCRIPTS, base_args, check, flame_env, losses, torchrun
 
 CONFIG = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")
 
@@ -71,13 +70,10 @@ def test_packed_documents_do_not_see_each_other(model):
 
 def test_example_trains_exports_and_generates(tmp_path, corpus, capsys):
     dump, logits_file = tmp_path / "run", tmp_path / "logits.pt"
-    os.environ["FLAME_TEST_LOGITS"] = str(logits_file)
-    try:
-        # two ranks: FSDP shards the blocks, and CPU init goes through a full copy (buffers too)
-        args = base_args(CONFIG, corpus, dump, steps=8) + ["--optimizer.lr=1e-2"]
-        check(torchrun(args, nproc=2, module=str(ROOT / "tests" / "scripts" / "train_and_save_logits.py")))
-    finally:
-        del os.environ["FLAME_TEST_LOGITS"]
+    # two ranks: FSDP shards the blocks, and CPU init goes through a full copy (buffers too)
+    args = base_args(CONFIG, corpus, dump, steps=8) + ["--optimizer.lr=1e-2"]
+    check(torchrun(args, nproc=2, module=str(SCRIPTS / "train_and_save_logits.py"),
+                   env={"FLAME_TEST_LOGITS": str(logits_file)}))
     loss = losses(dump)
     assert all(torch.isfinite(torch.tensor(value)) for value in loss.values()), loss
     assert max(loss[7], loss[8]) < loss[1] - 0.3, loss
@@ -86,19 +82,5 @@ def test_example_trains_exports_and_generates(tmp_path, corpus, capsys):
     assert convert_dcp_to_hf.main(["--path", str(dump), "--sample", "def main("]) == 0
     assert "sample from" in capsys.readouterr().out  # the converter's own load + sampling generate worked
     # a fresh process, like a user's: only `import custom_models` makes the model_type known
-    script = (
-        "import sys, torch, custom_models\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "expected = torch.load(sys.argv[2])\n"
-        "with torch.no_grad():\n"
-        "    logits = model(expected['input_ids']).logits\n"
-        "torch.testing.assert_close(logits, expected['logits'], rtol=0, atol=1e-5)\n"
-        "prompt = expected['input_ids'][:1, :6]\n"
-        "out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False)\n"
-        "assert out.shape == (1, 11) and torch.equal(out[:, :6], prompt), out\n"
-        "assert out[0, 6] == expected['logits'][0, 5].argmax(), out  # the trained model's greedy choice\n"
-        "print(type(model).__name__, 'ok')\n"
-    )
-    result = python("-c", script, str(dump / "hf"), str(logits_file))
+    result = python(str(SCRIPTS / "load_exported_and_generate.py"), str(dump / "hf"), str(logits_file))
     assert "ExampleLMForCausalLM ok" in result.stdout

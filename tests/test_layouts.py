@@ -8,7 +8,7 @@ gradient norm.
 """
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from tests.conftest import (
     metrics,
     parse_job,
     torchrun,
+    two_at_a_time,
 )
 
 DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"]
@@ -56,11 +57,9 @@ def _train(model, data, dump: Path, steps: int, nproc: int, flags: list[str]) ->
 
 
 def _train_all(layouts: dict, root: Path, steps: int, model, data, extra: list[str]) -> dict[str, tuple[Path, str]]:
-    # two jobs at a time: most of a small job is single-threaded start-up
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        outputs = {name: pool.submit(_train, model, data, root / name, steps, nproc, flags + extra)
-                   for name, (nproc, flags) in layouts.items()}
-        return {name: (root / name, output.result()) for name, output in outputs.items()}
+    outputs = two_at_a_time(*(partial(_train, model, data, root / name, steps, nproc, flags + extra)
+                              for name, (nproc, flags) in layouts.items()))
+    return {name: (root / name, output) for name, output in zip(layouts, outputs)}
 
 
 @pytest.fixture(scope="module")

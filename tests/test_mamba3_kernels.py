@@ -1,8 +1,9 @@
 """fla's mamba3 with the real mamba_ssm, built without its CUDA extensions as preflight's hint installs it.
 
 mamba_ssm's ``__init__`` imports its compiled selective-scan extension, so fla alone finds none of
-the package's Mamba-3 kernels; flame loads them for fla's layer (flame.models.fla_patches). Each
-check runs in a fresh interpreter: the pytest process has imported fla without mamba_ssm.
+the package's Mamba-3 kernels; flame loads them for fla's layer (flame.models.fla_patches). The
+checks with mamba_ssm run tests/scripts/mamba3_kernels_probe.py in a fresh interpreter: the pytest
+process has imported fla without mamba_ssm.
 """
 
 import json
@@ -21,61 +22,9 @@ from flame.models import load_model_config
 from flame.models.fla_patches import unpack_saved_tensors_once
 from flame.models.support import support_for
 from flame.preflight import check_mamba3_kernels
-from tests.conftest import ROOT, check
+from tests.conftest import ROOT, SCRIPTS, check
 
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the release fla 0.6's mamba3 layer calls
-
-PROBE = r"""
-import copy, importlib, json, os, sys, warnings
-warnings.simplefilter("ignore")
-os.environ["WORLD_SIZE"] = "1"
-
-def imports(name):
-    try:
-        importlib.import_module(name)
-        return "ok"
-    except ImportError as error:
-        return str(error)
-
-import fla.layers.mamba2, fla.layers.mamba3
-report = {"fla_alone": fla.layers.mamba3.mamba3_siso_combined is not None}
-# fla's failed imports leave some mamba_ssm submodules behind, through which later imports of other
-# submodules happen to get past the package's __init__; flame must not rely on those leftovers
-for name in [name for name in sys.modules if name.startswith("mamba_ssm.")]:
-    del sys.modules[name]
-
-from flame import device
-from flame.config_manager import FlameConfigManager
-from flame.errors import ConfigError
-from flame.models import load_model_config
-from flame.preflight import check_model_options
-
-config = load_model_config(sys.argv[1])  # imports fla through flame: its patches apply
-layer = fla.layers.mamba3
-siso = layer.mamba3_siso_combined
-report.update(
-    siso=getattr(siso, "__module__", None),
-    siso_backward_unpacks_once=getattr(siso.__globals__["_Mamba3Function"].backward, "unpacks_once", False) if siso else None,
-    fast_path=layer.is_fast_path_available,
-    norms_eager=getattr(layer.RMSNormGated, "runs_eagerly", False),
-    mimo=layer.mamba3_mimo_combined,
-    mamba2_fast_path=fla.layers.mamba2.is_fast_path_available,
-    mamba_ssm_after=imports("mamba_ssm"),
-)
-job = FlameConfigManager().parse_args([f"--model.config={sys.argv[1]}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
-                                  "--training.dataset=builtin:python-stdlib"])
-device.CUDA = True  # preflight's GPU check comes first; the kernels themselves need no GPU to load
-for name, options in {"siso": {}, "mimo": {"is_mimo": True}, "mimo_chunk16": {"is_mimo": True, "chunk_size": 16}}.items():
-    variant = copy.deepcopy(config)
-    for option, value in options.items():
-        setattr(variant, option, value)
-    try:
-        check_model_options(variant, job)
-        report[f"preflight_{name}"] = "accepted"
-    except ConfigError as error:
-        report[f"preflight_{name}"] = str(error)
-print(json.dumps(report))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +39,10 @@ def mamba_ssm_without_cuda(tmp_path_factory) -> Path:
 
 
 def probe(*sites: Path) -> dict:
+    """tests/scripts/mamba3_kernels_probe.py's report on the tiny mamba3, with ``sites`` first on sys.path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*sites, ROOT])), "TRANSFORMERS_VERBOSITY": "error"}
-    result = check(subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "configs/tiny/mamba3.json")],
+    result = check(subprocess.run([sys.executable, str(SCRIPTS / "mamba3_kernels_probe.py"),
+                                   str(ROOT / "configs/tiny/mamba3.json")],
                                   check=False, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT))
     return json.loads(result.stdout.splitlines()[-1])
 

@@ -4,6 +4,7 @@ import math
 import shutil
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -29,12 +30,14 @@ from flame.models import (
 from flame.models.flops import causal_pairs, model_flops
 from tests.conftest import (
     ROOT,
+    SCRIPTS,
     TINY_DECODER,
     base_args,
     check,
     flame_env,
     losses,
-    torchrun_two_at_a_time,
+    torchrun,
+    two_at_a_time,
 )
 
 TINY = {**TINY_DECODER, "vocab_size": 256}
@@ -184,14 +187,14 @@ def test_fused_cross_entropy_refuses_heads_that_post_process_logits():
 
 def test_fused_cross_entropy_run_matches_the_plain_run(tmp_path, tiny_model, corpus):
     plain, fused = tmp_path / "plain", tmp_path / "fused"
-    runs = torchrun_two_at_a_time({
-        "plain": base_args(tiny_model, corpus, plain, steps=4) + ["--training.fused_cross_entropy=off"],
-        "fused": base_args(tiny_model, corpus, fused, steps=4) + ["--training.fused_cross_entropy=on"],
-    })
-    check(runs["plain"])
-    result = check(runs["fused"])
-    output = result.stdout + result.stderr
+    plain_result, result = two_at_a_time(
+        partial(torchrun, base_args(tiny_model, corpus, plain, steps=4) + ["--training.fused_cross_entropy=off"]),
+        partial(torchrun, base_args(tiny_model, corpus, fused, steps=4) + ["--training.fused_cross_entropy=on"]),
+    )
+    check(plain_result)
+    output = check(result).stdout + result.stderr
     assert "causal softmax attention over each batch's real documents" in output  # the MFU label
+    assert sorted(losses(fused)) == sorted(losses(plain)) == [1, 2, 3, 4]
     for step, loss in losses(plain).items():
         assert math.isclose(losses(fused)[step], loss, rel_tol=1e-5), step
 
@@ -321,19 +324,8 @@ def test_fla_is_imported_when_a_config_needs_it_not_at_startup(tmp_path):
     # a fresh process: this one imported fla already. "mamba" is also transformers' own type;
     # fla registers its Mamba over it on import, and in flame the name means fla's.
     shutil.copy(ROOT / "configs" / "tiny" / "mamba.json", tmp_path / "config.json")
-    script = f"""
-import sys
-import flame.trainer
-from flame.models import load_model_config
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-print("mamba" in CONFIG_MAPPING_NAMES, "fla" in sys.modules)
-load_model_config("configs/llama_4M.json")
-print("fla" in sys.modules)
-print(type(load_model_config({str(tmp_path)!r})).__module__)
-print(type(load_model_config("configs/gla_340M.json")).__module__)
-"""
-    result = check(subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=flame_env(), capture_output=True,
-                                  text=True))
+    result = check(subprocess.run([sys.executable, str(SCRIPTS / "fla_imported_on_demand.py"), str(tmp_path)],
+                                  cwd=ROOT, env=flame_env(), capture_output=True, text=True))
     assert result.stdout.split("\n")[:4] == [
         "True False",  # HF has a mamba; importing the trainer did not import fla
         "False",  # nor did an HF model's config
@@ -344,11 +336,6 @@ print(type(load_model_config("configs/gla_340M.json")).__module__)
 
 def test_fla_layers_imported_before_flame_get_flames_attention():
     # a package under custom_models/ built from fla's layers imports fla before flame.models is done
-    script = """
-import fla.layers.attn
-from flame.models import attention
-print(fla.layers.attn.flash_attn_varlen_func is attention.flash_attn_varlen_func)
-"""
-    result = check(subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=flame_env(), capture_output=True,
-                                  text=True))
+    result = check(subprocess.run([sys.executable, str(SCRIPTS / "fla_layers_before_flame.py")], cwd=ROOT,
+                                  env=flame_env(), capture_output=True, text=True))
     assert result.stdout.split() == ["True"]

@@ -13,7 +13,7 @@ import pytest
 
 from flame.data import builtin
 from flame.slurm import expand_nodelist, job_port, node_settings
-from tests.conftest import ROOT, base_args, check, flame_env, losses, torchrun
+from tests.conftest import ROOT, SCRIPTS, base_args, check, flame_env, losses, torchrun
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 
@@ -62,39 +62,19 @@ def test_two_nodes_over_loopback_match_one_node_with_two_processes(tmp_path, tin
         assert list((nodes_dump / "logs" / f"node{rank}").glob("flame_*/attempt_0/0/stdout.log"))
 
 
-def fake_slurm(tmp_path: Path, srun: str) -> dict[str, str]:
-    """A PATH with fake `srun` (body given) and `scontrol` (prints node07 node08, records its calls),
-    and the environment of a 2-node job 4242 on node[07-08]."""
-    bin_dir = tmp_path / "fake-bin"
-    bin_dir.mkdir()
-    scripts = {
-        "srun": f'#!/usr/bin/env bash\necho "$*" > "$FAKE_LOG/srun.args"\nwhile [[ $1 == -* ]]; do shift; done\n{srun}',
-        "scontrol": '#!/usr/bin/env bash\necho "$*" >> "$FAKE_LOG/scontrol.calls"\n'
-                    '[ "$1 $2" = "show hostnames" ] && printf "node07\\nnode08\\n"\nexit 0\n',
-    }
-    for name, text in scripts.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+def fake_slurm(tmp_path: Path, step: str) -> dict[str, str]:
+    """The environment of a 2-node job 4242 on node[07-08], with the fake `srun` and `scontrol` of
+    tests/scripts/fake_slurm first on PATH, recording under ``tmp_path``; srun's job step does ``step``
+    ("per_node": the command once per node, concurrently; "wait": sleeps until killed)."""
     return clean_env(
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(tmp_path), SLURM_JOB_ID="4242",
-        SLURM_JOB_NAME="flame", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[07-08]",
-        SLURM_GPUS_ON_NODE="1", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(ROOT),
+        PATH=f"{SCRIPTS / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(tmp_path), FAKE_SRUN_STEP=step,
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="flame", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="node[07-08]", SLURM_GPUS_ON_NODE="1", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(ROOT),
     )
 
 
-# runs the command once per node, concurrently, as srun --ntasks-per-node=1 does
-SRUN_PER_NODE = """
-for node in $(seq 0 $((SLURM_NNODES - 1))); do
-  SLURM_NODEID=$node SLURM_PROCID=$node "$@" > "$FAKE_LOG/node$node.out" 2>&1 &
-done
-status=0
-for job in $(jobs -p); do wait "$job" || status=$?; done
-exit $status
-"""
-
-
 def test_sbatch_runs_train_sh_once_per_node_with_one_rendezvous(tmp_path, tiny_model, corpus):
-    env = fake_slurm(tmp_path, SRUN_PER_NODE) | {"FLAME_DRY_RUN": "1"}
+    env = fake_slurm(tmp_path, "per_node") | {"FLAME_DRY_RUN": "1"}
     result = subprocess.run(["bash", str(SBATCH), *base_args(tiny_model, corpus, tmp_path / "dump")], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=300, check=False)
     node_outputs = [(tmp_path / f"node{n}.out").read_text() for n in (0, 1)]
@@ -121,7 +101,7 @@ def test_sbatch_runs_train_sh_once_per_node_with_one_rendezvous(tmp_path, tiny_m
 
 
 def test_sbatch_requeues_the_job_on_usr1_and_waits_for_the_step(tmp_path):
-    env = fake_slurm(tmp_path, 'echo $$ > "$FAKE_LOG/srun.pid"\nexec sleep 60\n')
+    env = fake_slurm(tmp_path, "wait")
     script = subprocess.Popen(["bash", str(SBATCH), "--training.steps=1"], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -28,6 +28,7 @@ from flame.models.support import RECORDS, model_types_where
 from flame.utils import convert_dcp_to_hf
 from tests.conftest import (
     ROOT,
+    SCRIPTS,
     assert_same_curve,
     base_args,
     check,
@@ -58,8 +59,8 @@ def two_rank_mesh():
 def test_every_plan_is_named_by_a_record_and_has_a_tiny_config():
     assert {RECORDS[name].tensor_parallel_plan for name in WITH_PLANS} == set(PLANS)
     assert set(TINY) == set(WITH_PLANS)
-    for path in TINY.values():
-        assert json.loads(Path(path).read_text())["model_type"] in WITH_PLANS
+    for model_type, path in TINY.items():
+        assert json.loads(Path(path).read_text())["model_type"] == model_type, path
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -100,7 +101,7 @@ def test_sharded_gradients_equal_unsharded_gradients(tmp_path):
     gla_two_heads_per_rank = tmp_path / "gla_4_heads.json"
     gla_two_heads_per_rank.write_text(json.dumps({**json.loads(Path(TINY["gla"]).read_text()), "num_heads": 4}))
     paths.append(str(gla_two_heads_per_rank))
-    result = check(torchrun(paths, nproc=2, module=str(ROOT / "tests" / "scripts" / "tp_grad_parity.py")))
+    result = check(torchrun(paths, nproc=2, module=str(SCRIPTS / "tp_grad_parity.py")))
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("parity ")]
     assert [row[1] for row in rows] == paths
     for _, spec, loss_error, grad_error in rows:

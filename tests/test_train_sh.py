@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job, two_at_a_time
+from tests.conftest import ROOT, SCRIPTS, TOKENIZER, flame_env, parse_job, two_at_a_time
 
 
 def train_sh(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -137,39 +137,36 @@ def test_help_prints_every_option():
     assert "--parallelism.data-parallel-shard-degree" in result.stdout
 
 
-def run_python(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=flame_env() | (env_extra or {}),
+STACK_DUMPS = SCRIPTS / "stack_dumps.py"
+
+
+def stack_dumps(wait: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """tests/scripts/stack_dumps.py: arranges flame's stack dumps, then waits by ``wait`` ("signal" or "sleep")."""
+    return subprocess.run([sys.executable, str(STACK_DUMPS), wait], cwd=ROOT, env=flame_env() | (env_extra or {}),
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+def where_it_waits(call: str) -> str:
+    """The stack-dump line of the probe's line that calls ``call``."""
+    line = next(n for n, text in enumerate(STACK_DUMPS.read_text().splitlines(), 1) if text.strip().startswith(call))
+    return f'File "{STACK_DUMPS}", line {line}'
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
     # how a stuck rank shows where it waits (README: "If a run seems stuck")
-    result = run_python(
-        "import os, signal\n"
-        "from flame.train import arrange_stack_dumps\n"
-        "arrange_stack_dumps()\n"
-        "os.kill(os.getpid(), signal.SIGUSR1)\n"
-        "print('still running')\n"
-    )
+    result = stack_dumps("signal")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "still running"
-    assert "Current thread" in result.stderr and 'File "<string>", line 4' in result.stderr
+    assert "Current thread" in result.stderr and where_it_waits("os.kill(") in result.stderr
 
 
 def test_flame_dump_stacks_after_prints_the_stacks_once_without_a_signal():
-    code = (
-        "import time\n"
-        "from flame.train import arrange_stack_dumps\n"
-        "arrange_stack_dumps()\n"
-        "time.sleep(3)\n"
-        "print('still running')\n"
-    )
     # train.sh turns FLAME_DUMP_STACKS_AFTER into this time: its own start + the seconds
-    result, unset = two_at_a_time(partial(run_python, code, {"FLAME_DUMP_STACKS_AT": str(time.time() + 1)}),
-                                  partial(run_python, code))
+    result, unset = two_at_a_time(partial(stack_dumps, "sleep", {"FLAME_DUMP_STACKS_AT": str(time.time() + 1)}),
+                                  partial(stack_dumps, "sleep"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "still running"
-    assert result.stderr.count("Timeout (") == 1 and 'File "<string>", line 4' in result.stderr
+    assert result.stderr.count("Timeout (") == 1 and where_it_waits("time.sleep(") in result.stderr
     assert "Timeout" not in unset.stderr  # unset: no dump
 
 

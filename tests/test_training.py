@@ -1,7 +1,8 @@
 """Training runs end to end on CPU: real data, real processes, real checkpoints.
 
-Each test's runs that need no earlier run are declared with first_runs: they start early, two at
-a time, and each test waits only for its own.
+The runs a test needs before its first step are declared above it with
+@pytest.mark.background_runs: they start when the module does, two at a time, and each test waits
+only for its own (conftest's background_runs fixture).
 """
 
 import json
@@ -9,11 +10,13 @@ import math
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
-    ROOT,
+    SCRIPTS,
+    BackgroundRun,
     base_args,
     check,
-    first_runs,
     losses,
     metrics,
     torchrun,
@@ -21,16 +24,16 @@ from tests.conftest import (
 )
 
 
-def succeeded(started) -> dict[str, Path]:
-    """The dump folders of a test's first runs, each of which must have succeeded."""
-    for _, result in started.values():
+def succeeded(runs: dict[str, BackgroundRun]) -> dict[str, Path]:
+    """The dump folders of a test's background runs, each of which must have succeeded."""
+    for _, result in runs.values():
         check(result)
-    return {name: dump for name, (dump, _) in started.items()}
+    return {name: dump for name, (dump, _) in runs.items()}
 
 
-@first_runs(run=train_job(30))
-def test_single_process_loss_falls(started):
-    dump = succeeded(started)["run"]
+@pytest.mark.background_runs(run=train_job(30))
+def test_single_process_loss_falls(background_runs):
+    dump = succeeded(background_runs)["run"]
     curve = losses(dump)
     assert sorted(curve) == list(range(1, 31))
     first, last = curve[1], sum(curve[s] for s in range(26, 31)) / 5
@@ -49,9 +52,10 @@ def _resume_args(model, data, dump, steps, workers=0):
     return base_args(model, data, dump, steps=steps) + _resume_flags(workers)
 
 
-@first_runs(straight=train_job(12, *_resume_flags()), resumed=train_job(8, *_resume_flags()))
-def test_resume_is_bit_identical_and_skips_an_interrupted_save(started, tiny_model, corpus):
-    dumps = succeeded(started)
+@pytest.mark.background_runs(straight=train_job(12, *_resume_flags()),
+                              resumed=train_job(8, *_resume_flags()))
+def test_resume_is_bit_identical_and_skips_an_interrupted_save(background_runs, tiny_model, corpus):
+    dumps = succeeded(background_runs)
     straight, resumed = dumps["straight"], dumps["resumed"]
     # DCP writes .metadata last (atomically): a save that died midway has none, and the
     # resume must come from the step-4 checkpoint before it
@@ -63,9 +67,10 @@ def test_resume_is_bit_identical_and_skips_an_interrupted_save(started, tiny_mod
     assert metrics(resumed)[12]["lr"] == metrics(straight)[12]["lr"]
 
 
-@first_runs(straight=train_job(12, *_resume_flags(workers=2)), resumed=train_job(4, *_resume_flags(workers=2)))
-def test_resume_is_bit_identical_with_dataloader_workers(started, tiny_model, corpus):
-    dumps = succeeded(started)
+@pytest.mark.background_runs(straight=train_job(12, *_resume_flags(workers=2)),
+                              resumed=train_job(4, *_resume_flags(workers=2)))
+def test_resume_is_bit_identical_with_dataloader_workers(background_runs, tiny_model, corpus):
+    dumps = succeeded(background_runs)
     straight, resumed = dumps["straight"], dumps["resumed"]
     check(torchrun(_resume_args(tiny_model, corpus, resumed, 12, workers=2)))
     expected, got = losses(straight), losses(resumed)
@@ -73,13 +78,13 @@ def test_resume_is_bit_identical_with_dataloader_workers(started, tiny_model, co
 
 
 def _bad_steps_job(*flags):
-    return train_job(8, *flags, module=str(ROOT / "tests" / "scripts" / "inject_nonfinite.py"),
+    return train_job(8, *flags, module=str(SCRIPTS / "inject_nonfinite.py"),
                      env={"FLAME_TEST_BAD_STEPS": "3,5"})
 
 
-@first_runs(run=_bad_steps_job("--training.skip_nan_inf"))
-def test_skip_nan_inf_skips_the_update_and_continues(started):
-    dump, result = started["run"]
+@pytest.mark.background_runs(run=_bad_steps_job("--training.skip_nan_inf"))
+def test_skip_nan_inf_skips_the_update_and_continues(background_runs):
+    dump, result = background_runs["run"]
     check(result)
     rows = metrics(dump)
     assert [rows[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 2, 2, 2, 2]
@@ -88,9 +93,9 @@ def test_skip_nan_inf_skips_the_update_and_continues(started):
     assert "step 3: gradient norm is inf; update skipped" in result.stdout + result.stderr
 
 
-@first_runs(run=_bad_steps_job("--checkpoint.interval=2"))
-def test_non_finite_gradient_stops_the_run_naming_the_step(started):
-    dump, result = started["run"]
+@pytest.mark.background_runs(run=_bad_steps_job("--checkpoint.interval=2"))
+def test_non_finite_gradient_stops_the_run_naming_the_step(background_runs):
+    dump, result = background_runs["run"]
     assert result.returncode != 0
     assert "step 3: gradient norm is inf" in result.stdout + result.stderr
     assert "--training.skip_nan_inf" in result.stdout + result.stderr
@@ -99,17 +104,20 @@ def test_non_finite_gradient_stops_the_run_naming_the_step(started):
 
 
 # the packer hands out rows in order, so 2 micro-batches of 1 row hold the rows of 1 batch of 2
-@first_runs(big=train_job(5), accumulated=train_job(5, "--training.batch_size=1", "--training.gradient_accumulation_steps=2"))
-def test_gradient_accumulation_matches_a_larger_batch(started):
-    dumps = succeeded(started)
+@pytest.mark.background_runs(big=train_job(5),
+                              accumulated=train_job(5, "--training.batch_size=1",
+                                                    "--training.gradient_accumulation_steps=2"))
+def test_gradient_accumulation_matches_a_larger_batch(background_runs):
+    dumps = succeeded(background_runs)
     expected, got = losses(dumps["big"]), losses(dumps["accumulated"])
     for step in range(1, 6):
         assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
 
 
-@first_runs(run=train_job(12, *_resume_flags(), "--checkpoint.interval=2", "--checkpoint.keep_latest_k=3"))
-def test_keep_latest_k_and_load_step(started, tiny_model, corpus):
-    dump = succeeded(started)["run"]
+@pytest.mark.background_runs(run=train_job(12, *_resume_flags(), "--checkpoint.interval=2",
+                                           "--checkpoint.keep_latest_k=3"))
+def test_keep_latest_k_and_load_step(background_runs, tiny_model, corpus):
+    dump = succeeded(background_runs)["run"]
     kept = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir())
     assert kept == [8, 10, 12]
     straight = losses(dump)
@@ -125,9 +133,9 @@ def _logging_run(dump, model, data):
                     env={"WANDB_DIR": home, "HOME": home})
 
 
-@first_runs(run=_logging_run)
-def test_tensorboard_and_offline_wandb_logging(started):
-    dump, result = started["run"]
+@pytest.mark.background_runs(run=_logging_run)
+def test_tensorboard_and_offline_wandb_logging(background_runs):
+    dump, result = background_runs["run"]
     check(result)
     assert "W&B: no credentials found, logging offline" in result.stdout + result.stderr
     assert list((dump / "tb").rglob("events.out.tfevents.*"))
@@ -146,12 +154,12 @@ COMPILE_AND_CHECKPOINTING = {  # name: (flags, what the log must say)
 }
 
 
-@first_runs(**{name: train_job(4, *flags) for name, (flags, _) in COMPILE_AND_CHECKPOINTING.items()})
-def test_compile_and_activation_checkpointing_keep_the_loss_curve(started, single_process_run):
+@pytest.mark.background_runs(**{name: train_job(4, *flags) for name, (flags, _) in COMPILE_AND_CHECKPOINTING.items()})
+def test_compile_and_activation_checkpointing_keep_the_loss_curve(background_runs, single_process_run):
     """Compiled blocks and every activation-checkpointing mode train the eager run's curve."""
     expected = losses(single_process_run)
     for name, (_, log_line) in COMPILE_AND_CHECKPOINTING.items():
-        dump, result = started[name]
+        dump, result = background_runs[name]
         check(result)
         assert log_line in result.stdout + result.stderr, name
         got = losses(dump)
@@ -162,27 +170,27 @@ def test_compile_and_activation_checkpointing_keep_the_loss_curve(started, singl
 VARLEN = ["--training.varlen", "--training.batch_size=1", "--training.seq_len=256", "--training.context_len=64"]
 
 
-@first_runs(run=train_job(8, *VARLEN, "--training.compile", "--compile.backend=aot_eager",
-                          env={"TORCH_LOGS": "recompiles"}))
-def test_compiled_varlen_run_never_recompiles(started):
+@pytest.mark.background_runs(run=train_job(8, *VARLEN, "--training.compile", "--compile.backend=aot_eager",
+                                           env={"TORCH_LOGS": "recompiles"}))
+def test_compiled_varlen_run_never_recompiles(background_runs):
     """Document counts and lengths change every step; the compiled blocks must not recompile."""
-    dump, result = started["run"]
+    dump, result = background_runs["run"]
     output = check(result).stdout + result.stderr
     assert "Compiling each of the 2 decoder blocks" in output
     assert "Recompiling function" not in output, output[output.index("Recompiling function"):][:2000]
     assert losses(dump)[8] < losses(dump)[1]
 
 
-@first_runs(varlen=train_job(20, *VARLEN))
-def test_varlen_run_packs_one_row_and_trains(started):
-    rows = metrics(succeeded(started)["varlen"])
+@pytest.mark.background_runs(varlen=train_job(20, *VARLEN))
+def test_varlen_run_packs_one_row_and_trains(background_runs):
+    rows = metrics(succeeded(background_runs)["varlen"])
     assert rows[20]["n_tokens_seen"] == 20 * 256
     assert rows[20]["loss_metrics/global_avg_loss"] < rows[1]["loss_metrics/global_avg_loss"] - 0.5
 
 
-@first_runs(run=train_job(6, *_resume_flags(), "--checkpoint.interval=3", nproc=2))
-def test_elastic_resume_on_fewer_ranks_continues_the_data(started, tiny_model, corpus):
-    dump = succeeded(started)["run"]
+@pytest.mark.background_runs(run=train_job(6, *_resume_flags(), "--checkpoint.interval=3", nproc=2))
+def test_elastic_resume_on_fewer_ranks_continues_the_data(background_runs, tiny_model, corpus):
+    dump = succeeded(background_runs)["run"]
     result = check(torchrun(_resume_args(tiny_model, corpus, dump, 12) + ["--checkpoint.interval=3"]))
     output = result.stdout + result.stderr
     assert "Training starts at step 7" in output
@@ -200,9 +208,9 @@ def _small_data_run(dump, model, _):
     return torchrun(args, nproc=2, timeout=300)
 
 
-@first_runs(run=_small_data_run)
-def test_running_out_of_data_stops_every_rank_and_saves(started):
-    dump, result = started["run"]
+@pytest.mark.background_runs(run=_small_data_run)
+def test_running_out_of_data_stops_every_rank_and_saves(background_runs):
+    dump, result = background_runs["run"]
     check(result)
     assert "Ran out of data" in result.stdout + result.stderr
     last = max(metrics(dump))
@@ -219,9 +227,9 @@ def _two_source_run(dump, model, corpus):
     return torchrun(args, nproc=2)
 
 
-@first_runs(run=_two_source_run)
-def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(started):
-    dump, result = started["run"]
+@pytest.mark.background_runs(run=_two_source_run)
+def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(background_runs):
+    dump, result = background_runs["run"]
     check(result)
     row = metrics(dump)[8]
     by_source = {key: value for key, value in row.items() if key.startswith("data/") and key.endswith("/tokens")}
