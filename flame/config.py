@@ -3,12 +3,19 @@
 torchtitan's ConfigManager merges these dataclasses into its JobConfig through
 ``--job.custom_config_module=flame.config`` (flame passes that flag itself, see
 ``flame.config_manager``). A field that exists in torchtitan too is overridden here only to
-change its default. Fields under "aliases" are the spellings flame users know from earlier
-flame versions; ``flame.config_manager.resolve_aliases`` copies them onto torchtitan's field.
+change its default. The older spellings flame users know from earlier flame (and torchtitan)
+versions are declared here too, so that they parse: ``ALIASES`` maps each one that still means
+the same onto torchtitan's field, ``REFUSED_SPELLINGS`` names the replacement of each one
+whose meaning changed or is gone (``flame.config_fields.resolve_aliases`` applies both).
 """
 
+import operator
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from flame.errors import ConfigError
 
 
 @dataclass
@@ -73,7 +80,8 @@ class Training:
     """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False
     """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
-    # Aliases: flame's historical spellings of torchtitan fields (None / False = not given).
+    # Older spellings of torchtitan fields (ALIASES). Their defaults only show in `-h`: an alias
+    # counts where the TOML file or the command line gives it.
     batch_size: int | None = None
     """Alias of training.local_batch_size: rows per device per micro-batch"""
     num_workers: int | None = None
@@ -90,12 +98,28 @@ class Training:
     """Alias of parallelism.data_parallel_replicate_degree"""
     tensor_parallel_degree: int | None = None
     """Alias of parallelism.tensor_parallel_degree"""
+    warmup_steps: int | None = None
+    """Alias of lr_scheduler.warmup_steps"""
+    deterministic: bool = False
+    """Alias of debug.deterministic: deterministic algorithms wherever torch has them"""
+    disable_loss_parallel: bool = False
+    """Alias of parallelism.disable_loss_parallel"""
 
 
 @dataclass
 class Parallelism:
     pipeline_parallel_split_points: str = ""
     """Comma list: the index of the first decoder block of every pipeline stage after the first (e.g. 4,8,12). Empty = a balanced split (see pipeline_parallel_{first,last}_stage_less_layers)"""
+
+
+@dataclass
+class Optimizer:
+    scheduler: str | None = None
+    """Alias of lr_scheduler.decay_type (linear, sqrt or cosine). wsd is refused: use lr_scheduler.decay_ratio"""
+    min_lr_ratio: float | None = None
+    """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * min_lr_ratio"""
+    fused: bool = True
+    """Alias of optimizer.implementation: fused when true, foreach when false"""
 
 
 @dataclass
@@ -108,6 +132,40 @@ class LRScheduler:
 class Checkpoint:
     last_save_model_only: bool = False
     """Save only the model at the last step. flame's default keeps the final checkpoint complete so the run can be extended"""
+    enable_checkpoint: bool = False
+    """Alias of checkpoint.enable"""
+    model_weights_only: bool = False
+    """Alias of checkpoint.last_save_model_only"""
+
+
+@dataclass
+class Metrics:
+    rank_0_only: bool = True
+    """Alias of metrics.save_for_all_ranks, inverted: false saves the metrics of every rank"""
+
+
+@dataclass
+class Experimental:
+    pipeline_parallel_degree: int | None = None
+    """Alias of parallelism.pipeline_parallel_degree"""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Alias of parallelism.pipeline_parallel_split_points: module names (layers.4,layers.8) become block indices (4,8)"""
+    pipeline_parallel_schedule: str | None = None
+    """Alias of parallelism.pipeline_parallel_schedule"""
+    pipeline_parallel_schedule_csv: str | None = None
+    """Refused: flame builds the schedule from parallelism.pipeline_parallel_schedule"""
+    pipeline_parallel_microbatches: int | None = None
+    """Refused: use parallelism.pipeline_parallel_microbatch_size (rows per microbatch)"""
+    pipeline_parallel_split_mode: str | None = None
+    """Refused: flame splits the model by decoder blocks (parallelism.pipeline_parallel_split_points)"""
+    context_parallel_degree: int | None = None
+    """Alias of parallelism.context_parallel_degree"""
+
+
+@dataclass
+class MemoryEstimation:
+    enabled: bool = False
+    """Refused: flame has no memory estimator yet"""
 
 
 @dataclass
@@ -128,13 +186,17 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    experimental: Experimental = field(default_factory=Experimental)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     debug: Debug = field(default_factory=Debug)
 
 
-# alias field -> torchtitan field it stands for
+# alias field -> the torchtitan field it stands for
 ALIASES: dict[str, str] = {
     "training.batch_size": "training.local_batch_size",
     "training.num_workers": "training.dataloader.num_workers",
@@ -145,9 +207,73 @@ ALIASES: dict[str, str] = {
     "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
     "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
     "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "optimizer.scheduler": "lr_scheduler.decay_type",
+    "optimizer.min_lr_ratio": "lr_scheduler.min_lr_factor",
+    "optimizer.fused": "optimizer.implementation",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "training.deterministic": "debug.deterministic",
+    "training.disable_loss_parallel": "parallelism.disable_loss_parallel",
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "checkpoint.model_weights_only": "checkpoint.last_save_model_only",
+    "metrics.rank_0_only": "metrics.save_for_all_ranks",
+    "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+    "experimental.pipeline_parallel_split_points": "parallelism.pipeline_parallel_split_points",
+    "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
+    "experimental.context_parallel_degree": "parallelism.context_parallel_degree",
 }
 
-# torchtitan fields that flame does not use: setting one is an error, not a silent no-op.
+
+def _decay_type(scheduler: str) -> str:
+    if scheduler not in ("linear", "sqrt", "cosine"):
+        raise ConfigError(
+            f"--optimizer.scheduler {scheduler}: give the decay shape with --lr_scheduler.decay_type (linear, sqrt, "
+            "cosine); a warmup-stable-decay schedule is --lr_scheduler.decay_ratio, the fraction of steps that decay"
+        )
+    return scheduler
+
+
+def _block_indices(split_points: list[str] | str) -> str:
+    """Module names that start pipeline stages ('layers.4') -> the block indices flame takes ('4')."""
+    names = split_points.split(",") if isinstance(split_points, str) else split_points
+    indices = []
+    for name in names:
+        match = re.fullmatch(r"(?:.*\.)?(\d+)", name.strip())
+        if match is None:
+            raise ConfigError(
+                f"--experimental.pipeline_parallel_split_points: {name!r} names no decoder block; give the index of "
+                "the first block of every stage after the first: --parallelism.pipeline_parallel_split_points 4,8"
+            )
+        indices.append(match.group(1))
+    return ",".join(indices)
+
+
+# alias -> how its value becomes the value of the field it stands for (default: unchanged)
+ALIAS_VALUES: dict[str, Callable[[Any], Any]] = {
+    "optimizer.scheduler": _decay_type,
+    "optimizer.fused": lambda fused: "fused" if fused else "foreach",
+    "metrics.rank_0_only": operator.not_,
+    "experimental.pipeline_parallel_split_points": _block_indices,
+}
+
+NO_MEMORY_ESTIMATOR = (
+    "flame has no memory estimator yet; run a few steps (--training.steps 5) and read the peak memory "
+    "(mem ... GiB) that every logged step prints"
+)
+
+# older spellings whose meaning changed or is gone -> what to give instead
+REFUSED_SPELLINGS: dict[str, str] = {
+    "experimental.pipeline_parallel_microbatches": (
+        "use --parallelism.pipeline_parallel_microbatch_size, the rows per microbatch "
+        "(local batch size / microbatches)"
+    ),
+    "experimental.pipeline_parallel_schedule_csv": "flame builds the schedule from --parallelism.pipeline_parallel_schedule",
+    "experimental.pipeline_parallel_split_mode": (
+        "flame splits the model by decoder blocks; choose them with --parallelism.pipeline_parallel_split_points"
+    ),
+    "memory_estimation.enabled": NO_MEMORY_ESTIMATOR,
+}
+
+# torchtitan fields (or whole sections) that flame does not use: setting one is an error, not a silent no-op.
 UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "model.flavor": "flame builds the model from --model.config",
     "model.hf_assets_path": "use --model.tokenizer_path and --model.config",
@@ -160,12 +286,21 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     ),
     "checkpoint.initial_load_in_hf_quantized": "flame loads no quantized HF weights; convert a bf16/fp32 HF model",
     "checkpoint.last_save_in_hf": "train.sh exports the last checkpoint to <dump_folder>/hf itself",
-    "validation.enable": "validation is not implemented in flame yet",
-    "fault_tolerance.enable": "torchft is not part of flame's stack",
+    "model.print_after_conversion": "flame applies no model converters",
+    "quantize": "float8/mx training needs torchao, which flame does not ship",
+    "validation": "validation is not implemented in flame yet",
+    "fault_tolerance": "torchft is not part of flame's stack",
+    "checkpoint.enable_ft_dataloader_checkpoints": "it applies to torchft runs, which flame does not provide",
+    "memory_estimation.enable": NO_MEMORY_ESTIMATOR,
+    "memory_estimation.disable_fake_mode": NO_MEMORY_ESTIMATOR,
     "experimental.custom_import": "custom architectures go under custom_models/",
     "experimental.custom_args_module": "flame sets the config module itself",
     "comm.mode": "fake/local-tensor comm modes are not supported by flame",
     "optimizer.early_step_in_backward": "it steps before gradient clipping and the non-finite check",
     "parallelism.module_fqns_per_model_part": "use --parallelism.pipeline_parallel_split_points",
     "parallelism.pipeline_parallel_layers_per_stage": "use --parallelism.pipeline_parallel_split_points",
+    "parallelism.pipeline_parallel_schedule_csv": "flame builds the schedule from --parallelism.pipeline_parallel_schedule",
+    "parallelism.pipeline_parallel_expert_parallel_overlap": "flame does not provide expert parallelism",
+    "parallelism.expert_parallel_comm_backend": "flame does not provide expert parallelism",
+    "debug.moe_force_load_balance": "it balances the experts of torchtitan's own MoE models, which flame does not build",
 }

@@ -15,36 +15,19 @@ from typing import Any
 from torchtitan.config import ConfigManager, JobConfig
 
 from flame import device
-from flame.config import ALIASES, UNUSED_TORCHTITAN_FIELDS
+from flame.config_fields import (
+    CLI,
+    TOML,
+    check_unused_fields,
+    dotted_fields,
+    merge_configs,
+    resolve_aliases,
+)
 from flame.errors import ConfigError
 
 FLAME_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MODULE = "flame.config"
 RUN_CONFIG_FILE = "job_config.json"  # the parsed job config, saved in the dump folder by rank 0
-
-
-def _get(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _set(obj: Any, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        obj = getattr(obj, part)
-    setattr(obj, last, value)
-
-
-def _dotted_fields(cls: type, prefix: str = "") -> list[str]:
-    names = []
-    for f in fields(cls):
-        name = f"{prefix}{f.name}"
-        if is_dataclass(f.type):
-            names.extend(_dotted_fields(f.type, name + "."))
-        else:
-            names.append(name)
-    return names
 
 
 def resolve_path(path: str) -> str:
@@ -59,6 +42,17 @@ def _flag(arg: str) -> tuple[str, str]:
     """'--a.b-c=v' -> ('--a.b_c', 'v'): the flag as tyro accepts it in either spelling."""
     key, _, value = arg.partition("=")
     return ("--" + key[2:].replace("-", "_") if key.startswith("--") else key), value
+
+
+def _given_on_cli(args: list[str]) -> set[str]:
+    """The dotted names the command line sets ('--training.no-varlen' sets training.varlen)."""
+    names = set()
+    for arg in args:
+        key, _ = _flag(arg)
+        if key.startswith("--") and "." in key:
+            section, _, name = key[2:].rpartition(".")
+            names.update((f"{section}.{name}", f"{section}.{name.removeprefix('no_')}"))
+    return names
 
 
 class FlameConfigManager(ConfigManager):
@@ -83,6 +77,9 @@ class FlameConfigManager(ConfigManager):
         if config_file is not None and not os.path.isfile(config_file):
             raise ConfigError(f"job config file not found: {config_file}")
         self._toml_path = config_file
+        # which settings the command line and the TOML file give, for resolve_aliases
+        self._on_cli = _given_on_cli(args)
+        self._in_toml: set[str] = set()
         return super().parse_args([f"--job.custom_config_module={CONFIG_MODULE}", *args])
 
     @staticmethod
@@ -100,9 +97,10 @@ class FlameConfigManager(ConfigManager):
         known = {f.name: f for f in fields(cls)}
         values = {}
         for key, value in data.items():
+            self._in_toml.add(f"{prefix}{key}")
             if key not in known:
                 full = f"{prefix}{key}"
-                valid = _dotted_fields(cls, prefix) + [prefix + name for name in known]
+                valid = dotted_fields(cls, prefix) + [prefix + name for name in known]
                 close = difflib.get_close_matches(full, valid, n=1, cutoff=0.6)
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 section = f"[{prefix[:-1]}]" if prefix else "top level"
@@ -117,33 +115,17 @@ class FlameConfigManager(ConfigManager):
                 values[key] = value
         return cls(**values)
 
+    _merge_configs = staticmethod(merge_configs)  # flame's field help reaches -h
+
     def _validate_config(self) -> None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        finalize(self.config, world_size)
-
-
-def resolve_aliases(config: JobConfig, defaults: JobConfig) -> None:
-    for alias, target in ALIASES.items():
-        value = _get(config, alias)
-        if value is None or value is False:  # not given (a boolean alias can only switch on)
-            continue
-        current = _get(config, target)
-        if current != _get(defaults, target) and current != value:
-            raise ConfigError(
-                f"--{alias} ({value}) and --{target} ({current}) are the same setting; give only one"
-            )
-        _set(config, target, value)
+        given = dict.fromkeys(self._in_toml, TOML) | dict.fromkeys(self._on_cli, CLI)
+        finalize(self.config, world_size, given)
 
 
 def split_list(value: str | None) -> list[str]:
     """A comma list as flame reads it: 'a,,b' -> ['a', '', 'b']; None -> []."""
     return [] if value is None else [item.strip() for item in value.split(",")]
-
-
-def _check_unused_fields(config: JobConfig, defaults: JobConfig) -> None:
-    for name, why in UNUSED_TORCHTITAN_FIELDS.items():
-        if _get(config, name) != _get(defaults, name):
-            raise ConfigError(f"--{name} is a torchtitan option flame does not use: {why}")
 
 
 def _check_model(config: JobConfig) -> None:
@@ -275,7 +257,7 @@ def data_parallel_degree(config: JobConfig, world_size: int) -> int:
 
 def _check_available_parallelism(p, shard: int) -> None:
     """flame runs FSDP2, HSDP, DDP, tensor, context and pipeline parallelism; other layouts are refused rather than run wrong."""
-    for name in ("expert_parallel_degree",):
+    for name in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
         if getattr(p, name) > 1:
             raise ConfigError(
                 f"--parallelism.{name} {getattr(p, name)}: flame does not provide this parallelism yet; "
@@ -327,11 +309,14 @@ def _check_seed_checkpoint(config: JobConfig, world_size: int) -> None:
         raise ConfigError("--checkpoint.create_seed_checkpoint saves a checkpoint: drop --checkpoint.no-enable")
 
 
-def finalize(config: JobConfig, world_size: int) -> None:
-    """Resolve aliases and defaults that depend on other fields; raise ConfigError on bad input."""
+def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
+    """Resolve aliases and defaults that depend on other fields; raise ConfigError on bad input.
+
+    ``given``: the dotted names the TOML file and the command line set (see resolve_aliases).
+    """
     defaults = type(config)()
-    _check_unused_fields(config, defaults)
-    resolve_aliases(config, defaults)
+    check_unused_fields(config, defaults)
+    resolve_aliases(config, given)
     if config.model.name != "flame":
         raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
     _check_model(config)

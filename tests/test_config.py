@@ -1,5 +1,6 @@
 """Config parsing: TOML < CLI, flame's fields and aliases, errors that say what to change."""
 
+import math
 import subprocess
 import sys
 
@@ -161,6 +162,9 @@ def test_parallelisms_flame_does_not_provide_are_refused(job_toml, monkeypatch):
     with pytest.raises(ConfigError, match="expert_parallel_degree 2: flame does not provide"):
         parse("--job.config_file", str(job_toml), "--parallelism.expert_parallel_degree=2", world_size=2,
               monkeypatch=monkeypatch)
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_degree 2: flame does not provide"):
+        parse("--job.config_file", str(job_toml), "--parallelism.expert_tensor_parallel_degree=2", world_size=2,
+              monkeypatch=monkeypatch)
     config = parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2",
                    world_size=4, monkeypatch=monkeypatch)
     assert config.training.global_batch_size == 4  # HSDP 2 x 2, one row per rank
@@ -187,3 +191,59 @@ def test_default_pretraining_config_parses(monkeypatch):
     config = parse("--job.config_file", "flame/models/flame.toml", world_size=8, monkeypatch=monkeypatch)
     assert config.training.varlen and config.training.context_len == 4096
     assert "fineweb-edu" in config.training.dataset
+
+
+def documented_lr(step: int, *, lr: float, steps: int, warmup: int, decay_steps: int, floor: float, shape: str) -> float:
+    """The LR of step ``step`` (1-based) as the README states it: a linear warmup over ``warmup`` steps,
+    ``lr`` until the last ``decay_steps`` steps, then the decay ``shape`` towards ``lr * floor``."""
+    if step <= warmup:
+        return lr * step / warmup
+    decay_start = steps - decay_steps + 1  # the last step at the full LR
+    if step <= decay_start:
+        return lr
+    progress = (step - decay_start) / decay_steps
+    remaining = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+                 "cosine": (1 + math.cos(math.pi * progress)) / 2}[shape]
+    return lr * (floor + (1 - floor) * remaining)
+
+
+def lr_per_step(config) -> list[float]:
+    """The LR of every step of this config's run, from the scheduler flame's Trainer builds."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from flame.trainer import register_flame_train_spec
+
+    register_flame_train_spec()
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config.optimizer.lr)
+    schedulers = get_train_spec("flame").build_lr_schedulers_fn([optimizer], config.lr_scheduler, config.training.steps)
+    lrs = []
+    for _ in range(config.training.steps):
+        lrs.append(schedulers.schedulers[0].get_last_lr()[0])  # what the step trains with (and logs)
+        optimizer.step()
+        schedulers.step()
+    return lrs
+
+
+@pytest.mark.parametrize("shape", ["linear", "sqrt", "cosine"])
+def test_wsd_schedule_warms_up_holds_then_decays_the_last_fraction_of_steps(job_toml, monkeypatch, shape):
+    config = parse("--job.config_file", str(job_toml), "--training.steps=100", "--optimizer.lr=1e-3",
+                   "--lr_scheduler.warmup_steps=10", "--lr_scheduler.decay_ratio=0.2", f"--lr_scheduler.decay_type={shape}",
+                   "--lr_scheduler.lr_min=0.1", monkeypatch=monkeypatch)
+    lrs = lr_per_step(config)
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)  # steps 1 and 10
+    assert lrs[10:81] == pytest.approx([1e-3] * 71)  # steps 11..81 hold the peak
+    for step in (82, 86, 91, 96, 100):
+        expected = documented_lr(step, lr=1e-3, steps=100, warmup=10, decay_steps=20, floor=0.1, shape=shape)
+        assert lrs[step - 1] == pytest.approx(expected), step
+    assert 1e-4 < lrs[-1] < 1.5e-4  # the last step is one step short of the floor lr * lr_min
+
+
+def test_without_decay_ratio_the_decay_starts_right_after_warmup(job_toml, monkeypatch):
+    config = parse("--job.config_file", str(job_toml), "--training.steps=100", "--optimizer.lr=1e-3",
+                   "--lr_scheduler.warmup_steps=10", "--lr_scheduler.decay_type=cosine", "--lr_scheduler.lr_min=0.1",
+                   monkeypatch=monkeypatch)
+    lrs = lr_per_step(config)
+    assert lrs[10] == pytest.approx(1e-3) and lrs[11] < 1e-3  # step 11 is the peak, step 12 decays
+    for step in (12, 56, 100):
+        expected = documented_lr(step, lr=1e-3, steps=100, warmup=10, decay_steps=90, floor=0.1, shape="cosine")
+        assert lrs[step - 1] == pytest.approx(expected), step
