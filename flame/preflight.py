@@ -11,7 +11,7 @@ import os
 from torch import nn
 from transformers import PretrainedConfig
 
-from flame import device
+from flame import compat, device
 from flame.checkpoints import check_checkpoint_fits_model
 from flame.config_manager import fsdp_enabled
 from flame.data.shards import DataPlan
@@ -20,7 +20,6 @@ from flame.distributed.context_parallel import check_context_parallel
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
 from flame.errors import ConfigError
-from flame.models import fla_patches
 from flame.models.builder import load_model_config
 from flame.models.inputs import (
     is_fla_config,
@@ -69,7 +68,7 @@ FLA_NOT_COMPILABLE = {
 # Without it fla fails after the processes started: mamba3 inside step 1, the options while building
 # the model. (moba's flash-attn calls flame provides: flame.models.flash_attn_internals.)
 FLA_NEEDS_PACKAGE = {
-    # mamba_ssm's Triton files suffice (flame.models.fla_patches): no CUDA build, no dependencies
+    # mamba_ssm's Triton files suffice (flame.compat.mamba_ssm): no CUDA build, no dependencies
     ("mamba3", None): (
         "mamba_ssm",
         "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
@@ -176,7 +175,7 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
 
 
 def check_mamba3_kernels(config: PretrainedConfig) -> None:
-    """Refuse a mamba3 config that mamba_ssm's kernels here cannot run (flame.models.fla_patches loads them)."""
+    """Refuse a mamba3 config that mamba_ssm's kernels here cannot run (flame.compat.mamba_ssm loads them)."""
     if config.is_mimo:
         if config.chunk_size * config.mimo_rank > 64:  # mamba_ssm's Mamba3 module: "64/mimo_rank for MIMO"
             raise ConfigError(
@@ -191,7 +190,7 @@ def check_mamba3_kernels(config: PretrainedConfig) -> None:
                 f"{installed} installed: pip install '{required}', or set is_mimo to false in the model config"
             )
     kernel = "mamba3_mimo_combined" if config.is_mimo else "mamba3_siso_combined"
-    if error := fla_patches.mamba3_kernel_errors.get(kernel):
+    if error := compat.mamba_ssm.mamba3_kernel_errors.get(kernel):
         install = FLA_NEEDS_PACKAGE[("mamba3", None)][1]
         raise ConfigError(
             f"fla's mamba3 found no {kernel} in the mamba_ssm installed here ({error}); mamba-ssm >= 2.3.2 "
