@@ -2,15 +2,12 @@
 
 torchtitan assumes an accelerator: without one it still picks "cuda" and ``torch.cuda`` as
 its device type/module, so process groups, meshes and memory monitors would fail on a CPU
-machine. ``use_cpu_if_no_accelerator()`` points torchtitan's module-level ``device_type`` and
-``device_module`` at the CPU instead (those modules read the globals at call time). Every
-other CPU difference — no autocast, fp32 compute, memory read from the process, replicated
-weight init — is answered by a function here, so the rest of flame never branches on the
-device itself.
+machine. Where ``CUDA`` is False, flame.compat.torchtitan points torchtitan's device at the CPU
+(``CpuDeviceModule`` answers the ``torch.cuda`` calls torchtitan makes) and turns its autocast
+off. Every other CPU difference — fp32 compute, memory read from the process, replicated weight
+init — is answered by a function here, so the rest of flame never branches on the device itself.
 """
 
-import contextlib
-import importlib
 import os
 import resource
 import sys
@@ -23,15 +20,6 @@ from flame.errors import ConfigError
 CUDA = torch.cuda.is_available()
 # NCCL can scale inside a reduce-scatter (PREMUL_SUM); gloo only sums.
 COLLECTIVES_SCALE_IN_REDUCTION = CUDA
-
-# torchtitan modules that bind device_type/device_module at import time
-_TORCHTITAN_DEVICE_MODULES = (
-    "torchtitan.tools.utils",
-    "torchtitan.distributed.utils",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.components.metrics",
-    "torchtitan.tools.profiling",
-)
 
 
 class CpuDeviceModule:
@@ -79,21 +67,6 @@ class CpuDeviceModule:
             "num_alloc_retries": 0,
             "num_ooms": 0,
         }
-
-
-def use_cpu_if_no_accelerator() -> None:
-    """Make torchtitan run on the CPU with gloo when there is no CUDA device."""
-    if CUDA:
-        return
-    for name in _TORCHTITAN_DEVICE_MODULES:
-        module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = CpuDeviceModule
-    # CPU runs compute in fp32 (no autocast) and have no peak FLOPS to report MFU against.
-    importlib.import_module("torchtitan.distributed.utils").maybe_enable_amp = lambda *args: contextlib.nullcontext()
-    importlib.import_module("torchtitan.tools.utils").get_peak_flops = lambda device_name: float("nan")
 
 
 def check_supported(job_config) -> None:

@@ -4,8 +4,9 @@
 
 Parses the config exactly as the ranks will (so TOML-only settings count), then loads the
 tokenizer, the model config, the metadata of the checkpoint the run would load and every data
-source: bad input fails here, in seconds, before torchrun starts any process. Built-in corpora
-are built here once, not by every rank. Writes shell assignments to --env-file:
+source, and checks the libraries flame changes (flame.compat.check): bad input, or a library
+flame's changes no longer fit, fails here, in seconds, before torchrun starts any process.
+Built-in corpora are built here once, not by every rank. Writes shell assignments to --env-file:
 FLAME_DUMP_FOLDER and FLAME_CHECKPOINT (1 if checkpoints are saved).
 """
 
@@ -14,6 +15,7 @@ import os
 import shlex
 import sys
 
+from flame import compat
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError
 from flame.preflight import check_job
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["WORLD_SIZE"] = str(args.world_size)
     try:
         config = FlameConfigManager().parse_args(train_args)
+        compat.check(config)
         check_job(config)
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)

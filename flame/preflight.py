@@ -11,7 +11,7 @@ import os
 from torch import nn
 from transformers import PretrainedConfig
 
-from flame import device
+from flame import compat, device
 from flame.checkpoints import check_checkpoint_fits_model
 from flame.config_manager import fsdp_enabled
 from flame.data.shards import DataPlan
@@ -20,7 +20,6 @@ from flame.distributed.context_parallel import check_context_parallel
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
 from flame.errors import ConfigError
-from flame.models import fla_patches
 from flame.models.builder import load_model_config
 from flame.models.inputs import keeps_rows_whole
 from flame.models.registry import meta_model
@@ -147,7 +146,7 @@ def check_attention_settings(config: PretrainedConfig) -> None:
 
 
 def check_mamba3_kernels(config: PretrainedConfig) -> None:
-    """Refuse a mamba3 config that mamba_ssm's kernels here cannot run (flame.models.fla_patches loads them)."""
+    """Refuse a mamba3 config that mamba_ssm's kernels here cannot run (flame.compat.mamba_ssm loads them)."""
     if config.is_mimo:
         if config.chunk_size * config.mimo_rank > 64:  # mamba_ssm's Mamba3 module: "64/mimo_rank for MIMO"
             raise ConfigError(
@@ -162,7 +161,7 @@ def check_mamba3_kernels(config: PretrainedConfig) -> None:
                 f"{installed} installed: pip install '{required}', or set is_mimo to false in the model config"
             )
     kernel = "mamba3_mimo_combined" if config.is_mimo else "mamba3_siso_combined"
-    if error := fla_patches.mamba3_kernel_errors.get(kernel):
+    if error := compat.mamba_ssm.mamba3_kernel_errors.get(kernel):
         install = support_for("mamba3").package("mamba_ssm").install
         raise ConfigError(
             f"fla's mamba3 found no {kernel} in the mamba_ssm installed here ({error}); mamba-ssm >= 2.3.2 "

@@ -11,18 +11,16 @@ overrides:
 - ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), richer metrics (per-source data counts among them);
-- ``state_dict``: the train state also counts skipped steps;
-and a one-process run skips the 2 s sleep that ends torchtitan's ``train()`` (_TimeWithoutLoneSleep).
+- ``state_dict``: the train state also counts skipped steps.
+flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
 
 import json
 import os
-import time
 from typing import Any
 
 import numpy as np
 import torch
-import torchtitan.train
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -36,7 +34,7 @@ from torchtitan.protocols.train_spec import (
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
-from flame import batch_context, device, preflight
+from flame import batch_context, compat, preflight
 from flame.batch_context import BatchContext
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
@@ -48,25 +46,6 @@ from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.errors import NonFiniteGradientError
 from flame.models import AnyFlavor, build_model, model_inputs
-
-
-class _TimeWithoutLoneSleep:
-    """The ``time`` module as torchtitan.train sees it, without the sleep that ends its ``train()``.
-
-    Rank 0 sleeps 2 s there "for other ranks to complete"; a single process has none to wait for,
-    and the sleep cost every one-process run (each test launch, the CPU debug job) 2 s.
-    """
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            time.sleep(seconds)
-
-
-torchtitan.train.time = _TimeWithoutLoneSleep()
 
 
 def register_flame_train_spec() -> None:
@@ -94,7 +73,7 @@ def register_flame_train_spec() -> None:
 
 class Trainer(TorchtitanTrainer):
     def __init__(self, job_config):
-        device.use_cpu_if_no_accelerator()
+        compat.apply(job_config)  # before torchtitan's Trainer picks its device
         preflight.check_model(job_config)  # train.sh checked it all already; a bare torchrun launch did not
         register_flame_train_spec()
         self.skipped_steps = 0
@@ -103,6 +82,7 @@ class Trainer(TorchtitanTrainer):
         self._window_steps = 0
         super().__init__(job_config)
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
+        logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
         if torch.distributed.get_rank() == 0:
@@ -159,7 +139,7 @@ class Trainer(TorchtitanTrainer):
             self.step -= 1
             self.checkpointer.save(self.step, last_step=True)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
-            self.checkpointer._purge_stale_checkpoints()
+            compat.torchtitan.purge_stale_checkpoints(self.checkpointer)
 
     def _next_microbatches(self, data_iterator) -> tuple[list, torch.Tensor, torch.Tensor]:
         """This step's micro-batches, their real-target count, and the count over all data-parallel ranks.

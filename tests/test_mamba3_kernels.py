@@ -1,7 +1,7 @@
 """fla's mamba3 with the real mamba_ssm, built without its CUDA extensions as preflight's hint installs it.
 
 mamba_ssm's ``__init__`` imports its compiled selective-scan extension, so fla alone finds none of
-the package's Mamba-3 kernels; flame loads them for fla's layer (flame.models.fla_patches). The
+the package's Mamba-3 kernels; flame loads them for fla's layer (flame.compat.mamba_ssm). The
 checks with mamba_ssm run tests/scripts/mamba3_kernels_probe.py in a fresh interpreter: the pytest
 process has imported fla without mamba_ssm.
 """
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
+from flame.compat.mamba_ssm import unpack_saved_tensors_once
 from flame.errors import ConfigError
 from flame.models import load_model_config
-from flame.models.fla_patches import unpack_saved_tensors_once
 from flame.models.support import support_for
 from flame.preflight import check_mamba3_kernels
 from tests.conftest import ROOT, SCRIPTS, check

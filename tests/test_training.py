@@ -237,16 +237,3 @@ def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(background_r
     assert sum(by_source.values()) == row["n_tokens_seen"]
     assert " mix " in result.stdout + result.stderr
 
-
-def test_a_single_process_skips_torchtitans_closing_sleep():
-    # torchtitan's train() ends with rank 0 sleeping 2 s for the other ranks; one process has none
-    import time
-
-    import torchtitan.train
-
-    import flame.trainer  # noqa: F401  (installs the change)
-
-    start = time.perf_counter()
-    torchtitan.train.time.sleep(2)  # no process group here: a single process
-    assert time.perf_counter() - start < 0.5
-    assert torchtitan.train.time.perf_counter is time.perf_counter  # the rest of ``time`` is untouched

@@ -17,13 +17,12 @@ import torch
 from torchtitan.components.metrics import (
     LoggerContainer,
     MetricsProcessor,
-    _build_metric_logger,
     build_device_memory_monitor,
 )
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from flame import device
+from flame import compat, device
 
 
 def _clock(seconds: float) -> str:
@@ -60,7 +59,7 @@ class FlameMetricsProcessor(MetricsProcessor):
         if job_config.metrics.enable_wandb:
             _use_offline_wandb_without_credentials()
         self.logger = LoggerContainer()
-        self.logger.add_logger(_build_metric_logger(job_config, parallel_dims, tag))
+        self.logger.add_logger(compat.torchtitan.build_metric_logger(job_config, parallel_dims, tag))
         if torch.distributed.get_rank() == 0:
             self.logger.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl")))
         self.parallel_dims = parallel_dims

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.nn.attention.flex_attention import create_block_mask
 from torchtitan.tools.logging import logger
 
-from flame import device
+from flame import compat, device
 from flame.batch_context import documents_of
 from flame.errors import ConfigError
 from flame.models import attention
@@ -345,23 +345,13 @@ def _kernel(op):
             kwargs["cp_context"] = layout.fla_context(None)  # the state passes between ranks
         return op(*args, **kwargs)
 
-    call.flame_context_parallel = True
     return call
 
 
-# fla layer modules -> the chunked kernel they call by that name
-FLA_KERNEL_USERS = {"fla.layers.kda": "chunk_kda", "fla.layers.gated_deltanet": "chunk_gated_delta_rule"}
-
-
 def _install_in_fla(model: nn.Module) -> None:
-    import importlib
-
     from fla.modules import RotaryEmbedding, ShortConvolution
 
-    for name, op in FLA_KERNEL_USERS.items():
-        module = importlib.import_module(name)
-        if not getattr(getattr(module, op), "flame_context_parallel", False):
-            setattr(module, op, _kernel(getattr(module, op)))
+    compat.fla.kernels_take_cp_context(_kernel)  # kda's and gated_deltanet's chunk kernels
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.forward = _rotary_forward(module.forward)

@@ -19,11 +19,9 @@ from torch.distributed.fsdp import (
 )
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import _apply_ac_to_transformer_block
-from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
-from flame import device
+from flame import compat, device
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.errors import ConfigError
 from flame.models.registry import decoder_layers
@@ -38,12 +36,8 @@ def checkpoint_blocks(layers: nn.ModuleList, ac_config, model_compile_enabled: b
     """Wrap each decoder block in activation checkpointing (full, or selective per-N-blocks / op-level)."""
     _wrap_blocks(
         layers,
-        lambda index, block: _apply_ac_to_transformer_block(
-            block,
-            ac_config,
-            base_fqn=f"layers.{index}",
-            model_compile_enabled=model_compile_enabled,
-            op_sac_save_list=_op_sac_save_list,
+        lambda index, block: compat.torchtitan.checkpoint_block(
+            block, ac_config, base_fqn=f"layers.{index}", model_compile_enabled=model_compile_enabled
         ),
     )
     logger.info(f"Applied {ac_config.mode} activation checkpointing to {len(layers)} blocks")

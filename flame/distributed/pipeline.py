@@ -19,7 +19,9 @@ With tensor parallelism, each stage is sharded by the model type's TP plan like 
 
 Stage inputs and outputs are declared up front (their shapes follow from the microbatch
 size, seq_len and hidden size), because torch's shape inference would run the stage on meta
-tensors, which neither document bookkeeping nor fla's Triton kernels can take.
+tensors, which neither document bookkeeping nor fla's Triton kernels can take. On CUDA, Triton's
+autotuning waits for its own stream only, so that stages autotuning at once do not wait for each
+other's receives (flame.compat.triton, applied at startup).
 """
 
 import copy
@@ -247,31 +249,6 @@ def _stage_metadata(model: nn.Module, spec: StageSpec, job_config, parallel_dims
     return inputs, torch.empty(*tokens, vocab, dtype=dtype, device="meta", requires_grad=True)
 
 
-class _CurrentStreamCuda:
-    """``torch.cuda`` as Triton's benchmark sees it, except that ``synchronize`` waits for the current stream only."""
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def synchronize(device=None) -> None:
-        torch.cuda.current_stream().synchronize()
-
-
-def _autotune_on_the_current_stream() -> None:
-    """Keep Triton's autotuning (fla's kernels, the first time a shape runs) from deadlocking the pipeline.
-
-    Triton times its candidate kernels with device-wide synchronizations. A stage has NCCL
-    receives posted on other streams that complete only when its peer stage sends; when both
-    stages autotune at once, each waits for the other's receive and the run hangs (seen on
-    H200s: step 1 of PP 2 never ended). The benchmarks run on the current stream, so waiting
-    for that stream alone times them the same.
-    """
-    import triton
-
-    triton.runtime.driver.active.get_device_interface = lambda: _CurrentStreamCuda()
-
-
 class TokenNormalizedLoss:
     """The schedule's loss: each microbatch's summed loss over the step's global target count.
 
@@ -308,7 +285,5 @@ def pipeline_model(model, parallel_dims: ParallelDims, job_config, device_, mode
         )
         parts.append(part)
         logger.info(f"Pipeline stage {spec.index} of {count}: decoder blocks {spec.layers[0]}-{spec.layers[-1]}")
-    if device_.type == "cuda":
-        _autotune_on_the_current_stream()
     schedule = build_pipeline_schedule(job_config, stages, TokenNormalizedLoss(loss_fn))
     return schedule, parts, any(s.first for s in specs), any(s.last for s in specs)

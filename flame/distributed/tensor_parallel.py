@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.tools.logging import logger
 from transformers import PretrainedConfig
 
+from flame import compat
 from flame.distributed.tp_local import (
     COLUMNS,
     NORM,
@@ -163,18 +164,7 @@ _GSA = Local(
 
 
 def _install_gsa(mesh: DeviceMesh) -> None:
-    from fla.layers import gsa
-
-    original = getattr(gsa.rms_norm_linear, "flame_original", gsa.rms_norm_linear)
-
-    @functools.wraps(original)
-    def rms_norm_linear(x, norm_weight, *args, **kwargs):
-        if x.shape[-1] != norm_weight.shape[-1]:  # this rank's heads of every token -> all heads of its tokens
-            x = heads_to_sequence(x, mesh)
-        return original(x, norm_weight, *args, **kwargs)
-
-    rms_norm_linear.flame_original = original
-    gsa.rms_norm_linear = rms_norm_linear
+    compat.fla.gsa_norm_gathers_heads(functools.partial(heads_to_sequence, mesh=mesh))
 
 
 def _mamba2_in_proj(mixer, tp: int, rank: int) -> list[tuple[int, int]]:

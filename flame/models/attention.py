@@ -12,11 +12,13 @@ Backends (``--model.attention``):
 - ``auto``: ``varlen`` on CUDA (measured faster than ``flex``; docs/perf-log-archive.md), ``sdpa`` on CPU.
 
 The attention is plugged into
-- HF models, as the attention implementation ``flame`` of transformers' registry; flame passes
+- HF models, as the attention implementation ``flame`` of transformers' registry
+  (``hf_document_attention``; flame.compat.transformers registers it); flame passes
   ``cu_seq_lens_q`` with the batch, which reaches the attention function as a keyword;
 - fla's softmax-attention layers (``transformer``, ``samba``, hybrids), which call
   flash-attn's ``flash_attn_func``/``flash_attn_varlen_func``: flame provides both (and, for
-  fla's ``moba``, flash-attn's internal varlen forward/backward: flame.models.flash_attn_internals).
+  fla's ``moba``, flash-attn's internal varlen forward/backward: flame.models.flash_attn_internals);
+  flame.compat.fla puts them where fla looks for flash-attn's.
 
 Kernels need the longest document as a Python int, and the dense/flex masks are best built
 once per batch: both come from the batch being computed (flame.batch_context), so that
@@ -34,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.nn.attention.varlen import varlen_attn
-from transformers import AttentionInterface
 
 from flame.batch_context import BatchContext, documents_of
 
@@ -215,9 +216,6 @@ def hf_document_attention(
     return out.view(rows, length, heads, head_dim), None
 
 
-AttentionInterface.register(HF_ATTENTION, hf_document_attention)
-
-
 # fla: flash-attn's two entry points, as fla's attention layers call them
 
 
@@ -249,27 +247,3 @@ def _check_flash_call(causal, dropout_p, window_size, unsupported):
             "flame's attention (in place of flash-attn) supports causal attention without dropout, "
             f"softcap or alibi; got causal={causal}, dropout_p={dropout_p}, window_size={window_size}, {unsupported}"
         )
-
-
-# fla modules that import flash-attn at module level and need it only through these calls
-# (moba also through flash-attn's internal varlen forward/backward: flame.models.flash_attn_internals)
-FLA_FLASH_ATTN_USERS = (
-    "fla.layers.attn", "fla.layers.bitattn", "fla.layers.mla", "fla.layers.rodimus",
-    "fla.ops.deltaformer.parallel", "fla.ops.nsa.parallel", "fla.layers.moba", "fla.ops.moba.parallel",
-)
-
-
-def install_in_fla() -> None:
-    """Give fla's softmax-attention layers flame's attention where flash-attn is missing."""
-    import importlib
-
-    from flame.models import flash_attn_internals
-
-    for name in FLA_FLASH_ATTN_USERS:
-        module = importlib.import_module(name)
-        if getattr(module, "flash_attn_func", None) is None:
-            module.flash_attn_func = flash_attn_func
-            module.flash_attn_varlen_func = flash_attn_varlen_func
-        if hasattr(module, "_flash_attn_varlen_forward") and module._flash_attn_varlen_forward is None:
-            module._flash_attn_varlen_forward = flash_attn_internals.varlen_forward
-            module._flash_attn_varlen_backward = flash_attn_internals.varlen_backward

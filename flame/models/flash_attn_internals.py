@@ -5,7 +5,7 @@ causal attention within the query's own chunk, and attention to the earlier chun
 selects. It calls flash-attn's ``_flash_attn_varlen_forward`` for each output and its log-sum-exp,
 and ``_flash_attn_varlen_backward`` with the *merged* output and log-sum-exp, which is all the
 attention gradient needs (with D = rowsum(dout * out), dS = P * (dP - D)). flame gives both under
-the same signatures (``varlen_forward``, ``varlen_backward``; attention.install_in_fla puts them
+the same signatures (``varlen_forward``, ``varlen_backward``; flame.compat.fla puts them
 where fla looks for flash-attn's):
 - CUDA in bf16/fp16: PyTorch's own FlashAttention-2 kernels (``aten._flash_attention_forward``
   and ``_backward``, which torch's ``varlen_attn`` runs);

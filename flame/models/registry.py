@@ -5,11 +5,14 @@ only for a config that needs it: one whose model_type is fla's, or one transform
 (the unknown-type error then lists fla's types too). fla re-registers a few of transformers' own
 types ("bitnet", "mamba", "mamba2") over HF's; in flame those names mean fla's models, as they
 did when fla was imported at startup. fla's types are read from its sources, without importing it.
+flame's changes to fla (flame.compat.fla, flame.compat.mamba_ssm) apply here, right after that
+import, and flame's attention joins transformers' registry when the first model type resolves.
 """
 
 import functools
 import importlib.util
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,8 +21,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from flame import compat
 from flame.errors import ConfigError
-from flame.models import attention, fla_patches
+from flame.models import attention, flash_attn_internals
 
 # the class attribute each fla config declares, e.g. ``model_type = 'gla'`` in fla/models/gla/configuration_gla.py
 _MODEL_TYPE = re.compile(r"""^\s+model_type\s*=\s*['"](\w+)['"]""", re.MULTILINE)
@@ -37,20 +41,34 @@ def fla_model_types() -> frozenset[str]:
     return frozenset(types)
 
 
+# flame's stand-ins for the flash-attn calls of fla's softmax-attention layers
+FLASH_ATTN = compat.fla.FlashAttn(
+    flash_attn_func=attention.flash_attn_func,
+    flash_attn_varlen_func=attention.flash_attn_varlen_func,
+    varlen_forward=flash_attn_internals.varlen_forward,
+    varlen_backward=flash_attn_internals.varlen_backward,
+)
+
+
 @functools.cache
 def import_fla() -> None:
-    """Import fla once: it registers its model types, its softmax-attention layers get flame's kernels,
-    and flame's changes to fla's kernels apply (flame.models.fla_patches)."""
+    """Import fla once: it registers its model types; then flame's changes to fla and mamba_ssm apply
+    (the one place they do: flame.compat.apply_after_fla_import)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fla warns at import when no GPU is present
         import fla  # noqa: F401
-    attention.install_in_fla()  # those layers need flash-attn otherwise
-    fla_patches.apply()
+    compat.apply_after_fla_import(FLASH_ATTN)
 
 
 def ensure_model_type(model_type: str) -> None:
-    """Make ``model_type`` resolve through transformers' Auto classes as flame means it (importing fla if needed)."""
-    if model_type in fla_model_types() or model_type not in CONFIG_MAPPING:
+    """Make ``model_type`` resolve through transformers' Auto classes as flame means it (importing fla if needed).
+
+    Models of the type then build with flame's attention (``attn_implementation="flame"``). fla is
+    imported for its own types and unknown ones; where something imported it already (a custom
+    architecture built from fla's layers), its layers get flame's changes too.
+    """
+    compat.transformers.attention_implementation(attention.HF_ATTENTION, attention.hf_document_attention)
+    if model_type in fla_model_types() or model_type not in CONFIG_MAPPING or "fla" in sys.modules:
         import_fla()
 
 

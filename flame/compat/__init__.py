@@ -1,0 +1,69 @@
+"""flame's changes to other libraries: one seam per library, each change named, guarded, applied explicitly.
+
+    torchtitan.py    CPU runs without an accelerator; the private torchtitan names flame uses
+    transformers.py  flame's document attention in transformers' attention registry
+    fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
+    mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
+    triton.py        autotuning that waits for its own stream (pipeline parallelism)
+    guard.py         how a change is declared, checked against the installed library, applied once
+
+Each change is a function (a ``guard.Patch``) whose docstring says what upstream does, what
+flame changes and why; its module names the version it was written for. Importing flame
+changes nothing; the changes apply where flame calls them:
+- ``apply(job_config)``: at the start of every process that trains (the Trainer); flame.launch
+  runs its guard alone (``check``), so that a changed torchtitan is refused before torchrun starts;
+- ``apply_after_fla_import``: once, by flame.models.registry.import_fla, the one place flame
+  imports fla (lazily: it costs seconds);
+- the transformers registration, when flame first resolves a model type
+  (flame.models.registry.ensure_model_type): every path that builds a model passes there;
+- ``fla.kernels_take_cp_context``/``fla.gsa_norm_gathers_heads``: by context and tensor
+  parallelism, for the fla models they run.
+``describe()`` is the startup log's line of the changes applied. The guard refuses to start when
+a change's target is missing or changed, and only warns about another version (guard.py says why).
+"""
+
+import importlib.util
+
+from torchtitan.config import JobConfig
+
+from flame import device
+from flame.compat import fla, mamba_ssm, torchtitan, transformers, triton
+from flame.compat.guard import Patch, applied
+
+__all__ = [
+    "apply", "apply_after_fla_import", "check", "describe", "fla", "mamba_ssm", "torchtitan", "transformers", "triton",
+]
+
+
+def _startup_patches(job_config: JobConfig) -> list[Patch]:
+    if not device.CUDA:
+        return [torchtitan.cpu_without_accelerator]
+    if job_config.parallelism.pipeline_parallel_degree > 1:
+        return [triton.autotune_on_the_current_stream]
+    return []
+
+
+def check(job_config: JobConfig) -> None:
+    """Refuse (ConfigError) a torchtitan or triton that the changes this job needs at startup do not fit."""
+    torchtitan.check_private_names()
+    for patch in _startup_patches(job_config):
+        patch.check()
+
+
+def apply(job_config: JobConfig) -> None:
+    """Check, then apply the changes this job's processes need at startup (each once)."""
+    torchtitan.check_private_names()
+    for patch in _startup_patches(job_config):
+        patch()
+
+
+def apply_after_fla_import(flash_attn: fla.FlashAttn) -> None:
+    """fla's changes, and mamba_ssm's where it is installed (called by flame.models.registry.import_fla only)."""
+    fla.apply(flash_attn)
+    if importlib.util.find_spec("mamba_ssm") is not None:  # without it preflight refuses mamba3
+        mamba_ssm.apply()
+
+
+def describe() -> str:
+    """One line: the changes to other libraries applied in this process."""
+    return f"Changes to other libraries (flame.compat): {', '.join(applied()) or 'none'}"

@@ -1,0 +1,117 @@
+"""torchtitan's seam: flame's one change to torchtitan, and the private names of torchtitan flame uses.
+
+Written for torchtitan 0.2.2 (3rdparty/requirements.txt). flame uses torchtitan's private names
+only through the functions here (``checkpoint_block``, ``build_metric_logger``,
+``purge_stale_checkpoints``), plus two ``ConfigManager`` hooks that flame.config_manager
+overrides; ``PRIVATE_NAMES`` lists them all, and ``check_private_names`` (run at startup by
+flame.compat.apply) refuses a torchtitan that lacks one or changed its signature.
+"""
+
+import contextlib
+import importlib
+
+import torch
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.metrics import BaseLogger
+from torchtitan.config import ActivationCheckpoint, JobConfig
+from torchtitan.distributed import ParallelDims
+
+from flame.compat.guard import Library, Target, patch
+from flame.device import CpuDeviceModule
+
+TORCHTITAN = Library("torchtitan", "torchtitan", "0.2.2")
+
+# torchtitan modules that bind device_type/device_module at import time -> the names they bind
+_DEVICE_GLOBALS = {
+    "torchtitan.tools.utils": ("device_type", "device_module"),
+    "torchtitan.distributed.utils": ("device_type", "device_module"),
+    "torchtitan.distributed.parallel_dims": ("device_type",),
+    "torchtitan.components.metrics": ("device_type", "device_module"),
+    "torchtitan.tools.profiling": ("device_module",),
+}
+_MAYBE_ENABLE_AMP = Target(
+    TORCHTITAN, "torchtitan.distributed.utils", "maybe_enable_amp", ("parallel_dims", "mixed_precision_param", "device_type")
+)
+_GET_PEAK_FLOPS = Target(TORCHTITAN, "torchtitan.tools.utils", "get_peak_flops", ("device_name",))
+
+
+@patch(
+    TORCHTITAN,
+    *(Target(TORCHTITAN, module, name) for module, names in _DEVICE_GLOBALS.items() for name in names),
+    _MAYBE_ENABLE_AMP,
+    _GET_PEAK_FLOPS,
+)
+def cpu_without_accelerator() -> None:
+    """Run torchtitan on the CPU with gloo when the machine has no CUDA device.
+
+    Upstream: ``torchtitan.tools.utils`` picks the device type at import and falls back to
+    "cuda"/``torch.cuda`` without an accelerator; four more modules import those two names, so
+    process groups, meshes, memory monitors and the profiler would all ask for CUDA.
+    ``maybe_enable_amp`` autocasts the forward in --training.mixed_precision_param, and
+    ``get_peak_flops`` guesses an A100 for an unknown device.
+    flame: points each module's ``device_type``/``device_module`` at "cpu" and
+    ``flame.device.CpuDeviceModule`` (those modules read the globals at call time), runs the
+    forward without autocast (CPU runs compute in fp32), and reports no peak FLOPS (NaN: a CPU
+    has no MFU). flame.device decides everything else that differs on the CPU.
+    """
+    for module_name, names in _DEVICE_GLOBALS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, "cpu" if name == "device_type" else CpuDeviceModule)
+    importlib.import_module(_MAYBE_ENABLE_AMP.module).maybe_enable_amp = lambda *args, **kwargs: contextlib.nullcontext()
+    importlib.import_module(_GET_PEAK_FLOPS.module).get_peak_flops = lambda device_name: float("nan")
+
+
+# torchtitan's private names flame relies on (resolved when used, so that the guard can name a missing one)
+_APPLY_AC = Target(
+    TORCHTITAN, "torchtitan.distributed.activation_checkpoint", "_apply_ac_to_transformer_block",
+    ("module", "ac_config", "base_fqn", "model_compile_enabled", "op_sac_save_list"),
+)
+_OP_SAC_SAVE_LIST = Target(
+    TORCHTITAN, "torchtitan.models.llama3.infra.parallelize", "_op_sac_save_list",
+    holds=lambda value: isinstance(value, set), shape="a set of ops",
+)
+_BUILD_METRIC_LOGGER = Target(
+    TORCHTITAN, "torchtitan.components.metrics", "_build_metric_logger", ("job_config", "parallel_dims", "tag")
+)
+_PURGE_STALE_CHECKPOINTS = Target(
+    TORCHTITAN, "torchtitan.components.checkpoint", "CheckpointManager._purge_stale_checkpoints", ("self",)
+)
+# hooks of torchtitan's ConfigManager that flame.config_manager.FlameConfigManager overrides
+_DICT_TO_DATACLASS = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._dict_to_dataclass", ("self", "cls", "data"))
+_VALIDATE_CONFIG = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._validate_config", ("self",))
+
+PRIVATE_NAMES = (
+    _APPLY_AC, _OP_SAC_SAVE_LIST, _BUILD_METRIC_LOGGER, _PURGE_STALE_CHECKPOINTS, _DICT_TO_DATACLASS, _VALIDATE_CONFIG,
+)
+
+
+def check_private_names() -> None:
+    """Refuse to start when torchtitan lacks a private name flame relies on, or changed its signature."""
+    for target in PRIVATE_NAMES:
+        target.require(f"flame's use of torchtitan's {target.path}")
+
+
+def checkpoint_block(
+    block: torch.nn.Module, ac_config: ActivationCheckpoint, *, base_fqn: str, model_compile_enabled: bool
+) -> torch.nn.Module:
+    """``block`` under activation checkpointing (full, or selective per-N-blocks / op-level).
+
+    torchtitan's ``_apply_ac_to_transformer_block``, with llama3's op-level save list (which ops'
+    outputs op-level SAC keeps: matmuls and attention): torchtitan applies it only inside its own
+    models' parallelize functions.
+    """
+    return _APPLY_AC.resolve()(
+        block, ac_config, base_fqn=base_fqn, model_compile_enabled=model_compile_enabled,
+        op_sac_save_list=_OP_SAC_SAVE_LIST.resolve(),
+    )
+
+
+def build_metric_logger(job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None) -> BaseLogger:
+    """torchtitan's TensorBoard/W&B logger for the job (its private ``_build_metric_logger``)."""
+    return _BUILD_METRIC_LOGGER.resolve()(job_config, parallel_dims, tag)
+
+
+def purge_stale_checkpoints(checkpointer: CheckpointManager) -> None:
+    """Apply --checkpoint.keep_latest_k now (torchtitan's private ``CheckpointManager._purge_stale_checkpoints``)."""
+    checkpointer._purge_stale_checkpoints()

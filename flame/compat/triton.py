@@ -1,0 +1,42 @@
+"""triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism.
+
+Written for triton 3.6.0 (3rdparty/requirements.txt).
+"""
+
+import importlib
+
+import torch
+
+from flame.compat.guard import Library, Target, patch
+
+TRITON = Library("triton", "triton", "3.6.0")
+
+
+class _CurrentStreamCuda:
+    """``torch.cuda`` as Triton's benchmark sees it, except that ``synchronize`` waits for the current stream only."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        torch.cuda.current_stream().synchronize()
+
+
+_DEVICE_INTERFACE = Target(TRITON, "triton.backends.nvidia.driver", "CudaDriver.get_device_interface", ("self",))
+
+
+@patch(TRITON, _DEVICE_INTERFACE)
+def autotune_on_the_current_stream() -> None:
+    """Keep Triton's autotuning (fla's kernels, the first time a shape runs) from deadlocking a pipeline.
+
+    Upstream: Triton times its candidate kernels with ``torch.cuda.synchronize()``, a wait for
+    every stream of the device (the interface ``CudaDriver.get_device_interface`` returns).
+    flame: the benchmarks wait for the current stream only. A pipeline stage has NCCL receives
+    posted on other streams that complete only when its peer stage sends; when both stages
+    autotune at once, each waits for the other's receive and step 1 never ends. The benchmarks
+    run on the current stream, so waiting for that stream alone times them the same.
+    Applied to pipeline-parallel runs on CUDA only (flame.compat.apply).
+    """
+    driver = importlib.import_module(_DEVICE_INTERFACE.module)
+    driver.CudaDriver.get_device_interface = lambda self: _CurrentStreamCuda()
