@@ -59,7 +59,7 @@ def load_model_config(path: str) -> PretrainedConfig:
 
 # fla kernels measured to spike a model's gradients on GPUs: (model_type, attn_mode) -> the measurement.
 # gla's gradient is ill-conditioned at each document's first token: the output there is (q.k) v,
-# which the per-head output norm divides by |q.k| (scripts/bench/gradient_conditioning.py: on one
+# which the per-head output norm divides by |q.k| (docs/perf-log.md: on one
 # GPU in fp32, a 1e-7 relative weight change moved the 340M gla's step-1 gradient norm by 31%, a
 # transformer's gradients by 5e-6, and 99.9998% of gla's layer-0 dL/dq change sat on first tokens),
 # so the kernels' rounding decides how large a step's gradient comes out.
