@@ -1,7 +1,7 @@
 """Context parallelism on CPU: exact document attention over the ranks' shards, parity with one process, refusals.
 
 fla's context-parallel kernels (kda, gated_deltanet) and the varlen/flex backends need a GPU:
-here only the layout they are given is checked; scripts/bench/cp_check.sh runs them on GPUs.
+here only the layout they are given is checked; `python scripts/gpu_check.py --suite cp` runs them on GPUs.
 """
 
 import itertools

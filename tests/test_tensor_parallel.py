@@ -2,7 +2,7 @@
 
 fla's linear-attention kernels are Triton (GPU) code: for gla, gsa, delta_net and
 gated_deltanet only the plans are checked here (every parameter placed, every sharded size
-divisible); scripts/bench/tp_check.sh runs them on GPUs. FSDP 2 x TP 2 is checked in
+divisible); `python scripts/gpu_check.py --suite tp` runs them on GPUs. FSDP 2 x TP 2 is checked in
 tests/test_layouts.py: resumed from an FSDP 4 checkpoint, it trains the single process's steps.
 """
 

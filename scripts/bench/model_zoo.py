@@ -1,16 +1,20 @@
-"""Does each model type train under flame on a GPU? One config per process, one JSON line out.
+"""Does a model type train under flame? One config per process, one JSON line out.
 
-    python scripts/bench/model_zoo.py configs/tiny/gla.json [--no-compile] >> zoo.jsonl
+    python -m scripts.bench.model_zoo configs/tiny/gla.json [--no-compile] >> zoo.jsonl
+    python -m scripts.bench.model_zoo configs/tiny/llama.json --no-compile --steps 12 --device cpu
 
 With flame's own pieces (build_model: flame's attention and fused loss head; model_inputs:
-how the family takes packed documents; per-block torch.compile as parallelize_model does),
-in bf16 autocast on real packed documents (varlen rows of --tokens 8192 of the builtin corpus):
+how the family takes packed documents; per-block torch.compile and activation checkpointing
+as parallelize_model applies them), bf16 autocast on CUDA, on flame.data's batches (varlen
+rows of --tokens 8192 of the builtin corpus, scripts/bench/batches.py):
 1. varlen parity: a packed row of 3 documents vs each document alone, logits and gradients;
-2. 30 AdamW steps eager: the loss must be finite and fall; tokens/s and peak memory of the last 10;
+2. --steps (30) AdamW steps eager: the loss must be finite and fall; tokens/s and peak memory
+   of the last 10;
 3. the same with per-block torch.compile (a fresh model, same process: fla's kernels are
    autotuned once), counting graphs compiled after step 5 (recompilations);
 4. activation checkpointing as parallelize_model applies it (full, and selective op-level):
    8 steps each from the same init, the largest loss difference from the eager run.
+A JSON line is printed after every stage, so a run stopped at its time limit keeps what finished.
 """
 
 import argparse
@@ -23,56 +27,66 @@ import torch
 import torch.nn.functional as F
 from torchtitan.config.job_config import ActivationCheckpoint
 
+from flame import batch_context
+from flame.batch_context import BatchContext
 from flame.components.loss import LossHead
 from flame.distributed.parallelize import checkpoint_blocks
 from flame.models import FlameModelArgs, build_model, load_model_config, model_inputs
 from flame.models.registry import decoder_layers
-from scripts.bench.packed_data import packed_batches
+from scripts.bench.batches import packed_batches
+
+PARITY_DOCUMENTS = [300, 517, 160]  # token counts of the parity stage's three documents
 
 
-def build(path: str) -> torch.nn.Module:
+def build(path: str, device: str) -> torch.nn.Module:
     args = FlameModelArgs(config_path=path)
     args._config = load_model_config(path)
     args.fused_cross_entropy = True
-    with torch.device("cuda"):
+    with torch.device(device):
         return build_model(args)
 
 
-def batch_dict(ids, cu_seqlens, max_seqlen):
-    positions = torch.cat([torch.arange(int(n), device=ids.device) for n in cu_seqlens.diff()])[None]
-    return {"input": ids, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "position_ids": positions}
-
-
-def forward_loss(model, ids, labels, cu_seqlens, max_seqlen, fused=True):
-    inputs, labels, kwargs = model_inputs(model, batch_dict(ids, cu_seqlens, max_seqlen), labels)
-    head = model.get_output_embeddings()
-    if fused and isinstance(head, LossHead):
-        head.targets = labels
-        return model(inputs, **kwargs).logits
-    logits = model(inputs, **kwargs).logits
+def summed_loss(model, batch: dict, labels: torch.Tensor, fused: bool = True):
+    """The batch's summed cross entropy (through the fused loss head when ``fused``), and the logits otherwise."""
+    inputs, labels, kwargs = model_inputs(model, batch, labels)
+    fused = fused and isinstance(model.get_output_embeddings(), LossHead)
+    # as flame's trainer runs a batch: its documents and (for the fused loss head) its targets
+    context = BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"], targets=labels if fused else None)
+    with batch_context.computing(context):
+        if fused:
+            return model(inputs, **kwargs).logits, None
+        logits = model(inputs, **kwargs).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum"), logits
 
 
-def parity(model, ids, labels) -> dict:
+def documents_batch(ids: torch.Tensor, lengths: list[int]) -> dict:
+    """``ids`` [1, sum(lengths)] as a batch of documents of these lengths."""
+    cu_seqlens = torch.tensor([0, *lengths], device=ids.device).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])[None]
+    return {"input": ids, "position_ids": positions, "cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)}
+
+
+def parity(model, ids: torch.Tensor, device: str) -> dict:
     """Packed documents vs one at a time: max |logit diff| / max |logit| and gradient rel. error."""
-    lengths = [300, 517, 160]
-    if ids.shape[1] < sum(lengths):  # a shorter row (--tokens 512): the same shares of its own tokens
-        first_two = [n * ids.shape[1] // sum(lengths) for n in lengths[:2]]
-        lengths = [*first_two, ids.shape[1] - sum(first_two)]
-    cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-    ids, labels = ids[:, : sum(lengths)], labels[:, : sum(lengths)]
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss, packed = forward_loss(model, ids, labels, cu_seqlens, max(lengths), fused=False)
+    lengths = PARITY_DOCUMENTS
+    if ids.shape[1] <= sum(lengths):  # a shorter row (--tokens 512): the same shares of its own tokens
+        first_two = [n * (ids.shape[1] - 1) // sum(lengths) for n in lengths[:2]]
+        lengths = [*first_two, ids.shape[1] - 1 - sum(first_two)]
+    ids, labels = ids[:, : sum(lengths)], ids[:, 1 : sum(lengths) + 1]
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        loss, packed = summed_loss(model, documents_batch(ids, lengths), labels, fused=False)
     loss.backward()
     packed_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     separate = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        one = torch.tensor([0, end - start], device="cuda", dtype=torch.int32)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            doc_loss, logits = forward_loss(model, ids[:, start:end], labels[:, start:end], one, end - start, fused=False)
+    start = 0
+    for length in lengths:
+        piece = slice(start, start + length)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            doc_loss, logits = summed_loss(model, documents_batch(ids[:, piece], [length]), labels[:, piece], fused=False)
         doc_loss.backward()
-        separate.append(logits.reshape(1, end - start, -1))
+        separate.append(logits.reshape(1, length, -1))
+        start += length
     separate_grads = [p.grad for p in model.parameters() if p.grad is not None]
     separate = torch.cat(separate, 1).float()
     logit_error = ((packed.reshape(separate.shape).float() - separate).abs().max() / separate.abs().max()).item()
@@ -83,7 +97,8 @@ def parity(model, ids, labels) -> dict:
     return {"parity_logits": logit_error, "parity_grads": grad_error}
 
 
-def train(model, batches, compile_blocks: bool = False, ac_mode: str | None = None) -> dict:
+def train(model, batches, device: str, compile_blocks: bool = False, ac_mode: str | None = None) -> dict:
+    cuda = device == "cuda"
     if ac_mode:
         checkpoint_blocks(decoder_layers(model), ActivationCheckpoint(mode=ac_mode, selective_ac_option="op"), False)
     if compile_blocks:
@@ -92,11 +107,12 @@ def train(model, batches, compile_blocks: bool = False, ac_mode: str | None = No
             layers[index] = torch.compile(block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)
     losses, times, graphs_at_5 = [], [], None
-    for step, (ids, labels, cu_seqlens, max_seqlen) in enumerate(batches):
-        torch.cuda.synchronize()
+    for step, (batch, labels) in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward_loss(model, ids, labels, cu_seqlens, max_seqlen) / labels.numel()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            loss = summed_loss(model, batch, labels)[0] / (labels != -100).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -105,14 +121,16 @@ def train(model, batches, compile_blocks: bool = False, ac_mode: str | None = No
         times.append(time.perf_counter() - start)
         if step == 4:
             graphs_at_5 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    timed = times[-10:]
     result = {
         "losses": losses,
         "loss_first": first, "loss_last": last,
         "trains": all(math.isfinite(x) for x in losses) and last < first - 0.5,
-        "tokens_per_s": batches[0][0].numel() * 10 / sum(times[-10:]),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "tokens_per_s": batches[0][1].numel() * len(timed) / sum(timed),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
     if compile_blocks:
         result["graphs_compiled_after_step5"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_5
@@ -120,14 +138,17 @@ def train(model, batches, compile_blocks: bool = False, ac_mode: str | None = No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config")
     stages = parser.add_mutually_exclusive_group()
     stages.add_argument("--no-compile", action="store_true", help="skip the compiled run")
     stages.add_argument("--compile-only", action="store_true", help="only the compiled run (for a type whose other stages ran)")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training steps per stage (at least 8)")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per varlen row (shorter for slow scans)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
+    if args.steps < 8:
+        parser.error(f"--steps {args.steps}: the AC stage compares 8 steps; give at least 8")
     result = {"config": args.config}
     stage = "build"
 
@@ -139,28 +160,28 @@ def main() -> None:
         print(json.dumps(line), flush=True)
 
     try:
-        batches = packed_batches(args.tokens, args.steps)
+        batches = packed_batches(args.steps, 1, args.tokens, device=args.device)
         torch.manual_seed(0)  # every run below starts from these same weights
-        model = build(args.config)
+        model = build(args.config, args.device)
         result["model_type"] = model.config.model_type
         result["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
         if not args.compile_only:
             stage = "parity"
-            result.update(parity(model, *batches[0][:2]))
+            result.update(parity(model, batches[0][0]["input"], args.device))
             emit(stage)
             stage = "eager"
-            result["eager"] = train(model, batches, compile_blocks=False)
+            result["eager"] = train(model, batches, args.device)
             emit(stage)
         if not args.no_compile:
             stage = "compile"
             del model
             torch.manual_seed(0)
-            result["compile"] = train(build(args.config), batches, compile_blocks=True)
+            result["compile"] = train(build(args.config, args.device), batches, args.device, compile_blocks=True)
             emit(stage)
         for mode in ("full", "selective") if not args.compile_only else ():
             stage = f"ac {mode}"
             torch.manual_seed(0)
-            run = train(build(args.config), batches[:8], ac_mode=mode)
+            run = train(build(args.config, args.device), batches[:8], args.device, ac_mode=mode)
             eager = result["eager"]["losses"][:8]
             result[f"ac_{mode}_max_loss_diff"] = max(abs(a - b) for a, b in zip(run["losses"], eager))
     except Exception as error:  # one line per model, failures included

@@ -1,17 +1,21 @@
 """Baseline for flame's throughput: a plain PyTorch training loop on the same model and data.
 
-    python scripts/bench/plain_loop.py --config configs/gla_340M.json --varlen 65536 --steps 30
-    python scripts/bench/plain_loop.py --config configs/llama_340M.json --batch 4 --seq 4096
+    python scripts/bench/plain_loop.py --config configs/gla_340M.json --seq 65536 --steps 30
+    python scripts/bench/plain_loop.py --config configs/llama_340M.json --rows 4 --seq 4096
+    python scripts/bench/plain_loop.py --config configs/llama_4M.json --seq 512 --steps 2 --warmup 1 --device cpu
 
-bf16 autocast, fused AdamW, one GPU, logits + cross entropy, no flame code in the loop. With
---varlen N each step is one row of N tokens of real packed documents (the builtin corpus,
-context 4096; see packed_data.py) with the documents given as the model takes them (HF:
-position ids + flame's attention; fla: cu_seqlens); otherwise rows of random tokens.
-Prints each step's time to stderr; last, the median step time, tokens/s, TFLOPS/MFU (flame's
-FLOPs count) and peak memory.
+One device, fused AdamW, logits + cross entropy, bf16 autocast on CUDA (fp32 on CPU), no flame
+training code. The batches are flame.data's (scripts/bench/batches.py: the builtin corpus
+packed as the trainer packs it; one row is varlen), handed to the model as the trainer hands
+them (flame.models.model_inputs: HF models get position ids and flame's document attention,
+fla models one row with cu_seqlens). Prints each step's time to stderr (a first step that
+takes minutes shows as fla autotuning); last, one JSON line on stdout: the median step time,
+tokens/s at that median, TFLOPS and MFU (flame's FLOPs count) over the timed steps, and peak
+reserved memory.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -20,74 +24,73 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from flame.models import attention, load_model_config
+from flame import batch_context
+from flame.batch_context import BatchContext
+from flame.models import attention, load_model_config, model_inputs
 from flame.models.flops import model_flops
 from flame.models.inputs import is_fla_config
-from scripts.bench.packed_data import packed_batches
+from flame.models.registry import decoder_layers
+from scripts.bench.batches import packed_batches
+
+PEAK_FLOPS = 989e12  # H100/H200 bf16 dense, as flame's MFU
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--varlen", type=int, default=0, help="tokens per row of packed documents (batch 1)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="model config JSON")
+    parser.add_argument("--rows", type=int, default=1, help="rows per step (1: one varlen row)")
+    parser.add_argument("--seq", type=int, default=65536, help="tokens per row")
+    parser.add_argument("--context", type=int, default=4096, help="longest document piece (--training.context_len)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (autotuning, compiling)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
 
     config = load_model_config(args.config)
-    is_fla = is_fla_config(config)
-    options = {} if is_fla else {"attn_implementation": attention.HF_ATTENTION}
-    model = AutoModelForCausalLM.from_config(config, **options).cuda()
+    options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
+    model = AutoModelForCausalLM.from_config(config, **options).to(args.device)
     if args.compile:
-        for i, block in enumerate(model.model.layers):
-            model.model.layers[i] = torch.compile(block)
+        layers = decoder_layers(model)
+        for index, block in enumerate(list(layers)):
+            layers[index] = torch.compile(block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     flops = model_flops(model)
-
-    if args.varlen:
-        batches = packed_batches(args.varlen, args.warmup + args.steps)
-    else:
-        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device="cuda")
-        cu_seqlens = torch.arange(0, args.batch * args.seq + 1, args.seq, device="cuda", dtype=torch.int32)
-        batches = [(tokens[:, :-1], tokens[:, 1:], cu_seqlens, args.seq)] * (args.warmup + args.steps)
+    batches = packed_batches(args.warmup + args.steps, args.rows, args.seq, args.context, device=args.device)
 
     times, step_flops = [], []
-    for step, (ids, labels, cu_seqlens, max_seqlen) in enumerate(batches):
-        lengths = cu_seqlens.diff().tolist()
-        torch.cuda.synchronize()
+    for step, (batch, labels) in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        attention.use_batch_documents(cu_seqlens, max_seqlen)  # the longest document, for the kernels
-        if is_fla:
-            kwargs = {"cu_seqlens": cu_seqlens} if args.varlen else {}
-        else:
-            positions = torch.cat([torch.arange(n, device="cuda") for n in lengths]).view(ids.shape)
-            kwargs = {"position_ids": positions, "cu_seq_lens_q": cu_seqlens}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids, use_cache=False, **kwargs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
+        ids, targets, kwargs = model_inputs(model, batch, labels)
+        # the batch's longest document for the attention kernels, as flame's trainer gives it
+        with batch_context.computing(BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])):
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
+                logits = model(ids, **kwargs).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        # progress on stderr: a first step that takes minutes (fla autotuning) shows as such
-        print(f"step {step + 1}/{len(batches)}: {seconds:.2f} s", file=sys.stderr, flush=True)
+        print(f"step {step + 1}/{len(batches)}: {seconds:.2f} s, loss {loss.item():.4f}", file=sys.stderr, flush=True)
         if step >= args.warmup:
             times.append(seconds)
-            step_flops.append(flops.batch_flops(lengths))
+            step_flops.append(flops.batch_flops(batch["cu_seqlens"].diff().tolist()))
     step_time = statistics.median(times)
-    tps = ids.numel() / step_time
     achieved = sum(step_flops) / sum(times)
-    shape = f"varlen 1x{args.varlen}" if args.varlen else f"{args.batch}x{args.seq}"
-    print(
-        f"plain-loop config={args.config} batch={shape} compile={args.compile} "
-        f"step={step_time * 1000:.1f}ms tok/s={tps:,.0f} TFLOPS={achieved / 1e12:.1f} "
-        f"MFU={100 * achieved / 989e12:.1f}% peak_mem={torch.cuda.max_memory_reserved() / 2**30:.1f}GiB"
-    )
+    print(json.dumps({
+        "config": args.config, "rows": args.rows, "seq": args.seq, "compile": args.compile,
+        "step_ms": round(step_time * 1000, 1),
+        "tokens_per_s": round(args.rows * args.seq / step_time),
+        "tflops": round(achieved / 1e12, 1),
+        "mfu": round(100 * achieved / PEAK_FLOPS, 1) if cuda else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
+    }), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ pieces (replicated low-rank gate input, gated output norm) are what this checks,
 With --cuda (nccl, one GPU per rank) nothing is swapped: fla's kernels run, in fp32. Session 17
 (2 H200, fused_recurrent): the tiny gla agreed to 4e-5, the 340M gla's layer-0 q/k gradients
 differed by 1.3 at an equal loss. One GPU without TP moves them as much under a 1e-7 relative
-weight change (scripts/bench/gradient_conditioning.py --cuda), so on GPUs gla's gradient says
+weight change (docs/perf-log.md, 2026-11-22), so on GPUs gla's gradient says
 nothing about TP; the CPU runs here (tiny configs, whose gradients hold steady at fp32's rounding) do.
 """
 

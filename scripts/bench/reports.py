@@ -1,0 +1,163 @@
+"""The summary lines of each suite, from the steps' logs and metrics (one function per Suite.report)."""
+
+import json
+import re
+from pathlib import Path
+
+from scripts.bench.plan import BLOCK_LINES
+from scripts.bench.runs import Result
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LOG_PREFIX = re.compile(r".*INFO - ")  # torchtitan's logger prefix before flame's step lines
+NAN = float("nan")
+
+
+def outcome(result: Result) -> str:
+    if result.status is None:
+        return f"not run ({result.note})"
+    text = "ok" if result.status == 0 else "stopped at its limit" if result.status == 124 else f"exit {result.status}"
+    return f"{text}, {result.seconds:.0f} s" + (f"; {result.note}" if result.note else "")
+
+
+def log_lines(work: Path, result: Result) -> list[str]:
+    path = work / f"{result.step.name}.log"
+    return [ANSI.sub("", line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
+
+
+def last_json(work: Path, result: Result) -> dict | None:
+    """The last JSON line a worker printed (it prints one after every stage)."""
+    for line in reversed(log_lines(work, result)):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def lines(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """Each command's outcome and the log lines its ``show`` and ``show_block`` pick (the last line by default)."""
+    shown = []
+    for result in results:
+        shown.append(f"{result.step.name}: {outcome(result)}")
+        text = log_lines(work, result)
+        step = result.step
+        picked = [] if step.show or step.show_block else text[-1:]
+        for i, line in enumerate(text):
+            if step.show and re.search(step.show, line):
+                picked.append(LOG_PREFIX.sub("", line))
+            elif step.show_block and re.search(step.show_block, line):
+                picked += text[i : i + 1 + BLOCK_LINES]
+        shown += [f"  {line}" for line in picked]
+    return shown
+
+
+def metrics(work: Path, name: str) -> dict[int, dict] | None:
+    path = work / name / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["step"]: row for row in sorted(rows, key=lambda row: row["step"])} or None
+
+
+def late_mean(rows: dict[int, dict], key: str) -> float:
+    """Mean of ``key`` over the second half of the logged steps (after warm-up and autotuning)."""
+    steps = sorted(rows)
+    late = [rows[s][key] for s in steps[len(steps) // 2:] if rows[s].get(key) is not None]
+    return sum(late) / len(late) if late else NAN
+
+
+def losses(rows: dict[int, dict]) -> dict[int, float]:
+    return {step: row["loss_metrics/global_avg_loss"] for step, row in rows.items()}
+
+
+def runs(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """train.sh runs against their references: the largest relative loss difference over their common
+    steps, tokens/s per GPU, MFU and peak reserved memory (second half of the steps), the losses."""
+    header = (f"{'run':24s} {'reference':18s} {'max rel diff':>12s} {'tok/s/GPU':>10s} {'MFU %':>6s} {'mem GiB':>8s}"
+              + (f" {'vs ' + baseline:>10s}" if baseline else "") + "  losses")
+    shown = lines([r for r in results if not r.step.train], work) + [header]
+    for result in (r for r in results if r.step.train):
+        step = result.step
+        rows = metrics(work, step.name)
+        if result.status is None or rows is None:
+            shown.append(f"{step.name:24s} {outcome(result)}; no metrics" + ("" if result.status is None else
+                                                                             f" (see {step.name}.log)"))
+            continue
+        got = losses(rows)
+        ref_rows = metrics(work, step.reference) if step.reference else None
+        ref = losses(ref_rows) if ref_rows else {}
+        common = [s for s in got if s in ref]
+        diff = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in common) if common else NAN
+        tps = late_mean(rows, "throughput(tps)")
+        line = (f"{step.name:24s} {step.reference or '-':18s} {diff:12.1e} {tps:10,.0f} "
+                f"{late_mean(rows, 'mfu(%)'):6.1f} {late_mean(rows, 'memory/max_reserved(GiB)'):8.1f}")
+        if baseline:  # the same config's baseline run
+            base_rows = metrics(work, f"{Path(step.config).stem}-{baseline}")
+            base_tps = late_mean(base_rows, "throughput(tps)") if base_rows else NAN
+            line += f" {100 * tps / base_tps:9.0f}%" if base_tps > 0 else f" {'':>10s}"
+        values = list(got.values())
+        line += "  " + " ".join(f"{v:.4f}" for v in (values if len(values) <= 10 else values[:3] + values[-3:]))
+        shown.append(line + ("" if result.status == 0 else f"  ({outcome(result)})"))
+    return shown
+
+
+def zoo(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """One line per model config: varlen parity, eager and compiled training, errors."""
+    shown = []
+    for result in results:
+        row = last_json(work, result) or {"done": "nothing"}
+        parts = []
+        if "parity_logits" in row:
+            parts.append(f"parity={row['parity_logits']:.4f}/{row['parity_grads']:.4f}")
+        for mode in ("eager", "compile"):
+            if mode in row:
+                m = row[mode]
+                memory = "" if m.get("peak_mem_gib") is None else f" mem={m['peak_mem_gib']:.2f}GiB"  # null on CPU
+                extra = f" recompiles={m['graphs_compiled_after_step5']}" if mode == "compile" else ""
+                parts.append(f"{mode}: trains={m['trains']} loss {m['loss_first']:.2f}->{m['loss_last']:.2f} "
+                             f"tok/s={m['tokens_per_s']:,.0f}{memory}{extra}")
+        if "ac_full_max_loss_diff" in row:
+            parts.append(f"AC full/op {row['ac_full_max_loss_diff']:.0e}/{row.get('ac_selective_max_loss_diff', NAN):.0e}")
+        if "error" in row:
+            parts.append(f"ERROR {row['error'][:150]}")
+        elif row.get("done") != "all":  # stopped at its limit (or crashed) after that stage
+            parts.append(f"ERROR {outcome(result)} after stage {row.get('done')} (see {result.step.name}.log)")
+        shown.append(f"{result.step.config:42s} " + " | ".join(parts))
+    return shown
+
+
+def number(row: dict, key: str) -> float:
+    """``row[key]``, NaN where it is missing or null (e.g. memory on the CPU)."""
+    value = row.get(key)
+    return NAN if value is None else value
+
+
+def throughput(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """Per config: the plain PyTorch loop against flame's run on the same model and data.
+
+    The plain loop's tokens/s is at its median step, its TFLOPS the mean over its timed steps;
+    flame's figures are its last logged window (e.g. steps 21-30).
+    """
+    shown = [f"{'config':28s} {'plain tok/s':>12s} {'flame tok/s':>12s} {'flame/plain':>11s} "
+             f"{'TFLOPS plain':>12s} {'flame':>6s} {'mem GiB plain':>13s} {'flame':>6s}"]
+    configs = dict.fromkeys(r.step.config for r in results)
+    for config in configs:
+        plain = next((last_json(work, r) for r in results if r.step.config == config and not r.step.train), None) or {}
+        flame_result = next((r for r in results if r.step.config == config and r.step.train), None)
+        rows = metrics(work, flame_result.step.name) if flame_result else None
+        last = rows[max(rows)] if rows else {}
+        plain_tps, flame_tps = number(plain, "tokens_per_s"), number(last, "throughput(tps)")
+        ratio = flame_tps / plain_tps if plain_tps > 0 else NAN
+        shown.append(
+            f"{Path(config).stem:28s} {plain_tps:12,.0f} {flame_tps:12,.0f} {ratio:11.3f} "
+            f"{number(plain, 'tflops'):12.1f} {number(last, 'tflops'):6.1f} "
+            f"{number(plain, 'peak_mem_gib'):13.1f} {number(last, 'memory/max_reserved(GiB)'):6.1f}"
+        )
+    for result in results:
+        if result.status != 0:
+            shown.append(f"  {result.step.name}: {outcome(result)}")
+    return shown
+
+
+REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput}

@@ -1,0 +1,358 @@
+"""flame's GPU checks: one driver whose suites are data (SUITES below).
+
+    python scripts/gpu_check.py --list                      the suites and what each runs
+    python scripts/gpu_check.py --suite zoo --out $OUT      one suite (--suite may repeat)
+    python scripts/gpu_check.py --suite tp --configs configs/tiny/llama.json --dry-run
+
+Every step's log (and a train.sh run's metrics.jsonl) goes to <work>/<suite>/, which is packed
+into <out>/<suite>.tgz after every step, so a command stopped at its limit still returns what
+finished; the machine's kernel caches go to <out> too (scripts/bench/runs.py). Last, a short
+summary per suite, also written to <out>/summary.txt. Run it from any directory; it runs its
+steps from the repository root, and `bash train.sh` with the interpreter that runs it.
+
+On a GPU machine without network, install the carried wheels first, in the same command:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PWD && python3 scripts/gpu_check.py --suite default --out $OUT --budget 560
+
+The gated delta-rule family needs TileLang on Hopper: carry .gpu-extra/ as well
+(scripts/bench/tilelang_bundle.sh makes it) and add `tar xJf .gpu-extra/tilelang.tar.xz -C /tmp/site`
+after the pip line. Carry .kernel-cache/ to start with earlier machines' autotune choices.
+"""
+
+import argparse
+import os
+import shlex
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # flame and scripts.bench, however the driver is started
+
+import torch  # noqa: E402
+
+from flame.data import builtin  # noqa: E402
+from scripts.bench import reports, runs  # noqa: E402
+from scripts.bench.plan import (  # noqa: E402
+    COMPILE_FLAG,
+    Command,
+    Run,
+    Step,
+    Suite,
+    placeholders,
+    steps_of,
+)
+
+DEBUG_JOB = ("--job.config_file", "configs/debug.toml")
+NO_CHECKPOINT = ("--checkpoint.no-enable",)
+FP32 = ("--training.mixed_precision_param", "float32")  # fp32 on both sides: curves agree to rounding
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+CP2 = ("--parallelism.context_parallel_degree", "2")
+PP2 = ("--parallelism.pipeline_parallel_degree", "2")
+ROW = ("--training.varlen", "--training.batch_size", "1", "--training.seq_len", "{tokens}")  # one varlen row
+ROWS4 = ("--training.batch_size", "4", "--training.seq_len", "{quarter}")  # the same tokens in 4 rows
+# one causal sequence of 2 x tokens: documents concatenated without a mask, full AC so that 1 GPU fits it
+LONG = ("--training.batch_size", "1", "--training.seq_len", "{double}", "--training.context_len", "{double}",
+        "--training.no-document_mask", "--activation_checkpoint.mode", "full", "--training.steps", "8")
+CONTEXT = 4096  # longest document piece of the 340M runs ({context}; a quarter of --tokens when that is less)
+PYTEST = ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider")
+
+
+def tiny(*names: str) -> tuple[str, ...]:
+    return tuple(f"configs/tiny/{name}.json" for name in names)
+
+
+SUITES = {
+    "default": Suite(
+        "the embedded default job (`bash train.sh`) and tests/gpu (2-GPU runs when 2 GPUs are visible)",
+        report="lines",
+        setup=(
+            Command("default_job", ("bash", "train.sh"), show=r"step +(1|100|200|300)/300",
+                    show_block="^sample from"),
+            Command("gpu_tests", (*PYTEST, "tests/gpu")),
+        ),
+        timeout=400,
+    ),
+    "zoo": Suite(
+        "every model type (configs/tiny) on flame's model path: varlen parity, eager and compiled training, "
+        "activation checkpointing; --jobs processes share the GPU, so tokens/s is indicative",
+        report="zoo",
+        per_config=(Command("zoo", ("{python}", "-m", "scripts.bench.model_zoo", "{config}", "--steps", "{steps}",
+                                    "--tokens", "{tokens}", "--device", "{device}"), no_compile=("--no-compile",)),),
+        configs=tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "tiny").glob("*.json"))),
+        steps=30, tokens=8192, timeout=400, parallel=True,
+    ),
+    "throughput": Suite(
+        "one GPU: flame's trainer against a plain PyTorch loop, same model and data (varlen rows, context 4096)",
+        report="throughput",
+        per_config=(
+            Command("plain", ("{python}", "-m", "scripts.bench.plain_loop", "--config", "{config}", "--seq", "{tokens}",
+                              "--context", "{context}", "--steps", "{steps}", "--device", "{device}")),
+            Run("flame", 1, ("--training.steps", "{steps}", "--metrics.log_freq", "10")),
+        ),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--lr_scheduler.warmup_steps", "10",
+               "--optimizer.lr", "3e-4", "--training.num_workers", "4", *NO_CHECKPOINT),
+        configs=("configs/transformer_340M.json", "configs/gla_340M.json"),
+        steps=30, tokens=65536, timeout=280,
+    ),
+    "layouts": Suite(
+        "one model's multi-GPU layouts from one seed against their references, and weak scaling against "
+        "fsdp1 (up to 4 GPUs; layouts that need more than are visible are skipped)",
+        report="runs",
+        per_config=(
+            Run("fsdp1", 1, ROW),
+            Run("fsdp2", 2, ROW),
+            Run("fsdp4", 4, ROW),
+            Run("tp2", 4, (*ROW, *TP2), reference="fsdp2"),  # TP 2 x FSDP 2 on fsdp2's rows
+            Run("rows2", 2, ROWS4),
+            Run("pp2", 4, (*ROWS4, *PP2), reference="rows2"),  # PP 2 x FSDP 2, 4 microbatches
+            Run("rows1", 1, (*ROWS4, *FP32)),
+            # PP 2 x TP 2 without FSDP: torchtitan applies no mixed precision, so fp32 and a fp32 reference
+            Run("pptp", 4, (*ROWS4, *FP32, *PP2, *TP2), reference="rows1"),
+            Run("cp2", 2, (*ROW, *CP2), reference="fsdp1"),  # fsdp1's row split over 2 GPUs
+            Run("long1", 1, LONG),
+            Run("cp2long", 2, (*LONG, *CP2), reference="long1"),
+        ),
+        flags=(*DEBUG_JOB, "--training.context_len", "{context}", "--training.seq_len", "{tokens}", "--training.steps",
+               "{steps}", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", *NO_CHECKPOINT),
+        configs=("configs/transformer_340M.json",),
+        steps=20, tokens=65536, timeout=240, seeded=True, baseline="fsdp1",
+    ),
+    "tp": Suite(
+        "tensor parallelism: TP 2 against 1 GPU in fp32 with fla's kernels, the fused loss and async TP "
+        "(not delta_net or gated_deltaproduct: their kernels refuse fp32)",
+        report="runs",
+        per_config=(
+            Run("1gpu", 1),
+            Run("tp2", 2, TP2, reference="1gpu"),
+            Run("tp2-fused", 2, (*TP2, "--training.fused_cross_entropy", "on"), reference="1gpu", only=("llama", "gla")),
+            Run("tp2-async", 2, (*TP2, COMPILE_FLAG, "--parallelism.enable_async_tensor_parallel"), reference="1gpu",
+                only=("llama",)),
+        ),
+        flags=(*DEBUG_JOB, "--training.steps", "{steps}", "--training.seq_len", "{tokens}", "--metrics.log_freq", "1",
+               *NO_CHECKPOINT, "--lr_scheduler.warmup_steps", "2", *FP32),
+        configs=tiny("transformer", "gla", "gsa", "mamba2", "llama"),
+        steps=10, tokens=256, timeout=500, seeded=True,
+    ),
+    "cp": Suite(
+        "context parallelism: the CP kernel tests, then CP 2 against 1 GPU on one long varlen row, head-tail "
+        "and contiguous, fp32 (FlexAttention); llama also bf16 (varlen kernel), kda also compiled",
+        report="runs",
+        setup=(Command("kernel_tests", (*PYTEST, "tests/gpu/test_context_parallel_kernels.py")),),
+        per_config=(
+            Run("1gpu", 1, FP32),
+            Run("cp2", 2, (*FP32, *CP2), reference="1gpu"),
+            Run("cp2contiguous", 2, (*FP32, *CP2, "--parallelism.context_parallel_load_balancer", "None"),
+                reference="1gpu"),
+            Run("1gpu_bf16", 1, only=("llama",)),
+            Run("cp2_bf16", 2, CP2, reference="1gpu_bf16", only=("llama",)),
+            Run("cp2compiled", 2, (*FP32, *CP2, COMPILE_FLAG), reference="1gpu", only=("kda",)),
+        ),
+        flags=(*DEBUG_JOB, "--training.steps", "{steps}", "--metrics.log_freq", "1", *NO_CHECKPOINT,
+               "--lr_scheduler.warmup_steps", "2", "--training.varlen", "--training.batch_size", "1",
+               "--training.seq_len", "{tokens}"),
+        configs=tiny("llama", "transformer", "kda"),
+        steps=10, tokens=32768, timeout=500, seeded=True,
+    ),
+    "loader": Suite(
+        "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
+        report="lines",
+        setup=(Command("loader_bench", ("{python}", "-m", "flame.data.bench", "--workers", "0,1,4,8,16", "--batches",
+                                        "300", "--", *DEBUG_JOB, "--training.seq_len", "{tokens}",
+                                        "--training.batch_size", "8"), show=r"^ *(workers|\d+) "),),
+        tokens=4096, timeout=300,
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="flame's GPU checks: suites of training runs and benchmarks.",
+                                     epilog="suites: " + ", ".join(SUITES) + " (--list shows what each runs)")
+    parser.add_argument("--suite", action="append", choices=SUITES, help="a suite to run (repeatable, in order)")
+    parser.add_argument("--list", action="store_true", help="print the suites and their steps")
+    parser.add_argument("--merge-cache", type=Path, metavar="FOLDER",
+                        help="merge the kernel caches a device command returned into .kernel-cache/, and exit")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/flame-gpu/out"),
+                        help="what comes back: <suite>.tgz, kernel caches, summary.txt (default: $OUT)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/flame-gpu"), help="logs and metrics, per suite")
+    parser.add_argument("--configs", nargs="+", metavar="JSON", help="model configs instead of the suite's")
+    parser.add_argument("--only", nargs="+", metavar="ITEM", help="only these items of the suites (e.g. long1 cp2long)")
+    parser.add_argument("--steps", type=int, help="training steps per run, instead of the suite's")
+    parser.add_argument("--tokens", type=int, help="tokens per row (per data-parallel rank), instead of the suite's")
+    parser.add_argument("--flags", default="", metavar="FLAGS",
+                        help="more train.sh flags for every run, e.g. --flags='--training.mixed_precision_param float32'")
+    parser.add_argument("--no-compile", action="store_true", help="skip compiled runs and zoo stages")
+    parser.add_argument("--jobs", type=int, help="zoo processes sharing the GPU (default 4)")
+    parser.add_argument("--timeout", type=int, help="seconds per step, instead of the suite's")
+    parser.add_argument("--budget", type=int, help="seconds for the whole check: steps are cut to fit, later ones skipped")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run on the CPU (gloo processes for GPUs), to check the driver on a machine without one")
+    parser.add_argument("--dry-run", action="store_true", help="print the steps' commands and exit")
+    args = parser.parse_args(argv)
+    check(parser, args)
+    return args
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, options that would do nothing or cannot work."""
+    if args.merge_cache and not args.merge_cache.is_dir():
+        parser.error(f"--merge-cache {args.merge_cache} is not a folder (give a device command's files_at folder)")
+    if args.merge_cache or args.list:
+        return
+    if not args.suite:
+        parser.error("choose a suite: --suite NAME (--list shows them)")
+    suites = [SUITES[name] for name in args.suite]
+    for value, name in ((args.steps, "--steps"), (args.tokens, "--tokens"), (args.jobs, "--jobs"),
+                        (args.timeout, "--timeout"), (args.budget, "--budget")):
+        if value is not None and value <= 0:
+            parser.error(f"{name} must be positive, got {value}")
+    used = set().union(*(placeholders(suite) for suite in suites))
+    unused = {"--configs": args.configs and not any(suite.per_config for suite in suites),
+              "--steps": args.steps and "steps" not in used,
+              "--tokens": args.tokens and not used & {"tokens", "quarter", "double", "context"},
+              "--flags": args.flags and not any(isinstance(i, Run) for s in suites for i in s.per_config),
+              "--jobs": args.jobs and not any(suite.parallel for suite in suites),
+              "--no-compile": args.no_compile and not any(compiles(suite) for suite in suites)}
+    for option, is_unused in unused.items():
+        if is_unused:
+            parser.error(f"{option} means nothing to suite {', '.join(args.suite)}; leave it out")
+    missing = [config for config in args.configs or () if not (ROOT / config).is_file()]
+    if missing:
+        parser.error(f"--configs: {', '.join(missing)} not found (paths relative to the repository root)")
+    items = {item.name for suite in suites for item in (*suite.setup, *suite.per_config)}
+    if unknown := set(args.only or ()) - items:
+        parser.error(f"--only {' '.join(sorted(unknown))}: not an item of {', '.join(args.suite)}; "
+                     f"choose from {' '.join(sorted(items))}")
+
+
+def compiles(suite: Suite) -> bool:
+    return any(isinstance(i, Command) and i.no_compile or isinstance(i, Run) and COMPILE_FLAG in i.flags
+               for i in (*suite.setup, *suite.per_config))
+
+
+def plan(name: str, args: argparse.Namespace) -> list[Step]:
+    suite = SUITES[name]
+    tokens = args.tokens or suite.tokens or 0
+    values = {"steps": args.steps or suite.steps, "tokens": tokens, "quarter": tokens // 4, "double": 2 * tokens,
+              "context": min(CONTEXT, tokens // 4), "device": "cpu" if args.cpu else "cuda", "python": sys.executable}
+    configs = list(args.configs or suite.configs)
+    return steps_of(name, suite, configs, values, shlex.split(args.flags), set(args.only or ()), args.no_compile)
+
+
+def list_suites() -> None:
+    for name, suite in SUITES.items():
+        defaults = ", ".join(f"{key} {value}" for key, value in (("steps", suite.steps), ("tokens", suite.tokens),
+                                                                   ("timeout", suite.timeout)) if value)
+        print(f"{name}: {suite.about}\n  defaults: {defaults}")
+        folders = {str(Path(config).parent) for config in suite.configs}
+        if len(suite.configs) > 6 and len(folders) == 1:
+            print(f"  configs: the {len(suite.configs)} in {folders.pop()}/")
+        elif suite.configs:
+            print(f"  configs: {' '.join(suite.configs)}")
+        if suite.flags:
+            print(f"  train.sh flags of every run: {' '.join(suite.flags)}")
+        for command in suite.setup:
+            print(f"  {command.name}: {' '.join(command.argv)}")
+        for item in suite.per_config:
+            where = f" (only {', '.join(item.only)})" if item.only else ""
+            if isinstance(item, Command):
+                print(f"  per config, {item.name}{where}: {' '.join(item.argv)}")
+            else:
+                vs = f", against {item.reference}" if item.reference else ""
+                print(f"  per config, {item.name}{where}: {item.gpus} GPU{'s' * (item.gpus > 1)}{vs}: "
+                      f"{' '.join(item.flags) or '(the flags above)'}")
+
+
+class Budget:
+    """The time each step may take: its own limit, cut to what is left of --budget."""
+
+    RESERVE = 20  # seconds kept for packing the last logs and printing the summary
+
+    def __init__(self, seconds: int | None):
+        self.end = time.monotonic() + seconds if seconds else None
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.monotonic() - self.RESERVE
+
+    def limit(self, own: int) -> float:
+        return min(own, self.left())
+
+
+def run_suite(name: str, steps: list[Step], args: argparse.Namespace, env: dict, budget: Budget, gpus: int) -> list:
+    suite = SUITES[name]
+    work = args.work / name
+    work.mkdir(parents=True, exist_ok=True)
+    own_limit = args.timeout or suite.timeout
+    lock = threading.Lock()  # parallel steps pack the same archive
+
+    def one(step: Step) -> runs.Result:
+        if not args.cpu and step.gpus > gpus:
+            result = runs.Result(step, None, note=f"needs {step.gpus} GPUs, {gpus} visible")
+        elif budget.left() < 30:
+            result = runs.Result(step, None, note="--budget spent")
+        else:
+            result = runs.run_step(step, work, lambda: budget.limit(own_limit), env)
+        with lock:
+            runs.pack(work, args.out / f"{name}.tgz")
+            if not args.cpu:
+                runs.save_kernel_caches(args.out)
+            print(f"[{name}] {step.name}: {reports.outcome(result)}", flush=True)
+        return result
+
+    if suite.parallel:
+        with ThreadPoolExecutor(args.jobs or 4) as pool:
+            return list(pool.map(one, steps))
+    return [one(step) for step in steps]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge_cache:
+        for line in runs.merge_kernel_caches(args.merge_cache) or ["no autotune.tgz or tlcache.tgz there"]:
+            print(f"kernel cache: {line}")
+        return 0
+    if args.list:
+        list_suites()
+        return 0
+    planned = {name: plan(name, args) for name in args.suite}
+    if args.dry_run:
+        for name, steps in planned.items():
+            for step in steps:
+                prefix = f"NGPU={step.gpus} " if step.train else ""
+                command = ["bash", "train.sh", *step.common, "--model.config", step.config, *step.argv] if step.train \
+                    else step.argv
+                seed = " (from the config's seed checkpoint)" if step.seeded else ""
+                print(f"[{name}] {step.name}: {prefix}{shlex.join(command)}{seed}")
+        return 0
+    gpus = torch.cuda.device_count()
+    if not gpus and not args.cpu:
+        print("gpu_check: error: no CUDA GPU is visible; pass --cpu to check the driver on the CPU", file=sys.stderr)
+        return 2
+    env = runs.environment(args.cpu)
+    os.environ.update(env)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.cpu:
+        runs.restore_kernel_caches()
+    for spec in ("builtin:python-stdlib", "builtin:python-stdlib-bpe"):
+        builtin.resolve(spec)  # once here, not by every parallel step
+    devices = [torch.cuda.get_device_name(i) for i in range(gpus)] if not args.cpu else ["CPU"]
+    print(f"gpu_check: {', '.join(devices)}; torch {torch.__version__}; work {args.work}, out {args.out}", flush=True)
+    budget = Budget(args.budget)
+    results = {name: run_suite(name, steps, args, env, budget, gpus) for name, steps in planned.items()}
+    summary = []
+    for name, done in results.items():
+        suite = SUITES[name]
+        summary += [f"=== {name}: {suite.about} ===",
+                    *reports.REPORTS[suite.report](done, args.work / name, suite.baseline)]
+    (args.out / "summary.txt").write_text("\n".join(summary) + "\n")
+    print("\n".join(summary))
+    failed = [r for done in results.values() for r in done if r.status not in (0, None)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

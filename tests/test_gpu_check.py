@@ -1,0 +1,146 @@
+"""The GPU-check driver (scripts/gpu_check.py): its suites are data that must stay runnable.
+
+The suites run only on GPU machines; here their table is checked against the repository (every
+config, test file and worker they name exists, every reference names a run of the same suite),
+the driver's refusals are checked, and so are the pieces that run without a GPU: flame.data's
+benchmark batches and the comparison table of train.sh runs.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scripts import gpu_check
+from scripts.bench import reports, runs
+from scripts.bench.batches import packed_batches
+from scripts.bench.plan import Run, Step
+from scripts.bench.runs import Result
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", sorted(gpu_check.SUITES))
+def test_a_suite_names_only_what_exists(name):
+    suite = gpu_check.SUITES[name]
+    assert all((ROOT / config).is_file() for config in suite.configs), suite.configs
+    items = (*suite.setup, *suite.per_config)
+    runs = {item.name for item in items if isinstance(item, Run)}
+    for item in items:
+        if isinstance(item, Run):
+            assert item.reference in runs | {None}, f"{item.name}'s reference {item.reference} is not a run of {name}"
+            continue
+        for argument in item.argv:
+            if argument.startswith("tests/"):
+                assert (ROOT / argument).exists(), argument
+        module = item.argv[item.argv.index("-m") + 1] if "-m" in item.argv else None
+        if module and module.startswith(("scripts.", "flame.")):
+            assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
+    assert suite.report in reports.REPORTS
+    assert suite.baseline in runs | {None}
+
+
+@pytest.mark.parametrize("name", sorted(gpu_check.SUITES))
+def test_a_suite_plans_its_steps_without_a_gpu(name, capsys):
+    assert gpu_check.main(["--suite", name, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(line.startswith(f"[{name}] ") for line in lines)
+    assert not any(re.search(r"\{\w+\}", line) for line in lines), "a placeholder was left unfilled"
+
+
+def test_layouts_run_in_the_order_given_with_their_references():
+    steps = gpu_check.plan("layouts", gpu_check.parse_args(["--suite", "layouts", "--only", "cp2", "fsdp1"]))
+    assert [(s.name, s.gpus, s.reference) for s in steps] == [
+        ("transformer_340M-fsdp1", 1, None),
+        ("transformer_340M-cp2", 2, "transformer_340M-fsdp1"),
+    ]
+    assert all(s.seeded and s.train for s in steps)
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--suite", "default", "--steps", "3"], "--steps means nothing to suite default"),
+        (["--suite", "tp", "--jobs", "2"], "--jobs means nothing to suite tp"),
+        (["--suite", "tp", "--only", "fsdp1"], "--only fsdp1: not an item of tp"),
+        (["--suite", "zoo", "--configs", "configs/none.json"], "configs/none.json not found"),
+        (["--suite", "zoo", "--tokens", "0"], "--tokens must be positive"),
+        ([], "choose a suite"),
+    ],
+)
+def test_options_that_cannot_work_are_refused_up_front(argv, error, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(argv)
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_compiled_runs_are_left_out_with_no_compile():
+    args = gpu_check.parse_args(["--suite", "tp", "--configs", "configs/tiny/llama.json", "--no-compile"])
+    assert [s.item for s in gpu_check.plan("tp", args)] == ["1gpu", "tp2", "tp2-fused"]
+    zoo = gpu_check.parse_args(["--suite", "zoo", "--configs", "configs/tiny/gla.json", "--no-compile"])
+    assert gpu_check.plan("zoo", zoo)[0].argv[-1] == "--no-compile"
+
+
+def test_benchmark_batches_are_rows_of_flame_data():
+    (batch, labels), = packed_batches(1, rows=1, seq_len=1024, context_len=256, device="cpu")
+    cu_seqlens, positions = batch["cu_seqlens"], batch["position_ids"].flatten()
+    assert batch["input"].shape == labels.shape == (1, 1024)
+    assert cu_seqlens[0] == 0 and cu_seqlens[-1] == 1024
+    assert batch["max_seqlen"] == int(cu_seqlens.diff().max()) <= 256
+    # position ids restart exactly where the segments start
+    assert (positions == 0).nonzero().flatten().tolist() == cu_seqlens[:-1].tolist()
+    # no target crosses a document: the last token of each document has none
+    assert (labels == -100).sum() >= 1
+
+
+def test_the_runs_table_compares_each_run_with_its_reference(tmp_path):
+    def run(name, run_losses, reference=None):
+        (tmp_path / name).mkdir()
+        rows = [{"step": step + 1, "loss_metrics/global_avg_loss": loss, "throughput(tps)": 1000.0, "mfu(%)": 10.0,
+                 "memory/max_reserved(GiB)": 2.0} for step, loss in enumerate(run_losses)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        step = Step("tp", name.split("-")[1], name, [], config="configs/tiny/llama.json", train=True, reference=reference)
+        return Result(step, 0, 1.0)
+
+    results = [run("llama-1gpu", [8.0, 7.0, 6.0]), run("llama-tp2", [8.0, 7.0, 6.06], reference="llama-1gpu"),
+               Result(Step("tp", "tp2-fused", "llama-tp2-fused", [], train=True), None, note="needs 2 GPUs, 1 visible")]
+    table = reports.runs(results, tmp_path)
+    assert table[2].split()[:3] == ["llama-tp2", "llama-1gpu", "1.0e-02"]
+    assert "needs 2 GPUs" in table[3]
+
+
+def test_a_command_shows_the_lines_its_pattern_picks(tmp_path):
+    (tmp_path / "job.log").write_text("noise\nstep  1/300  loss 8.37\nmore\nsample from exp:\ndef f():\n  pass\nend\n")
+    step = Step("default", "job", "job", ["bash", "train.sh"], show=r"step +1/300", show_block="^sample from")
+    assert reports.lines([Result(step, 0, 3.0)], tmp_path) == [
+        "job: ok, 3 s", "  step  1/300  loss 8.37", "  sample from exp:", "  def f():", "    pass"]
+
+
+
+def test_kernel_caches_travel_as_the_union_of_what_machines_returned(tmp_path, monkeypatch):
+    triton, tilelang = tmp_path / "triton", tmp_path / "tilelang" / "tlcache"
+    monkeypatch.setattr(runs, "TRITON_CACHE", triton)
+    monkeypatch.setattr(runs, "TILELANG_CACHE", tilelang)
+    monkeypatch.setattr(runs, "CARRIED_CACHES", tmp_path / "carried")
+    for machine, kernel in enumerate(["a", "b"]):  # two device commands, each with its own choices
+        (triton / kernel).mkdir(parents=True)
+        (triton / kernel / "choice.autotune.json").write_text("{}")
+        (triton / kernel / "compiled.bin").write_text("too large to carry")
+        tilelang.mkdir(parents=True, exist_ok=True)
+        (tilelang / f"kernel{machine}.so").write_text("")
+        returned = tmp_path / f"out{machine}"
+        returned.mkdir()
+        runs.save_kernel_caches(returned)
+        runs.merge_kernel_caches(returned)
+        shutil.rmtree(tmp_path / "triton")
+    # a fresh machine unpacks both machines' autotune choices and TileLang kernels, once
+    monkeypatch.setattr(runs, "RESTORED_MARKER", tmp_path / "restored")
+    monkeypatch.setattr(runs, "TRITON_CACHE", tmp_path / "fresh" / "triton")
+    monkeypatch.setattr(runs, "TILELANG_CACHE", tmp_path / "fresh" / "tlcache")
+    runs.restore_kernel_caches()
+    fresh = sorted(str(p.relative_to(tmp_path / "fresh")) for p in (tmp_path / "fresh").rglob("*") if p.is_file())
+    assert fresh == ["tlcache/kernel0.so", "tlcache/kernel1.so", "triton/a/choice.autotune.json",
+                     "triton/b/choice.autotune.json"]
