@@ -151,10 +151,10 @@ def check_mamba3_kernels(config: PretrainedConfig) -> None:
         if config.chunk_size * config.mimo_rank > 64:  # mamba_ssm's Mamba3 module: "64/mimo_rank for MIMO"
             raise ConfigError(
                 f"fla's mamba3 with is_mimo true: chunk_size {config.chunk_size} x mimo_rank {config.mimo_rank} "
-                "needs more shared memory than a GPU has in mamba_ssm's MIMO kernels (410 KB at 64 x 4 on an "
-                f"H100, which has 227 KB); set chunk_size to {max(64 // config.mimo_rank, 1)} in the model config"
+                "needs more shared memory than a GPU has in mamba_ssm's MIMO kernels (410 KB at 64 x 4; a "
+                f"Hopper GPU has 227 KB); set chunk_size to {max(64 // config.mimo_rank, 1)} in the model config"
             )
-        if unmet := _unmet_requirement("mamba_ssm", "tilelang"):  # 0.1.15's compiler fails on them (H100)
+        if unmet := _unmet_requirement("mamba_ssm", "tilelang"):  # TileLang 0.1.15's compiler fails on them
             required, installed = unmet
             raise ConfigError(
                 f"fla's mamba3 with is_mimo true runs mamba_ssm's TileLang kernels, written for {required}, not the "

@@ -22,9 +22,8 @@ def arrange_stack_dumps() -> None:
 
     SIGUSR1 prints every thread's Python stack and training goes on (README: "If a run seems
     stuck"). `FLAME_DUMP_STACKS_AFTER=<seconds> bash train.sh` prints them once, that long
-    after train.sh started, from faulthandler's watchdog thread, which needs no signal: on the
-    H200 machines SIGUSR1 reached the data-loader workers, but the ranks' main processes
-    printed nothing.
+    after train.sh started, from faulthandler's watchdog thread, which needs no signal: for
+    machines where SIGUSR1 reaches the data-loader workers but not the ranks' main processes.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if at := os.environ.get("FLAME_DUMP_STACKS_AT"):  # train.sh: its start + FLAME_DUMP_STACKS_AFTER
@@ -60,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception:
         # Maybe only this rank failed, and its peers wait for it in a collective. Destroying the
-        # NCCL process group would wait for them, so the job would hang with the error unprinted
-        # (seen on H200s). Print it and exit: torchrun then stops the other ranks.
+        # NCCL process group would wait for them, so the job would hang with the error unprinted.
+        # Print it and exit: torchrun then stops the other ranks.
         every_rank_stops = False
         traceback.print_exc()
         return 1

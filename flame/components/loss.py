@@ -105,8 +105,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     The gradients are computed in the forward pass, chunk by chunk (d loss / d logits =
     softmax - one-hot), so backward only scales them: the same three matmuls as logits + CE,
-    with no logits kept and none recomputed. (Measured on an H200 at 64K tokens x 32K vocab:
-    docs/perf-log-archive.md; fla's fused kernel was slower.) ``chunk_loss_and_grad`` computes one
+    with no logits kept and none recomputed (faster than logits + CE and than fla's fused kernel
+    at 64K tokens x 32K vocab: docs/perf-log-archive.md). ``chunk_loss_and_grad`` computes one
     chunk's loss and logit gradient: over the whole vocabulary, or over a tensor-parallel shard.
     """
 

@@ -123,8 +123,9 @@ class _Settle(torch.autograd.Function):
 
     DTensor redistributions hand out AsyncCollectiveTensors, which wait when a torch op first
     reads them, but not on view ops; fla's Triton kernels take the raw pointer of such a wrapper
-    after a ``reshape`` (the diagnosis of an illegal-address crash in fla's norm backward under
-    TP on H200s). Every tensor crossing a TP collective, either way, passes here before fla sees it.
+    after a ``reshape``, reading memory the collective has not written yet (an illegal-address
+    crash in fla's norm backward under TP). Every tensor crossing a TP collective, either way,
+    passes here before fla sees it.
     """
 
     @staticmethod

@@ -46,17 +46,24 @@ def build(path: str, device: str) -> torch.nn.Module:
         return build_model(args)
 
 
-def summed_loss(model, batch: dict, labels: torch.Tensor, fused: bool = True):
-    """The batch's summed cross entropy (through the fused loss head when ``fused``), and the logits otherwise."""
+def summed_loss(model, batch: dict, labels: torch.Tensor):
+    """The batch's summed cross entropy, and its logits (None when the fused loss head computed it).
+
+    Call it, and the loss's backward, inside the batch's context (``batch_of``), as flame's
+    trainer does: attention finds the batch's documents there, activation checkpointing's
+    recompute reuses the masks the forward built, and a fused loss head finds its targets.
+    """
     inputs, labels, kwargs = model_inputs(model, batch, labels)
+    output = model(inputs, **kwargs).logits
+    if output.ndim == 0:  # the fused loss head's summed loss
+        return output, None
+    return F.cross_entropy(output.flatten(0, 1).float(), labels.flatten(), reduction="sum"), output
+
+
+def batch_of(model, batch: dict, labels: torch.Tensor, fused: bool = True) -> BatchContext:
+    """The batch's context as flame's trainer makes it: its documents, and the targets of a fused loss head."""
     fused = fused and isinstance(model.get_output_embeddings(), LossHead)
-    # as flame's trainer runs a batch: its documents and (for the fused loss head) its targets
-    context = BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"], targets=labels if fused else None)
-    with batch_context.computing(context):
-        if fused:
-            return model(inputs, **kwargs).logits, None
-        logits = model(inputs, **kwargs).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum"), logits
+    return BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"], targets=labels if fused else None)
 
 
 def documents_batch(ids: torch.Tensor, lengths: list[int]) -> dict:
@@ -73,18 +80,22 @@ def parity(model, ids: torch.Tensor, device: str) -> dict:
         first_two = [n * (ids.shape[1] - 1) // sum(lengths) for n in lengths[:2]]
         lengths = [*first_two, ids.shape[1] - 1 - sum(first_two)]
     ids, labels = ids[:, : sum(lengths)], ids[:, 1 : sum(lengths) + 1]
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-        loss, packed = summed_loss(model, documents_batch(ids, lengths), labels, fused=False)
-    loss.backward()
+    packed_batch = documents_batch(ids, lengths)
+    with batch_context.computing(batch_of(model, packed_batch, labels, fused=False)):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss, packed = summed_loss(model, packed_batch, labels)
+        loss.backward()
     packed_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     separate = []
     start = 0
     for length in lengths:
         piece = slice(start, start + length)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            doc_loss, logits = summed_loss(model, documents_batch(ids[:, piece], [length]), labels[:, piece], fused=False)
-        doc_loss.backward()
+        document = documents_batch(ids[:, piece], [length])
+        with batch_context.computing(batch_of(model, document, labels[:, piece], fused=False)):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                doc_loss, logits = summed_loss(model, document, labels[:, piece])
+            doc_loss.backward()
         separate.append(logits.reshape(1, length, -1))
         start += length
     separate_grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -111,9 +122,10 @@ def train(model, batches, device: str, compile_blocks: bool = False, ac_mode: st
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
-            loss = summed_loss(model, batch, labels)[0] / (labels != -100).sum()
-        loss.backward()
+        with batch_context.computing(batch_of(model, batch, labels)):  # forward, and backward's recompute
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+                loss = summed_loss(model, batch, labels)[0] / (labels != -100).sum()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -31,7 +31,7 @@ def _long_documents(total: int = 4096, seed: int = 0) -> list[int]:
 @pytest.mark.parametrize("window", [None, 100])
 def test_varlen_attention_of_local_queries_is_as_close_as_the_whole_batch(documents, balanced, window):
     # No fixed tolerance fits a bf16 kernel: on the whole batch, without context parallelism, one
-    # gradient element of 524,288 in the long case is 0.05 from the fp32 reference (H200, session 18).
+    # gradient element of 524,288 in the long case is 0.05 from the fp32 reference (on an H200).
     # So the split is held to the kernel's own rounding: local queries against the gathered keys
     # may be at most twice as far from the reference as the whole batch through the same kernel.
     # A wrong mask or alignment shows as errors of order 1.

@@ -28,7 +28,7 @@ def test_two_gpu_fsdp_nccl_run_trains(tmp_path, tiny_model, corpus):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_four_gpu_pipeline_with_fsdp_trains(tmp_path, tiny_model, corpus):
-    # FSDP's root moves a stage's inputs to the GPU: on CPU this path never shows (session 11)
+    # FSDP's root moves a stage's inputs to the GPU: on CPU this path never shows
     dump = tmp_path / "run"
     args = base_args(tiny_model, corpus, dump, steps=30) + [
         "--training.batch_size=4", "--parallelism.pipeline_parallel_degree=2",

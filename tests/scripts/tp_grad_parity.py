@@ -12,11 +12,10 @@ mixer is plain PyTorch run on CPU: ``transformer`` (softmax attention through fl
 attention) and ``mamba2`` (fla's PyTorch path, used without mamba_ssm). ``gla`` runs too, its
 Triton recurrence replaced by the same recurrence written token by token in PyTorch: its plan's
 pieces (replicated low-rank gate input, gated output norm) are what this checks, not fla's kernel.
-With --cuda (nccl, one GPU per rank) nothing is swapped: fla's kernels run, in fp32. Session 17
-(2 H200, fused_recurrent): the tiny gla agreed to 4e-5, the 340M gla's layer-0 q/k gradients
-differed by 1.3 at an equal loss. One GPU without TP moves them as much under a 1e-7 relative
-weight change (docs/perf-log.md, 2026-11-22), so on GPUs gla's gradient says
-nothing about TP; the CPU runs here (tiny configs, whose gradients hold steady at fp32's rounding) do.
+With --cuda (nccl, one GPU per rank) nothing is swapped: fla's kernels run, in fp32. On GPUs
+gla's gradient is ill-conditioned (a 1e-7 relative weight change moves the 340M gla's layer-0
+q/k gradients as much as TP does; docs/perf-log.md, 2026-11-22), so there it says nothing about
+TP; the CPU runs here (tiny configs, whose gradients hold steady at fp32's rounding) do.
 """
 
 import argparse
@@ -158,7 +157,7 @@ def packed_batch(vocab_size: int, rows: int = 2, length: int = 4096, longest: in
                  device: str = "cuda") -> tuple[dict, torch.Tensor]:
     """Rows packed with random documents of 1-``longest`` tokens. The defaults are --cuda's batch: at context
     512, 340M gla's step-1 gradient norms under TP 2 x FSDP 2 and FSDP 2 differed 3.7x with equal losses
-    (docs/perf-log.md, session 16)."""
+    (docs/perf-log.md, 2026-11-22)."""
     generator = torch.Generator().manual_seed(1)
     lengths = []
     for _ in range(rows):
