@@ -80,9 +80,12 @@ _PURGE_STALE_CHECKPOINTS = Target(
 # hooks of torchtitan's ConfigManager that flame.config_manager.FlameConfigManager overrides
 _DICT_TO_DATACLASS = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._dict_to_dataclass", ("self", "cls", "data"))
 _VALIDATE_CONFIG = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._validate_config", ("self",))
+# flame.config_fields.merge_configs: the merge keeps flame's field help for -h
+_MERGE_CONFIGS = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._merge_configs", ("base", "custom"))
 
 PRIVATE_NAMES = (
     _APPLY_AC, _OP_SAC_SAVE_LIST, _BUILD_METRIC_LOGGER, _PURGE_STALE_CHECKPOINTS, _DICT_TO_DATACLASS, _VALIDATE_CONFIG,
+    _MERGE_CONFIGS,
 )
 
 
