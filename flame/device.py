@@ -14,6 +14,9 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools import utils as torchtitan_utils
 
 from flame.errors import ConfigError
 
@@ -98,8 +101,6 @@ def compute_dtype(job_config) -> torch.dtype:
     """Parameter/activation dtype for the forward pass: bf16 (or as configured) on GPU, fp32 on CPU."""
     if not CUDA:
         return torch.float32
-    from torchtitan.config import TORCH_DTYPE_MAP
-
     return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
 
 
@@ -107,9 +108,7 @@ def peak_flops() -> float | None:
     """bf16 dense peak FLOP/s of this device for MFU, or None on CPU (MFU is not reported)."""
     if not CUDA:
         return None
-    from torchtitan.tools.utils import get_peak_flops
-
-    return get_peak_flops(torch.cuda.get_device_name())
+    return torchtitan_utils.get_peak_flops(torch.cuda.get_device_name())
 
 
 def sharded_init_differs_from_full_init(model: torch.nn.Module) -> bool:
@@ -124,6 +123,4 @@ def sharded_init_differs_from_full_init(model: torch.nn.Module) -> bool:
     """
     if CUDA:
         return False
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())

@@ -7,7 +7,9 @@ every rank runs ``check_model`` again as its Trainer starts (the cheap part: no 
 
 import importlib.util
 import os
+from importlib import metadata
 
+from packaging.requirements import Requirement
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -171,10 +173,6 @@ def check_mamba3_kernels(config: PretrainedConfig) -> None:
 
 def _unmet_requirement(package: str, dependency: str) -> tuple[str, str] | None:
     """``package``'s requirement on ``dependency`` and the version installed, when that version does not meet it."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
     try:
         requirements = [Requirement(line) for line in metadata.requires(package) or ()]
         installed = metadata.version(dependency)

@@ -186,6 +186,16 @@ def background_runs(request, _background_queue) -> dict[str, BackgroundRun]:
     return {name: BackgroundRun(dump, future.result()) for name, (dump, future) in _background_queue[test].items()}
 
 
+def write_job_toml(path: Path, model_config: str, training: str, job: str = "") -> Path:
+    """A job TOML at ``path`` for ``model_config`` on the builtin corpus and tokenizer; ``training``
+    (and ``job``) hold the lines of those tables beyond the dataset."""
+    path.write_text(
+        f"[job]\n{job}\n[model]\nconfig = \"{model_config}\"\ntokenizer_path = \"{TOKENIZER}\"\n"
+        f"[training]\ndataset = \"builtin:python-stdlib\"\n{training}\n"
+    )
+    return path
+
+
 def parse_job(monkeypatch, world_size: int, *args: str):
     """The JobConfig the ranks of a ``world_size``-process job would parse from ``args`` (validation included)."""
     from flame.config_manager import (

@@ -9,7 +9,7 @@ import torch
 
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError
-from tests.conftest import ROOT, flame_env
+from tests.conftest import ROOT, flame_env, write_job_toml
 
 
 def parse(*args: str, world_size: int = 1, monkeypatch=None):
@@ -20,23 +20,8 @@ def parse(*args: str, world_size: int = 1, monkeypatch=None):
 
 @pytest.fixture
 def job_toml(tmp_path, tiny_model):
-    path = tmp_path / "job.toml"
-    path.write_text(
-        f"""
-[job]
-dump_folder = "{tmp_path / 'from_toml'}"
-[model]
-config = "{tiny_model}"
-tokenizer_path = "builtin:python-stdlib-bpe"
-[training]
-dataset = "builtin:python-stdlib"
-seq_len = 128
-steps = 7
-varlen = true
-batch_size = 1
-"""
-    )
-    return path
+    training = "seq_len = 128\nsteps = 7\nvarlen = true\nbatch_size = 1"
+    return write_job_toml(tmp_path / "job.toml", tiny_model, training, job=f'dump_folder = "{tmp_path / "from_toml"}"')
 
 
 def test_toml_values_are_read(job_toml, monkeypatch):

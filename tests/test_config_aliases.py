@@ -12,7 +12,7 @@ import pytest
 from flame import device, launch
 from flame.config import ALIASES, REFUSED_SPELLINGS
 from flame.errors import ConfigError
-from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job
+from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job, write_job_toml
 
 # flame's README command for a 340M transformer on FineWeb-Edu, verbatim
 SEED_COMMAND = """
@@ -36,19 +36,7 @@ def replaced(args: list[str], flag: str, value: str) -> list[str]:
 
 @pytest.fixture
 def job_toml(tmp_path, tiny_model):
-    path = tmp_path / "job.toml"
-    path.write_text(
-        f"""
-[model]
-config = "{tiny_model}"
-tokenizer_path = "{TOKENIZER}"
-[training]
-dataset = "builtin:python-stdlib"
-seq_len = 128
-steps = 100
-"""
-    )
-    return path
+    return write_job_toml(tmp_path / "job.toml", tiny_model, "seq_len = 128\nsteps = 100")
 
 
 def parse(job_toml, monkeypatch, *args: str, world_size: int = 1, toml: str = ""):

@@ -13,14 +13,13 @@ import sys
 import time
 
 from flame.config_manager import FlameConfigManager
+from flame.data.loader import build_dataloader
+from flame.data.tokenizer import load_tokenizer
 from flame.errors import ConfigError
 
 
 def measure(job_config, workers: int, batches: int) -> float:
     """Tokens per second of one rank's loader with ``workers`` workers."""
-    from flame.data.loader import build_dataloader
-    from flame.data.tokenizer import load_tokenizer
-
     job_config.training.dataloader.num_workers = workers
     job_config.training.dataloader.prefetch_factor = 4 if workers else None
     loader = build_dataloader(1, 0, load_tokenizer(job_config.model.tokenizer_path), job_config)
