@@ -65,6 +65,18 @@ fi
 NGPU=${NGPU:-$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 NNODE=${NNODE:-1}
 NODE_RANK=${NODE_RANK:-0}
+for name in NGPU NNODE NODE_RANK; do # shell arithmetic below would fail with a bare shell error
+  least=1
+  [ "$name" = NODE_RANK ] && least=0
+  if [[ ! ${!name} =~ ^[0-9]+$ ]] || [ "${!name}" -lt "$least" ]; then
+    echo "flame: error: $name must be a whole number >= $least, not '${!name}'" >&2
+    exit 2
+  fi
+done
+if [ "$NODE_RANK" -ge "$NNODE" ]; then
+  echo "flame: error: NODE_RANK $NODE_RANK is not below NNODE $NNODE: number the nodes 0 to $((NNODE - 1))" >&2
+  exit 2
+fi
 LOG_RANK=${LOG_RANK:-0}
 
 plan=$(mktemp)

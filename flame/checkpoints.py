@@ -49,6 +49,37 @@ def checkpoint_to_load(job_config) -> str | None:
     return os.path.join(folder, f"step-{steps[-1]}") if steps else None
 
 
+def check_checkpoint_exists(job_config) -> None:
+    """ConfigError when the job names a checkpoint to load that is not there, complete.
+
+    torchtitan would train from step 1 when ``--checkpoint.load_step`` names a step of an empty
+    folder, fail inside a rank when the folder has other steps, and fail late on a missing
+    ``--checkpoint.initial_load_path``.
+    """
+    checkpoint = job_config.checkpoint
+    if not checkpoint.enable:
+        for flag, given in (("load_step", checkpoint.load_step != -1), ("initial_load_path", checkpoint.initial_load_path)):
+            if given:  # torchtitan loads nothing with checkpointing off
+                raise ConfigError(f"--checkpoint.{flag} loads a checkpoint, but checkpointing is off: add --checkpoint.enable")
+        return
+    folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
+    steps = complete_steps(folder)
+    if checkpoint.load_step != -1 and checkpoint.load_step not in steps:
+        if steps:
+            fix = f"its complete steps are {', '.join(map(str, steps))}: name one, or drop --checkpoint.load_step to resume from the latest"
+        else:
+            fix = "it holds no complete checkpoint: drop --checkpoint.load_step to start from step 1"
+        raise ConfigError(
+            f"--checkpoint.load_step {checkpoint.load_step}: {folder} has no complete step-{checkpoint.load_step}; {fix}"
+        )
+    if not os.path.exists(folder) and checkpoint.initial_load_path:
+        if not os.path.isfile(os.path.join(checkpoint.initial_load_path, ".metadata")):
+            raise ConfigError(
+                f"--checkpoint.initial_load_path {checkpoint.initial_load_path} is not a complete DCP checkpoint "
+                "(no .metadata there); give a step folder such as <dump_folder>/checkpoint/step-1000"
+            )
+
+
 def weight_mismatches(metadata: Metadata, state_dict: dict[str, torch.Tensor]) -> list[str]:
     """What keeps DCP from loading ``state_dict`` from a checkpoint: absent weights, other shapes."""
     problems = []

@@ -9,6 +9,8 @@
   (``UNUSED_TORCHTITAN_FIELDS``), so that no setting is silently ignored.
 """
 
+import types
+import typing
 from dataclasses import field, fields, is_dataclass, make_dataclass
 from typing import Any
 
@@ -102,3 +104,26 @@ def check_unused_fields(config: Any, defaults: Any) -> None:
         for name in names:
             if _get(config, name) != _get(defaults, name):
                 raise ConfigError(f"--{name} is a torchtitan option flame does not use: {why}")
+
+
+def type_mismatch(annotation: Any, value: Any) -> str | None:
+    """What a TOML value of a field annotated ``annotation`` should be, when ``value`` is not that; else None.
+
+    Checks the scalar types flame's and torchtitan's fields use (bool, int, float, str, their
+    optional forms and Literals); other annotations are left to the field's own checks.
+    """
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+    options = tuple(option for option in options if option is not type(None))
+    if value is None or len(options) != 1:
+        return None
+    expected = options[0]
+    if typing.get_origin(expected) is typing.Literal:
+        choices = typing.get_args(expected)
+        return None if value in choices else "one of " + ", ".join(repr(choice) for choice in choices)
+    names = {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}
+    if expected not in names:
+        return None
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return None  # 1 is a fine float
+    fits = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    return None if fits else names[expected]

@@ -12,6 +12,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import tomli
 from torchtitan.config import ConfigManager, JobConfig
 
 from flame import device
@@ -22,6 +23,7 @@ from flame.config_fields import (
     dotted_fields,
     merge_configs,
     resolve_aliases,
+    type_mismatch,
 )
 from flame.errors import ConfigError
 
@@ -73,9 +75,16 @@ class FlameConfigManager(ConfigManager):
                     args[i] = f"{key}={resolve_path(value)}"
                 elif i + 1 < len(args):
                     args[i + 1] = resolve_path(args[i + 1])
+        config_files = [args[i + 1] if not value and i + 1 < len(args) else value
+                        for i, (key, value) in enumerate(map(_flag, args)) if key == "--job.config_file"]
+        if len(config_files) > 1:  # torchtitan would read the first and ignore the others
+            raise ConfigError(
+                f"--job.config_file is given {len(config_files)} times ({', '.join(config_files)}); give one "
+                "job file and put the other's settings on the command line (they override the file)"
+            )
         config_file = self._config_file(args)
-        if config_file is not None and not os.path.isfile(config_file):
-            raise ConfigError(f"job config file not found: {config_file}")
+        if config_file is not None:
+            _check_toml(config_file)
         self._toml_path = config_file
         # which settings the command line and the TOML file give, for resolve_aliases
         self._on_cli = _given_on_cli(args)
@@ -109,6 +118,11 @@ class FlameConfigManager(ConfigManager):
                     "Run `bash train.sh -h` for every valid key"
                 )
             ftype = known[key].type
+            if (expected := type_mismatch(ftype, value)) is not None:
+                raise ConfigError(
+                    f"'{prefix}{key}' in {self._toml_path} is {value!r} ({type(value).__name__}), but it takes "
+                    f"{expected}; write it as a TOML {expected}"
+                )
             if is_dataclass(ftype) and isinstance(value, dict):
                 values[key] = self._dict_to_dataclass(ftype, value, f"{prefix}{key}.")
             else:
@@ -121,6 +135,17 @@ class FlameConfigManager(ConfigManager):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         given = dict.fromkeys(self._in_toml, TOML) | dict.fromkeys(self._on_cli, CLI)
         finalize(self.config, world_size, given)
+
+
+def _check_toml(path: str) -> None:
+    """A job file that exists and parses as TOML (torchtitan would print a traceback)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"job config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            tomli.load(f)
+    except tomli.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}; fix that line") from None
 
 
 def split_list(value: str | None) -> list[str]:
@@ -176,8 +201,13 @@ def _check_training(config: JobConfig) -> None:
         raise ConfigError(
             f"--training.gradient_accumulation_steps must be >= 1, got {t.gradient_accumulation_steps}"
         )
-    if t.steps < 0:
-        raise ConfigError(f"--training.steps must be >= 0, got {t.steps}")
+    if t.steps < 1 and not config.checkpoint.create_seed_checkpoint:
+        raise ConfigError(
+            f"--training.steps must be >= 1 (optimizer steps to train), got {t.steps}; to write initial weights "
+            "without training, use --checkpoint.create_seed_checkpoint"
+        )
+    if config.optimizer.lr < 0:  # 0 is a use: a step that loads and saves the weights unchanged
+        raise ConfigError(f"--optimizer.lr must be >= 0, got {config.optimizer.lr}")
     if t.max_norm <= 0:
         raise ConfigError(f"--training.max_norm must be positive, got {t.max_norm}")
     for name in ("num_workers", "shuffle_buffer", "row_shuffle_buffer", "data_shards"):
@@ -207,6 +237,11 @@ def _check_training(config: JobConfig) -> None:
     if config.checkpoint.keep_latest_k == 1:
         raise ConfigError(
             "--checkpoint.keep_latest_k 1 could delete the only loadable checkpoint during a save: use 0 (keep all) or >= 2"
+        )
+    if config.checkpoint.keep_latest_k < 0:
+        raise ConfigError(
+            f"--checkpoint.keep_latest_k {config.checkpoint.keep_latest_k}: use 0 (keep every checkpoint) or >= 2 "
+            "(keep that many of the newest)"
         )
     if config.checkpoint.interval <= 0:
         raise ConfigError(f"--checkpoint.interval must be positive, got {config.checkpoint.interval}")

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from flame import compat, device
-from flame.checkpoints import check_checkpoint_fits_model
+from flame.checkpoints import check_checkpoint_exists, check_checkpoint_fits_model
 from flame.config_manager import fsdp_enabled
 from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
@@ -30,9 +30,27 @@ from flame.models.support import Documents, support_for
 
 def check_job(job_config) -> None:
     """Every check: the model, its checkpoint, and every data source (train.sh's preflight)."""
+    check_dump_folder(job_config.job.dump_folder)
     model_config = check_model(job_config)
+    check_checkpoint_exists(job_config)
     check_checkpoint_fits_model(job_config, model_config)
     DataPlan.from_config(job_config, load_tokenizer(job_config.model.tokenizer_path))
+
+
+def check_dump_folder(folder: str) -> None:
+    """The dump folder is a folder this user can write, or can be made in one."""
+    existing = folder
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    existing = existing or "."
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"--job.dump_folder {folder}: {existing} is a file, not a folder; choose another --job.dump_folder"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--job.dump_folder {folder}: {existing} is not writable by this user; choose a folder you can write"
+        )
 
 
 def check_model(job_config) -> PretrainedConfig:
