@@ -80,6 +80,8 @@ class Training:
     """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False
     """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
+    max_skipped_steps: int = 10
+    """With skip_nan_inf: the most updates skipped in a row; one more stops the run (it has diverged). 0 = no limit"""
     # Older spellings of torchtitan fields (ALIASES). Their defaults only show in `-h`: an alias
     # counts where the TOML file or the command line gives it.
     batch_size: int | None = None

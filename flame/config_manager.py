@@ -210,7 +210,7 @@ def _check_training(config: JobConfig) -> None:
         raise ConfigError(f"--optimizer.lr must be >= 0, got {config.optimizer.lr}")
     if t.max_norm <= 0:
         raise ConfigError(f"--training.max_norm must be positive, got {t.max_norm}")
-    for name in ("num_workers", "shuffle_buffer", "row_shuffle_buffer", "data_shards"):
+    for name in ("num_workers", "shuffle_buffer", "row_shuffle_buffer", "data_shards", "max_skipped_steps"):
         value = t.dataloader.num_workers if name == "num_workers" else getattr(t, name)
         if value < 0:
             raise ConfigError(f"--training.{name} must be >= 0, got {value}")

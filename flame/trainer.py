@@ -36,6 +36,7 @@ from torchtitan.train import Trainer as TorchtitanTrainer
 
 from flame import batch_context, compat, preflight
 from flame.batch_context import BatchContext
+from flame.checkpoints import complete_steps
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
 from flame.config_manager import RUN_CONFIG_FILE
@@ -77,6 +78,7 @@ class Trainer(TorchtitanTrainer):
         preflight.check_model(job_config)  # train.sh checked it all already; a bare torchrun launch did not
         register_flame_train_spec()
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # updates skipped in a row (--training.max_skipped_steps)
         self.data_exhausted = False
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
@@ -196,17 +198,11 @@ class Trainer(TorchtitanTrainer):
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
         )
         if torch.isfinite(grad_norm):
+            self.consecutive_skips = 0
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
-        elif self.job_config.training.skip_nan_inf:
-            self.skipped_steps += 1
-            logger.warning(f"step {self.step}: gradient norm is {grad_norm.item()}; update skipped ({self.skipped_steps} so far)")
-            self.optimizers.zero_grad()
         else:
-            raise NonFiniteGradientError(
-                f"step {self.step}: gradient norm is {grad_norm.item()}; stopping (the last checkpoint is intact). "
-                "Lower the learning rate, or pass --training.skip_nan_inf to skip such updates"
-            )
+            self._skip_or_stop(grad_norm.item())
         self.lr_schedulers.step()
 
         # The logged loss is the mean over the steps since the last log line (a smooth curve
@@ -237,6 +233,33 @@ class Trainer(TorchtitanTrainer):
             },
         )
 
+    def _skip_or_stop(self, grad_norm: float) -> None:
+        """A step whose gradient norm is NaN/Inf: skip its update (--training.skip_nan_inf), or stop the run.
+
+        Skipping has a limit: a run whose updates keep failing has diverged, and skipping on would
+        train nothing while looking healthy.
+        """
+        training = self.job_config.training
+        limit = training.max_skipped_steps
+        if training.skip_nan_inf and (limit == 0 or self.consecutive_skips < limit):
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            logger.warning(f"step {self.step}: gradient norm is {grad_norm}; update skipped ({self.skipped_steps} so far)")
+            self.optimizers.zero_grad()
+            return
+        steps = complete_steps(os.path.join(self.job_config.job.dump_folder, self.job_config.checkpoint.folder))
+        saved = f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
+        if training.skip_nan_inf:
+            raise NonFiniteGradientError(
+                f"step {self.step}: gradient norm is {grad_norm}, non-finite for {limit + 1} updates in a row "
+                f"(--training.max_skipped_steps {limit}); stopping, {saved}. The run has diverged: lower the learning "
+                "rate or raise the warmup, and resume from the last checkpoint"
+            )
+        raise NonFiniteGradientError(
+            f"step {self.step}: gradient norm is {grad_norm}; stopping, {saved}. Lower the learning rate, or pass "
+            "--training.skip_nan_inf to skip such updates"
+        )
+
     def _data_metrics(self) -> dict[str, float]:
         """Documents and tokens trained on from each source, over all ranks, since the run started."""
         loader = self.dataloader
@@ -253,11 +276,15 @@ class Trainer(TorchtitanTrainer):
         tokens = self.ntokens_seen
         if self.parallel_dims.dp_enabled:
             tokens = int(dist_utils.dist_sum(torch.tensor(tokens, device=self.device), self.parallel_dims.get_mesh("batch")))
-        return {**super().state_dict(), "ntokens_seen": tokens, "skipped_steps": self.skipped_steps}
+        return {
+            **super().state_dict(), "ntokens_seen": tokens, "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
+        self.consecutive_skips = state_dict.get("consecutive_skips", 0)
         # the total carries on in the first data-parallel rank's count; the log sums them
         if self.parallel_dims.dp_enabled and self.parallel_dims.get_mesh("batch").get_local_rank() != 0:
             self.ntokens_seen = 0

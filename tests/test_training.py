@@ -77,9 +77,8 @@ def test_resume_is_bit_identical_with_dataloader_workers(background_runs, tiny_m
     assert [got[s] for s in range(5, 13)] == [expected[s] for s in range(5, 13)]
 
 
-def _bad_steps_job(*flags):
-    return train_job(8, *flags, module=str(SCRIPTS / "inject_nonfinite.py"),
-                     env={"FLAME_TEST_BAD_STEPS": "3,5"})
+def _bad_steps_job(*flags, bad_steps: str = "3,5"):
+    return train_job(8, *flags, module=str(SCRIPTS / "inject_nonfinite.py"), env={"FLAME_TEST_BAD_STEPS": bad_steps})
 
 
 @pytest.mark.background_runs(run=_bad_steps_job("--training.skip_nan_inf"))
@@ -99,8 +98,21 @@ def test_non_finite_gradient_stops_the_run_naming_the_step(background_runs):
     assert result.returncode != 0
     assert "step 3: gradient norm is inf" in result.stdout + result.stderr
     assert "--training.skip_nan_inf" in result.stdout + result.stderr
+    assert "step-2, the last checkpoint, is intact" in result.stdout + result.stderr
     assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
     assert not (dump / "checkpoint" / "step-4").exists()
+
+
+@pytest.mark.background_runs(run=_bad_steps_job("--training.skip_nan_inf", "--training.max_skipped_steps=2",
+                                                bad_steps="3,4,5,6"))
+def test_skipping_stops_when_too_many_updates_in_a_row_fail(background_runs):
+    dump, result = background_runs["run"]
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "step 4: gradient norm is inf; update skipped (2 so far)" in output  # steps 3 and 4 skipped
+    assert "step 5: gradient norm is inf, non-finite for 3 updates in a row (--training.max_skipped_steps 2)" in output
+    assert "no checkpoint was saved" in output  # the run's only checkpoint would have been at step 8
+    assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir())
 
 
 # the packer hands out rows in order, so 2 micro-batches of 1 row hold the rows of 1 batch of 2
