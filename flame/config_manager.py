@@ -356,6 +356,11 @@ def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
         raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
     _check_model(config)
     _check_training(config)
+    if "training.max_skipped_steps" in given and not config.training.skip_nan_inf:
+        raise ConfigError(
+            "--training.max_skipped_steps limits --training.skip_nan_inf, which is off: add --training.skip_nan_inf, "
+            "or drop --training.max_skipped_steps"
+        )
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
     _check_fsdp_options(config, world_size)
