@@ -117,7 +117,7 @@ _MAMBA_SCAN = (
     "fast only with mamba_ssm's and causal_conv1d's CUDA builds; without them fla's Mamba layers scan token by token"
 )
 _MAMBA_SSM = Package(
-    # the Triton files suffice (flame.models.fla_patches loads them): no CUDA build, no dependencies
+    # the Triton files suffice (flame.compat.mamba_ssm loads them): no CUDA build, no dependencies
     "mamba_ssm",
     "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
     "mamba_ssm's Mamba-3 scan kernels",
