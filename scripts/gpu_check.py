@@ -3,6 +3,8 @@
     python scripts/gpu_check.py --list                      the suites and what each runs
     python scripts/gpu_check.py --suite zoo --out $OUT      one suite (--suite may repeat)
     python scripts/gpu_check.py --suite tp --configs configs/tiny/llama.json --dry-run
+    python scripts/gpu_check.py --suite peers --out $OUT --budget 560   flame vs torchtitan's own trainer vs
+        the plain loop, 340M (1B: --configs configs/llama_1B.json configs/transformer_1B.json --tokens 16384)
 
 Every step's log (and a train.sh run's metrics.jsonl) goes to <work>/<suite>/, which is packed
 into <out>/<suite>.tgz after every step, so a command stopped at its limit still returns what
@@ -59,6 +61,13 @@ LONG = ("--training.batch_size", "1", "--training.seq_len", "{double}", "--train
         "--training.no-document_mask", "--activation_checkpoint.mode", "full", "--training.steps", "8")
 CONTEXT = 4096  # longest document piece of the 340M runs ({context}; a quarter of --tokens when that is less)
 PYTEST = ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider")
+# the peers suite: every side runs {steps} steps and is timed over the last half (its last logged window)
+PEER = ("{python}", "-m", "scripts.bench.torchtitan_peer", "--config", "{config}", "--tokens", "{tokens}", "--steps",
+        "{steps}", "--log-freq", "{half}", "--device", "{device}")
+PLAIN = ("{python}", "-m", "scripts.bench.plain_loop", "--config", "{config}", "--seq", "{tokens}", "--context",
+         "{context}", "--warmup", "{half}", "--steps", "{half}", "--device", "{device}")
+# configs torchtitan's llama3 runs for; an fla transformer's row reads the llama run of its size (equal parameters)
+TORCHTITAN_TWINS = ("llama_340M", "llama_1B")
 
 
 def tiny(*names: str) -> tuple[str, ...]:
@@ -97,6 +106,26 @@ SUITES = {
                "--optimizer.lr", "3e-4", "--training.num_workers", "4", *NO_CHECKPOINT),
         configs=("configs/transformer_340M.json", "configs/gla_340M.json"),
         steps=30, tokens=65536, timeout=280,
+    ),
+    "peers": Suite(
+        "one GPU: flame against torchtitan's own llama3 trainer at the same sizes (its varlen attention, "
+        "block-causal masks) and the plain PyTorch loop, on the builtin corpus in one varlen row per step, eager "
+        "and compiled; 1B: --configs configs/llama_1B.json configs/transformer_1B.json --tokens 16384; "
+        "plain-compiled runs on request (--only)",
+        report="peers",
+        per_config=(
+            Command("torchtitan", PEER, only=TORCHTITAN_TWINS),
+            Command("torchtitan-compiled", (*PEER, "--compile"), only=TORCHTITAN_TWINS, compiled=True),
+            Run("flame", 1),
+            Run("flame-compiled", 1, (COMPILE_FLAG,)),
+            Command("plain", PLAIN),
+            Command("plain-compiled", (*PLAIN, "--compile"), compiled=True, on_request=True),
+        ),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "{half}", "--lr_scheduler.warmup_steps", "{half}", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", *NO_CHECKPOINT),
+        configs=("configs/llama_340M.json", "configs/transformer_340M.json"),
+        steps=20, tokens=32768, timeout=300,
     ),
     "layouts": Suite(
         "one model's multi-GPU layouts from one seed against their references, and weak scaling against "
@@ -212,7 +241,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"{name} must be positive, got {value}")
     used = set().union(*(placeholders(suite) for suite in suites))
     unused = {"--configs": args.configs and not any(suite.per_config for suite in suites),
-              "--steps": args.steps and "steps" not in used,
+              "--steps": args.steps and not used & {"steps", "half"},
               "--tokens": args.tokens and not used & {"tokens", "quarter", "double", "context"},
               "--flags": args.flags and not any(isinstance(i, Run) for s in suites for i in s.per_config),
               "--jobs": args.jobs and not any(suite.parallel for suite in suites),
@@ -230,14 +259,15 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def compiles(suite: Suite) -> bool:
-    return any(isinstance(i, Command) and i.no_compile or isinstance(i, Run) and COMPILE_FLAG in i.flags
+    return any(isinstance(i, Command) and (i.no_compile or i.compiled) or isinstance(i, Run) and COMPILE_FLAG in i.flags
                for i in (*suite.setup, *suite.per_config))
 
 
 def plan(name: str, args: argparse.Namespace) -> list[Step]:
     suite = SUITES[name]
     tokens = args.tokens or suite.tokens or 0
-    values = {"steps": args.steps or suite.steps, "tokens": tokens, "quarter": tokens // 4, "double": 2 * tokens,
+    steps = args.steps or suite.steps or 0
+    values = {"steps": steps, "half": max(1, steps // 2), "tokens": tokens, "quarter": tokens // 4, "double": 2 * tokens,
               "context": min(CONTEXT, tokens // 4), "device": "cpu" if args.cpu else "cuda", "python": sys.executable}
     configs = list(args.configs or suite.configs)
     return steps_of(name, suite, configs, values, shlex.split(args.flags), set(args.only or ()), args.no_compile)
@@ -259,6 +289,7 @@ def list_suites() -> None:
             print(f"  {command.name}: {' '.join(command.argv)}")
         for item in suite.per_config:
             where = f" (only {', '.join(item.only)})" if item.only else ""
+            where += " (on request: --only)" if isinstance(item, Command) and item.on_request else ""
             if isinstance(item, Command):
                 print(f"  per config, {item.name}{where}: {' '.join(item.argv)}")
             else:

@@ -3,21 +3,26 @@
 The suites run only on GPU machines; here their table is checked against the repository (every
 config, test file and worker they name exists, every reference names a run of the same suite),
 the driver's refusals are checked, and so are the pieces that run without a GPU: flame.data's
-benchmark batches and the comparison table of train.sh runs.
+benchmark batches, the comparison tables, and torchtitan's own trainer as the peers suite runs
+it (on the CPU, 2 steps).
 """
 
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts import gpu_check
-from scripts.bench import reports, runs
+from scripts.bench import reports, runs, torchtitan_peer
 from scripts.bench.batches import packed_batches
 from scripts.bench.plan import Run, Step
 from scripts.bench.runs import Result
+from tests.conftest import flame_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,3 +149,95 @@ def test_kernel_caches_travel_as_the_union_of_what_machines_returned(tmp_path, m
     fresh = sorted(str(p.relative_to(tmp_path / "fresh")) for p in (tmp_path / "fresh").rglob("*") if p.is_file())
     assert fresh == ["tlcache/kernel0.so", "tlcache/kernel1.so", "triton/a/choice.autotune.json",
                      "triton/b/choice.autotune.json"]
+
+
+def test_the_peers_suite_times_the_same_window_on_every_side():
+    steps = gpu_check.plan("peers", gpu_check.parse_args(["--suite", "peers"]))
+    assert [s.name for s in steps] == [
+        "llama_340M-torchtitan", "llama_340M-torchtitan-compiled", "llama_340M-flame", "llama_340M-flame-compiled",
+        "llama_340M-plain", "transformer_340M-flame", "transformer_340M-flame-compiled", "transformer_340M-plain"]
+    for step in steps:  # 20 steps of one 32K row, timed over steps 11-20
+        argv = " ".join([*step.common, *step.argv])
+        assert re.search(r"(--training.seq_len|--tokens|--seq) 32768", argv), argv
+        assert re.search(r"--training.steps 20 .*--metrics.log_freq 10|--steps 20 --log-freq 10|--warmup 10 --steps 10",
+                         argv), argv
+        assert ("--compile" in step.argv or "--training.compile" in step.argv) == step.name.endswith("-compiled")
+    billion = gpu_check.parse_args(["--suite", "peers", "--configs", "configs/llama_1B.json",
+                                    "configs/transformer_1B.json", "--tokens", "16384", "--no-compile"])
+    assert [s.name for s in gpu_check.plan("peers", billion)] == [
+        "llama_1B-torchtitan", "llama_1B-flame", "llama_1B-plain", "transformer_1B-flame", "transformer_1B-plain"]
+    # the plain loop's compiled run is left out unless --only names it
+    extra = gpu_check.parse_args(["--suite", "peers", "--only", "plain", "plain-compiled"])
+    assert [s.name for s in gpu_check.plan("peers", extra)] == [
+        "llama_340M-plain", "llama_340M-plain-compiled", "transformer_340M-plain", "transformer_340M-plain-compiled"]
+
+
+def test_torchtitans_llama3_twin_has_the_configs_shapes(tiny_model):
+    from torchtitan.models.llama3.model.model import FeedForward
+
+    for dim, width in [(1024, 2816), (2048, 5632), (256, 704), (64, 128)]:
+        multiple_of, multiplier = torchtitan_peer.ffn_args(dim, width)
+        with torch.device("meta"):
+            assert FeedForward(dim, 4 * dim, multiple_of, multiplier).w1.out_features == width
+    for config in ("configs/llama_340M.json", "configs/transformer_340M.json", tiny_model):
+        args, flame_count, torchtitan_count = torchtitan_peer.twin_of(config, "varlen")
+        assert flame_count == torchtitan_count and args.attn_mask_type == "block_causal"
+    with pytest.raises(ValueError, match="tied embeddings"):
+        torchtitan_peer.twin_of("configs/llama_4M.json", "varlen")
+
+
+def test_torchtitans_own_trainer_runs_and_its_log_is_read(tiny_model, tmp_path):
+    """torchtitan's trainer on the CPU (flame's CPU seam; sdpa attention), 2 steps on the exported corpus."""
+    run = subprocess.run([sys.executable, "-m", "scripts.bench.torchtitan_peer", "--config", tiny_model, "--tokens",
+                          "512", "--steps", "2", "--device", "cpu", "--dump", str(tmp_path)],
+                         cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = run.stdout.splitlines()
+    windows = reports.torchtitan_windows(text)
+    assert [w["step"] for w in windows] == [1, 2] and all(w["tps"] > 0 and w["loss"] > 0 for w in windows)
+    assert reports.parameter_count(text) == torchtitan_peer.twin_of(tiny_model, "sdpa")[1]
+    assert "--training.dataset_path" in text[0] and "--compile.enable" not in text[0]
+
+
+def test_the_peers_table_sets_the_three_sides_side_by_side(tmp_path):
+    llama, transformer = "configs/llama_340M.json", "configs/transformer_340M.json"
+
+    def step(config, item, status=0, log="", flame_tps=None):
+        name = f"{Path(config).stem}-{item}"
+        (tmp_path / f"{name}.log").write_text(log)
+        if flame_tps:
+            (tmp_path / name).mkdir()
+            rows = [{"step": s, "throughput(tps)": tps, "mfu(%)": 30.0, "memory/max_reserved(GiB)": 35.5}
+                    for s, tps in ((10, 1.0), (20, flame_tps))]
+            (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        argv = ["--tokens", "32768"] if not item.startswith("flame") else []
+        common = ["--training.seq_len", "32768"] if item.startswith("flame") else []
+        return Result(Step("peers", item, name, argv, config=config, train=item.startswith("flame"), common=common),
+                      status, 60.0)
+
+    def torchtitan_log(tps):  # torchtitan's own lines (components/metrics.py), after the trainer's size line
+        return ("[titan] 2026-11-25 10:00:00,000 - root - INFO - Model llama3 flame_llama_340M size: 373,867,520 "
+                "total parameters\n" + "".join(
+                    f"[titan] 2026-11-25 10:00:0{i},000 - root - INFO - step: {s:2}  loss: 7.12345  grad_norm:  1.2345"
+                    f"  memory: 40.12GiB(50.70%)  tps: {t:,}  tflops: 250.12  mfu: 25.29%\n"
+                    for i, (s, t) in enumerate(((1, 900), (10, 50_000), (20, tps)))))
+
+    size = "[default0]:[titan] ... - root - INFO - Model flame llama_340M size: 373,867,520 total parameters\n"
+    plain = json.dumps({"tokens_per_s": 100_000, "peak_mem_gib": 50.9, "params": 373_867_520}) + "\n"
+    results = [step(llama, "torchtitan", log=torchtitan_log(100_000)),
+               step(llama, "torchtitan-compiled", log=torchtitan_log(140_000)),
+               step(llama, "flame", log=size, flame_tps=90_000), step(llama, "flame-compiled", log=size, flame_tps=150_000),
+               step(llama, "plain", log=plain),
+               step(transformer, "flame", log=size, flame_tps=145_000), step(transformer, "flame-compiled", status=124),
+               step(transformer, "plain", log=plain)]
+    table = reports.peers(results, tmp_path)
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in table[1:5]}
+    assert rows[("llama_340M", "32,768", "eager")] == [
+        "373,867,520", "373,867,520", "100,000", "90,000", "100,000", "0.90", "0.90", "30.0", "40.1", "35.5", "50.9"]
+    assert rows[("llama_340M", "32,768", "compiled")][2:6] == ["140,000", "150,000", "-", "1.07"]
+    # the fla transformer is compared with the llama of its size; its compiled run stopped, so no figures of its own
+    assert rows[("transformer_340M", "32,768", "eager")][2:6] == ["100,000", "145,000", "100,000", "1.45"]
+    assert rows[("transformer_340M", "32,768", "compiled")][2:4] == ["140,000", "-"]
+    notes = "\n".join(table[5:])
+    assert "transformer_340M eager: torchtitan's columns are llama_340M's run" in notes
+    assert "transformer_340M-flame-compiled: stopped at its limit" in notes and "WARNING" not in notes

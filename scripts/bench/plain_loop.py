@@ -10,8 +10,8 @@ packed as the trainer packs it; one row is varlen), handed to the model as the t
 them (flame.models.model_inputs: HF models get position ids and flame's document attention,
 fla models one row with cu_seqlens). Prints each step's time to stderr (a first step that
 takes minutes shows as fla autotuning); last, one JSON line on stdout: the median step time,
-tokens/s at that median, TFLOPS and MFU (flame's FLOPs count) over the timed steps, and peak
-reserved memory.
+tokens/s at that median, TFLOPS and MFU (flame's FLOPs count) over the timed steps, peak
+reserved memory and the model's parameter count.
 """
 
 import argparse
@@ -85,6 +85,7 @@ def main() -> None:
     achieved = sum(step_flops) / sum(times)
     print(json.dumps({
         "config": args.config, "rows": args.rows, "seq": args.seq, "compile": args.compile,
+        "params": sum({id(p): p.numel() for p in model.parameters()}.values()),  # tied weights once
         "step_ms": round(step_time * 1000, 1),
         "tokens_per_s": round(args.rows * args.seq / step_time),
         "tflops": round(achieved / 1e12, 1),

@@ -3,9 +3,10 @@
 A suite (scripts/gpu_check.py: SUITES) lists ``Command``s and ``Run``s. ``setup`` items run
 once; ``per_config`` items run for each of the suite's model configs, named ``<config>-<item>``
 (configs/tiny/gla.json's tp2 run is ``gla-tp2``; just ``gla`` in a suite of one such item).
-Their texts may hold placeholders: {config} (the config's path), {steps}, {tokens}, {quarter}
-(tokens / 4), {double} (tokens x 2), {context} (gpu_check.CONTEXT, at most tokens / 4),
-{device} (cuda, or cpu with --cpu) and {python} (the driver's interpreter).
+Their texts may hold placeholders: {config} (the config's path), {steps}, {half} (steps / 2:
+the last half is the timed window), {tokens}, {quarter} (tokens / 4), {double} (tokens x 2),
+{context} (gpu_check.CONTEXT, at most tokens / 4), {device} (cuda, or cpu with --cpu) and
+{python} (the driver's interpreter).
 """
 
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ class Command:
     show_block: str = ""  # regular expression: a matching line and the BLOCK_LINES after it (e.g. a text sample)
     no_compile: tuple[str, ...] = ()  # arguments added under --no-compile (the command compiles otherwise)
     only: tuple[str, ...] = ()  # per-config items: only for these configs (file name without .json)
+    compiled: bool = False  # a compiled-only measurement: left out under --no-compile
+    on_request: bool = False  # runs only when --only names it (an extra the suite's time budget leaves out)
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def steps_of(suite_name: str, suite: Suite, configs: list[str], values: dict, ex
     """The suite's steps, in order: setup, then every per-config item of each config in turn."""
     steps = []
     for command in suite.setup:
-        if not only or command.name in only:
+        if command.name in only or not only and not command.on_request:
             argv = fill(command.argv, values) + (list(command.no_compile) if no_compile else [])
             steps.append(Step(suite_name, command.name, command.name, argv, command.show, command.show_block))
     for config in configs:
@@ -102,6 +105,8 @@ def steps_of(suite_name: str, suite: Suite, configs: list[str], values: dict, ex
                 continue
             step_name = name if len(suite.per_config) == 1 else f"{name}-{item.name}"
             if isinstance(item, Command):
+                if item.compiled and no_compile or item.on_request and item.name not in only:
+                    continue
                 argv = fill(item.argv, here) + (list(item.no_compile) if no_compile else [])
                 steps.append(Step(suite_name, item.name, step_name, argv, item.show, item.show_block, config))
                 continue
@@ -119,5 +124,5 @@ def placeholders(suite: Suite) -> set[str]:
     texts = [*suite.flags]
     for item in (*suite.setup, *suite.per_config):
         texts += item.argv if isinstance(item, Command) else item.flags
-    return {key for key in ("config", "steps", "tokens", "quarter", "double", "context", "device", "python")
+    return {key for key in ("config", "steps", "half", "tokens", "quarter", "double", "context", "device", "python")
             if any("{" + key + "}" in text for text in texts)}

@@ -160,4 +160,116 @@ def throughput(results: list[Result], work: Path, baseline: str | None = None) -
     return shown
 
 
-REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput}
+# torchtitan's line per logged step (torchtitan.components.metrics.MetricsProcessor.log), e.g.
+# "step: 20  loss:  7.12345  grad_norm:  1.2345  memory: 40.12GiB(50.70%)  tps: 115,234  tflops: 250.12  mfu: 25.29%"
+TORCHTITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*\S+\s+memory:\s*([\d.]+)GiB\S*\s+"
+                             r"tps:\s*([\d,]+)\s+tflops:\s*([\d.,]+)\s+mfu:\s*(\S+)%")
+PARAMETERS = re.compile(r"size: ([\d,]+) total parameters")  # torchtitan's Trainer logs it (flame's too)
+SIDES = ("torchtitan", "flame", "plain")
+
+
+def torchtitan_windows(text: list[str]) -> list[dict]:
+    """torchtitan's logged windows in order: step, loss, peak reserved GiB, tokens/s, TFLOPS and its MFU."""
+    windows = []
+    for line in text:
+        if match := TORCHTITAN_STEP.search(line):
+            step, loss, memory, tps, tflops, mfu = match.groups()
+            windows.append({"step": int(step), "loss": float(loss), "memory_gib": float(memory),
+                            "tps": float(tps.replace(",", "")), "tflops": float(tflops.replace(",", "")),
+                            "mfu": float(mfu)})
+    return windows
+
+
+def parameter_count(text: list[str]) -> int | None:
+    """The model's parameter count as the trainer logged it."""
+    found = [PARAMETERS.search(line) for line in text]
+    return next((int(m.group(1).replace(",", "")) for m in reversed(found) if m), None)
+
+
+def tokens_per_step(step) -> int | None:
+    """The step's tokens per step, read from its command line (one row: flame's seq_len, the workers' --tokens/--seq)."""
+    argv = [*step.common, *step.argv]
+    values = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--training.seq_len", "--tokens", "--seq")]
+    return int(values[-1]) if values else None
+
+
+def peer_measurement(result: Result, side: str, work: Path) -> dict:
+    """A finished run's last window: tokens/s, MFU (flame's count), peak reserved GiB, parameters ({} if none)."""
+    if result.status != 0:
+        return {}
+    text = log_lines(work, result)
+    if side == "torchtitan":
+        windows = torchtitan_windows(text)
+        if not windows:
+            return {}
+        return {"tps": windows[-1]["tps"], "memory": windows[-1]["memory_gib"], "params": parameter_count(text)}
+    if side == "flame":
+        rows = metrics(work, result.step.name)
+        if not rows:
+            return {}
+        last = rows[max(rows)]
+        return {"tps": last.get("throughput(tps)"), "mfu": last.get("mfu(%)"),
+                "memory": last.get("memory/max_reserved(GiB)"), "params": parameter_count(text)}
+    row = last_json(work, result) or {}
+    return {"tps": row.get("tokens_per_s"), "memory": row.get("peak_mem_gib"), "params": row.get("params")} if row else {}
+
+
+def figure(value: float | None, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def peers(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """One table: per config and mode, torchtitan's own trainer, flame and the plain loop side by side.
+
+    Items are named <side>[-compiled]. A config without torchtitan runs of its own (an fla
+    transformer) is compared with the torchtitan run of the config with its parameter count
+    and tokens per step (the llama of its size), named under the table.
+    """
+    found: dict[tuple[str, str], dict[str, dict]] = {}  # (config, mode) -> side -> measurement
+    tokens = {}
+    for result in results:
+        side, _, compiled = result.step.item.partition("-")
+        key = (result.step.config, "compiled" if compiled else "eager")
+        found.setdefault(key, {})[side] = peer_measurement(result, side, work)
+        tokens[key] = tokens_per_step(result.step)
+    header = (f"{'model':18s} {'tokens':>7s} {'mode':8s} {'params tt':>13s} {'params flame':>13s} {'tok/s tt':>9s} "
+              f"{'tok/s flame':>11s} {'tok/s plain':>11s} {'flame/tt':>8s} {'flame/plain':>11s} {'MFU% flame':>10s} "
+              f"{'GiB tt':>6s} {'GiB flame':>9s} {'GiB plain':>9s}")
+    shown, notes = [header], []
+    for (config, mode), sides in found.items():  # in the order the steps ran
+        name = Path(config).stem
+        flame, plain = sides.get("flame", {}), sides.get("plain", {})
+        # the config's parameter count, from whichever of its runs finished (both modes build the same model)
+        params = next((m["params"] for (c, _), other in found.items() if c == config for side, m in other.items()
+                       if side != "torchtitan" and m.get("params")), None)
+        peer = sides.get("torchtitan")
+        if peer is None:  # no torchtitan run of its own: the one of its size
+            twins = [c for (c, m), other in found.items() if m == mode and tokens[(c, m)] == tokens[(config, mode)]
+                     and other.get("torchtitan") and other["torchtitan"]["params"] == params]
+            peer = found[(twins[0], mode)]["torchtitan"] if twins else {}
+            if twins:
+                notes.append(f"{name} {mode}: torchtitan's columns are {Path(twins[0]).stem}'s run "
+                             f"(the same {params:,} parameters and tokens per step)")
+        if peer.get("params") and params and peer["params"] != params:
+            notes.append(f"WARNING {name} {mode}: torchtitan's model has {peer['params']:,} parameters, "
+                         f"flame's {params:,}: not the same shapes")
+        shown.append(
+            f"{name:18s} {figure(tokens[(config, mode)]):>7s} {mode:8s} {figure(peer.get('params')):>13s} "
+            f"{figure(params):>13s} {figure(peer.get('tps')):>9s} {figure(flame.get('tps')):>11s} "
+            f"{figure(plain.get('tps')):>11s} {figure(ratio(flame.get('tps'), peer.get('tps')), '.2f'):>8s} "
+            f"{figure(ratio(flame.get('tps'), plain.get('tps')), '.2f'):>11s} {figure(flame.get('mfu'), '.1f'):>10s} "
+            f"{figure(peer.get('memory'), '.1f'):>6s} {figure(flame.get('memory'), '.1f'):>9s} "
+            f"{figure(plain.get('memory'), '.1f'):>9s}")
+    notes.append("tt: torchtitan's own llama3 trainer; tok/s: tt's and flame's last logged window (the last half of "
+                 "the steps), the plain loop's median over those steps; MFU by flame's count (attention per document; "
+                 "tt's own counts attention over the whole row, so it is not compared); GiB: peak reserved")
+    notes += [f"{r.step.name}: {outcome(r)}" + ("" if r.status is None else f" (see {r.step.name}.log)")
+              for r in results if r.status != 0]
+    return shown + [f"  {note}" for note in notes]
+
+
+REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers}
