@@ -12,7 +12,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-import tomli
+import tomllib
 from torchtitan.config import ConfigManager, JobConfig
 
 from flame import device
@@ -143,8 +143,8 @@ def _check_toml(path: str) -> None:
         raise ConfigError(f"job config file not found: {path}")
     try:
         with open(path, "rb") as f:
-            tomli.load(f)
-    except tomli.TOMLDecodeError as error:
+            tomllib.load(f)
+    except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}; fix that line") from None
 
 
