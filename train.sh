@@ -13,7 +13,7 @@
 #                (default 29500) where node 0 hosts torchrun's c10d rendezvous
 #   LOG_RANK     local ranks whose output shows on the console (default 0; all ranks log to files)
 #   FLAME_PYTHON use this interpreter as it is instead of the managed .venv (see 3rdparty/install.sh)
-#   FLAME_DRY_RUN=1  check the job, print the torchrun command this node would run, start nothing
+#   FLAME_DRY_RUN=1  check the job, print the launch command this node would run, start nothing
 #   FLAME_CACHE  where the built-in corpus and tokenizer are built (default ~/.cache/flame)
 #   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
 #   FLAME_DUMP_STACKS_AFTER  seconds: every rank prints its Python stacks to its stderr.log once,
@@ -21,7 +21,7 @@
 #                ranks). faulthandler reads a busy rank's frames while they change and can crash it,
 #                so set it just before a point where you would stop the run anyway
 #
-# A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f torch.distributed.run)" makes every rank
+# A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f flame.supervise)" makes every rank
 # print its Python stacks to its stderr.log and go on.
 #
 # Multi-node: run train.sh on every node with the same arguments and its NODE_RANK. Inside a
@@ -32,6 +32,13 @@
 # Per-rank logs go to <dump_folder>/logs (<dump_folder>/logs/node<NODE_RANK> on several nodes).
 # After a successful run with checkpoints, node 0 exports the latest checkpoint as a Hugging
 # Face model to <dump_folder>/hf.
+#
+# One run per dump folder: node 0 holds <dump_folder>/.flame.lock from the start to the end of
+# the export; a second run there is refused in one line naming the holder, and the lock of a run
+# that died is taken over with a warning. The run's processes end with this script, however it
+# ends (kill -9 too): torchrun's agent gets SIGTERM and stops the ranks, a rank whose agent is
+# gone gets SIGKILL (flame/supervise.py). Each start is an attempt: its job config goes to
+# <dump_folder>/attempts/<n>/ and <dump_folder>/job_config.json, its metrics.jsonl lines name it.
 set -uo pipefail
 unset FLAME_DUMP_STACKS_AT # set here only: the ranks start after the preflight, so a time, not a delay
 if [ -n "${FLAME_DUMP_STACKS_AFTER:-}" ]; then
@@ -81,7 +88,7 @@ LOG_RANK=${LOG_RANK:-0}
 
 plan=$(mktemp)
 trap 'rm -f "$plan"' EXIT
-"$python" -m flame.launch --world-size $((NGPU * NNODE)) --env-file "$plan" -- "$@" || exit $?
+"$python" -m flame.launch --world-size $((NGPU * NNODE)) --node-rank "$NODE_RANK" --env-file "$plan" -- "$@" || exit $?
 # shellcheck disable=SC1090
 source "$plan" # FLAME_DUMP_FOLDER, FLAME_CHECKPOINT
 
@@ -96,22 +103,19 @@ if [ "$NNODE" -gt 1 ]; then
 else
   rendezvous=(--standalone)
 fi
-launch=("$python" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NGPU"
-  --log-dir "$logs" --redirects 3 --tee 3 --local-ranks-filter "$LOG_RANK" -m flame.train "$@")
+# flame.supervise runs torchrun's agent tied to this script, and on node 0 holds the dump folder's
+# lock for the run and the export
+launch=("$python" -m flame.supervise --dump-folder "$FLAME_DUMP_FOLDER" --node-rank "$NODE_RANK")
+if [ "$FLAME_CHECKPOINT" = 1 ] && [ "$NODE_RANK" = 0 ]; then
+  launch+=(--export-hf "${export_args[@]}")
+fi
+launch+=(-- "${rendezvous[@]}" --nproc_per_node "$NGPU" --log-dir "$logs" --redirects 3 --tee 3
+  --local-ranks-filter "$LOG_RANK" -m flame.train "$@")
 if [ "${FLAME_DRY_RUN:-0}" = 1 ]; then
   echo "flame: dry run, node $NODE_RANK of $NNODE would run: $(printf '%q ' "${launch[@]}")"
   exit 0
 fi
-mkdir -p "$logs"
-"${launch[@]}"
-status=$?
-if [ $status -ne 0 ]; then
-  echo "flame: training failed (exit $status); per-rank logs are in $logs" >&2
-  exit $status
-fi
-
-if [ "$FLAME_CHECKPOINT" = 1 ] && [ "$NODE_RANK" = 0 ]; then
-  "$python" -m flame.utils.convert_dcp_to_hf --path "$FLAME_DUMP_FOLDER" "${export_args[@]}" || exit $?
-elif [ "$FLAME_CHECKPOINT" != 1 ]; then
+FLAME_PARENT_PID=$$ "${launch[@]}" || exit $? # its own messages say what failed
+if [ "$FLAME_CHECKPOINT" != 1 ]; then
   echo "flame: this run saves no checkpoint (--checkpoint.enable off, or --checkpoint.load_only), so there is nothing to export to HF"
 fi

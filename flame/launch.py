@@ -1,8 +1,10 @@
 """Pre-launch check for train.sh: validate the whole job in one process, print what the launcher needs.
 
-    python -m flame.launch --world-size 8 --env-file plan.sh -- <train flags> && source plan.sh
+    python -m flame.launch --world-size 8 [--node-rank 0] --env-file plan.sh -- <train flags> && source plan.sh
 
-Parses the config exactly as the ranks will (so TOML-only settings count), then loads the
+Parses the config exactly as the ranks will (so TOML-only settings count). On node 0, refuses at
+once a dump folder that another run holds (flame.dump_folder: it looks, takes nothing, writes
+nothing; the launcher takes the lock after this check). Then it loads the
 tokenizer, the model config, the metadata of the checkpoint the run would load and every data
 source, and checks the libraries flame changes (flame.compat.check): bad input, or a library
 flame's changes no longer fit, fails here, in seconds, before torchrun starts any process.
@@ -15,7 +17,7 @@ import os
 import shlex
 import sys
 
-from flame import compat
+from flame import compat, dump_folder
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError
 from flame.preflight import check_job
@@ -24,6 +26,7 @@ from flame.preflight import check_job
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, required=True, help="processes the job will run (NGPU x NNODE)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's NODE_RANK (node 0 holds the lock)")
     parser.add_argument("--env-file", required=True, help="where to write the shell assignments")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["WORLD_SIZE"] = str(args.world_size)
     try:
         config = FlameConfigManager().parse_args(train_args)
+        if args.node_rank == 0:  # the other nodes join node 0's run, which holds the lock
+            dump_folder.check_free(config.job.dump_folder)
         compat.check(config)
         check_job(config)
     except ConfigError as error:

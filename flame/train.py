@@ -3,9 +3,15 @@
     torchrun ... -m flame.train --job.config_file configs/debug.toml --training.steps 100
 """
 
+import signal
+
+if __name__ == "__main__":  # a rank: first of all (importing torch takes seconds), die with torchrun's agent
+    from flame.supervise import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
+
 import faulthandler
 import os
-import signal
 import sys
 import time
 import traceback
@@ -47,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config)
         if config.checkpoint.create_seed_checkpoint:
             # the initial weights, unsharded from one process: every layout can start from them
+            trainer.start_attempt()
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info(f"Created the seed checkpoint {trainer.checkpointer.folder}/step-0 (no training step)")
         else:

@@ -9,13 +9,14 @@ overrides:
   loss normalization); under pipeline parallelism the schedule gets each stage's document
   and label inputs;
 - ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
+- ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
+  to start: numbers the attempt and records its job config (flame.dump_folder);
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), richer metrics (per-source data counts among them);
 - ``state_dict``: the train state also counts skipped steps.
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
 
-import json
 import os
 from typing import Any
 
@@ -39,12 +40,12 @@ from flame.batch_context import BatchContext
 from flame.checkpoints import complete_steps
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
-from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 from flame.distributed.context_parallel import ContextParallel
 from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
+from flame.dump_folder import ATTEMPTS, next_attempt, record_attempt
 from flame.errors import NonFiniteGradientError
 from flame.models import AnyFlavor, build_model, model_inputs
 
@@ -87,10 +88,7 @@ class Trainer(TorchtitanTrainer):
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(job_config.job.dump_folder, exist_ok=True)
-            with open(os.path.join(job_config.job.dump_folder, RUN_CONFIG_FILE), "w") as f:
-                json.dump(job_config.to_dict(), f, indent=2, default=str)
+        self.attempt: int | None = None  # numbered once the run is known to start (start_attempt)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         """This rank's loss (summed over its targets, divided by the step's global count), after its backward."""
@@ -142,6 +140,27 @@ class Trainer(TorchtitanTrainer):
             self.checkpointer.save(self.step, last_step=True)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
             compat.torchtitan.purge_stale_checkpoints(self.checkpointer)
+
+    def should_continue_training(self) -> bool:
+        if self.attempt is None:  # first asked right after the checkpoint loaded: the run starts
+            self.start_attempt()
+        return super().should_continue_training()
+
+    def start_attempt(self) -> None:
+        """Number this start of the run among the dump folder's attempts and record its job config (rank 0).
+
+        Not before: a run that fails while building or loading leaves the job config of the
+        folder's last run that started, from which its checkpoints are exported, as it was.
+        """
+        self.attempt = 0  # only rank 0 writes what the number goes in
+        if torch.distributed.get_rank() != 0:
+            return
+        dump_folder = self.job_config.job.dump_folder
+        # train.sh's launcher numbered it under the dump folder's lock; a bare torchrun launch did not
+        self.attempt = int(os.environ.get("FLAME_ATTEMPT") or next_attempt(dump_folder))
+        record_attempt(dump_folder, self.attempt, self.job_config.to_dict())
+        self.metrics_processor.jsonl.attempt = self.attempt
+        logger.info(f"Attempt {self.attempt} in {dump_folder}: job config in {ATTEMPTS}/{self.attempt}/")
 
     def _next_microbatches(self, data_iterator) -> tuple[list, torch.Tensor, torch.Tensor]:
         """This step's micro-batches, their real-target count, and the count over all data-parallel ranks.

@@ -212,9 +212,11 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def metrics(dump: Path) -> dict[int, dict]:
-    """step -> logged metrics, from <dump>/metrics.jsonl (later lines win, as after a resume)."""
+    """step -> logged metrics, from <dump>/metrics.jsonl: of a step logged by several attempts (a resume
+    logs the steps after its checkpoint again), the latest attempt's record."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}
+    rows.sort(key=lambda row: row.get("attempt") or 0)  # stable: within an attempt, later lines win
+    return {row["step"]: row for row in sorted(rows, key=lambda row: row["step"])}
 
 
 def assert_same_curve(got: dict, expected: dict, rel: float = 1e-4, steps=None) -> None:

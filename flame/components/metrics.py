@@ -1,6 +1,8 @@
 """Training metrics: console line, TensorBoard and W&B, built on torchtitan's MetricsProcessor.
 
-Every logged step also goes to <dump_folder>/metrics.jsonl (one JSON object per line).
+Every logged step also goes to <dump_folder>/metrics.jsonl (one JSON object per line, naming the
+attempt that wrote it: a resumed run logs again the steps after its checkpoint, and a reader keeps
+the latest attempt's record of a step; flame.dump_folder).
 Throughput is tokens per second per device (all tokens fed to the model). TFLOPS and MFU
 count the FLOPs of the batches really trained on (flame.models.flops: matmuls, softmax
 attention over each batch's real documents, linear-attention/SSM terms) against the
@@ -39,18 +41,23 @@ def _use_offline_wandb_without_credentials() -> None:
 
 
 class JsonlLogger:
-    """Appends each logged step as one JSON line to <dump_folder>/metrics.jsonl (rank 0)."""
+    """Appends each logged step as one JSON line to <dump_folder>/metrics.jsonl (rank 0), with its attempt."""
 
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.file = open(path, "a")
+        self.path = path
+        self.file = None  # opened at the first step: a run that fails before it writes nothing
+        self.attempt: int | None = None  # set by the trainer as the run starts
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self.file = open(self.path, "a")
+        self.file.write(json.dumps({"step": step, "attempt": self.attempt, **metrics}) + "\n")
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class FlameMetricsProcessor(MetricsProcessor):
@@ -60,8 +67,10 @@ class FlameMetricsProcessor(MetricsProcessor):
             _use_offline_wandb_without_credentials()
         self.logger = LoggerContainer()
         self.logger.add_logger(compat.torchtitan.build_metric_logger(job_config, parallel_dims, tag))
+        self.jsonl = None
         if torch.distributed.get_rank() == 0:
-            self.logger.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl")))
+            self.jsonl = JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl"))
+            self.logger.add_logger(self.jsonl)
         self.parallel_dims = parallel_dims
         self.job_config = job_config
         self.device_memory_monitor = build_device_memory_monitor()

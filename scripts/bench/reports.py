@@ -57,7 +57,9 @@ def metrics(work: Path, name: str) -> dict[int, dict] | None:
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {row["step"]: row for row in sorted(rows, key=lambda row: row["step"])} or None
+    # of a step logged by several attempts (a resume logs the steps after its checkpoint again), the latest's
+    rows.sort(key=lambda row: (row["step"], row.get("attempt") or 0))  # stable: later lines of an attempt win
+    return {row["step"]: row for row in rows} or None
 
 
 def late_mean(rows: dict[int, dict], key: str) -> float:
