@@ -1,0 +1,71 @@
+"""Fault injection, the smallest run of each scripts/chaos case: a kill mid-save, a damaged checkpoint,
+two runs on one dump folder. The long version is ``python -m scripts.chaos --kills 20 --procs 1,2``.
+
+Every run is the debug job through ``bash train.sh``, 4 steps with a checkpoint every 2 (rows of
+64 tokens, so that start-up is most of a run), in one process, against one uninterrupted reference.
+"""
+
+import random
+from functools import partial
+from typing import NamedTuple
+
+import pytest
+
+from scripts.chaos import damage, kills, two_runs
+from scripts.chaos.runs import Job, Reference, run_reference
+from tests.conftest import two_at_a_time
+
+FAST = ["--training.seq_len", "64", "--training.batch_size", "2"]
+GRACE = 5  # seconds a killed run's processes get to die
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    work = tmp_path_factory.mktemp("chaos_reference")
+    return run_reference(Job(work / "dump", procs=1, steps=4, interval=2, extra=FAST), work / "run")
+
+
+class Cases(NamedTuple):
+    killed_mid_save: kills.Trial  # killed (kill -9 of train.sh's process group) while saving, then resumed
+    truncated: damage.Damage  # a copy of the reference, a .distcp of its latest step cut in half, resumed
+    two_runs: two_runs.TwoRuns  # two runs started together on one new dump folder
+
+
+@pytest.fixture(scope="module")
+def cases(reference, tmp_path_factory) -> Cases:
+    """Every case's runs, the kill trial beside the other two (a run is mostly one busy core)."""
+    work = tmp_path_factory.mktemp("chaos")
+    trial = partial(kills.run_trial, "mid-save", reference, [kills.MID_SAVE], work, random.Random(0), GRACE, False)
+
+    def damage_then_two_runs() -> tuple[damage.Damage, two_runs.TwoRuns]:
+        return damage.run_case("truncate-distcp", reference, work, random.Random(0), False), \
+            two_runs.run_two(reference, work, False)
+
+    killed, (truncated, shared) = two_at_a_time(trial, damage_then_two_runs)
+    return Cases(killed, truncated, shared)
+
+
+def test_a_run_killed_mid_save_resumes_to_the_losses_of_an_uninterrupted_run(cases):
+    [kill] = cases.killed_mid_save.kills
+    assert kill.landed and kill.mid_save, kill.where
+    trial = cases.killed_mid_save
+    assert trial.resumed and trial.identical, trial.problems
+    assert trial.export_ok and not trial.staging_left, trial.problems
+
+
+def test_killing_train_sh_stops_every_process_of_the_run(cases):
+    # torchrun starts each rank in a session of its own: a kill of train.sh's group does not reach it
+    [kill] = cases.killed_mid_save.kills
+    assert kill.landed and not kill.orphans, kill.orphans
+
+
+def test_a_truncated_checkpoint_is_named_and_the_run_falls_back_to_the_previous_step(cases):
+    result = cases.truncated
+    assert result.detected, f"{result.file} not named without a traceback: {result.problems}"
+    assert result.fell_back and result.identical, result.problems
+
+
+def test_a_second_run_on_one_dump_folder_is_refused_in_one_line(cases):
+    result = cases.two_runs
+    assert result.one_ran and result.refused, result.problems
+    assert result.intact, result.problems
