@@ -34,6 +34,8 @@ class Model:
     """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory when that holds a tokenizer"""
     attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     """Document-masked softmax attention: varlen (torch's flash kernel, CUDA), flex (FlexAttention, CUDA), sdpa (dense mask; reference, CPU). auto = varlen on CUDA, sdpa on CPU"""
+    fused_kernels: bool = True
+    """HF models: RMS norms, SiLU-gated MLPs and rotary embeddings through fused kernels in eager code (torch's rms_norm; fla's swiglu and rotary kernels on CUDA), equal to HF's within rounding (flame/models/fused.py). --model.no-fused_kernels runs HF's own code: its exact rounding, or a way around a fused kernel failing on a new GPU"""
 
 
 @dataclass

@@ -129,9 +129,11 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "flame.compat" in line]
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
     assert len(lines) == 1
-    assert lines[0].endswith(
-        f"Changes to other libraries (flame.compat): {', '.join([*on_cpu, 'transformers.attention_implementation'])}"
-    )
+    changes = [*on_cpu, "transformers.attention_implementation", "transformers.fused_rotary(llama)"]
+    assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")
+    # and the model's fused kernels, one line (flame.models.fused)
+    assert "Fused kernels for eager code (compiled blocks run HF's own): 5 LlamaRMSNorm -> torch's rms_norm; " \
+           "2 LlamaMLP -> fla's swiglu_linear" in result.stdout + result.stderr
 
 
 def test_the_changes_are_written_for_the_pinned_versions():

@@ -1,7 +1,7 @@
 """flame's changes to other libraries: one seam per library, each change named, guarded, applied explicitly.
 
     torchtitan.py    CPU runs without an accelerator; the private torchtitan names flame uses
-    transformers.py  flame's document attention in transformers' attention registry
+    transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
     triton.py        autotuning that waits for its own stream (pipeline parallelism)
@@ -17,7 +17,9 @@ changes nothing; the changes apply where flame calls them:
 - the transformers registration, when flame first resolves a model type
   (flame.models.registry.ensure_model_type): every path that builds a model passes there;
 - ``fla.kernels_take_cp_context``/``fla.gsa_norm_gathers_heads``: by context and tensor
-  parallelism, for the fla models they run.
+  parallelism, for the fla models they run;
+- ``transformers.fused_rotary(module)``: by flame.models.fused, once per modeling module of an HF
+  model flame builds with fused kernels (--model.fused_kernels).
 ``describe()`` is the startup log's line of the changes applied. The guard refuses to start when
 a change's target is missing or changed, and only warns about another version (guard.py says why).
 """

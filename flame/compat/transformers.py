@@ -1,15 +1,18 @@
-"""transformers' seam: flame's attention in transformers' attention registry.
+"""transformers' seam: flame's attention in transformers' attention registry, fused rotary embeddings.
 
 Written for transformers 5.17.0 (3rdparty/requirements.txt).
 """
 
+import functools
+import importlib
 from collections.abc import Callable
 
 from transformers import AttentionInterface
 
-from flame.compat.guard import Library, Target, patch
+from flame.compat.guard import Library, Patch, Target, patch
 
 TRANSFORMERS = Library("transformers", "transformers", "5.17.0")
+ROTARY = "apply_rotary_pos_emb"  # the modeling modules' function that rotates queries and keys
 
 
 @patch(TRANSFORMERS, Target(TRANSFORMERS, "transformers", "AttentionInterface.register", ("key", "value")))
@@ -24,3 +27,34 @@ def attention_implementation(name: str, function: Callable) -> None:
     is built.
     """
     AttentionInterface.register(name, function)
+
+
+def rotary_target(module_name: str) -> Target:
+    """The rotary function of a modeling module, as flame's fused rotary replaces it."""
+    return Target(TRANSFORMERS, module_name, ROTARY, ("q", "k", "cos", "sin"))
+
+
+def _fused_rotary(module_name: str, fuse: Callable[[Callable], Callable]) -> None:
+    """Make the attention of ``module_name`` rotate its queries and keys with ``fuse(its apply_rotary_pos_emb)``.
+
+    Upstream: a decoder's attention calls its modeling module's ``apply_rotary_pos_emb(q, k, cos,
+    sin)``, which rotates q and k through ``rotate_half`` (two slices, a negation, a concatenation,
+    two products and a sum: about six kernels per tensor each way in eager code). The attention
+    looks the function up in its module at every call, so it can only be replaced there, for
+    every model of that module in the process. flame: the replacement (flame.models.fused) runs
+    the same rotation in one fla kernel per tensor on CUDA, and calls the original everywhere
+    else (CPU, inside compiled graphs, arguments it does not take). Applied once per modeling
+    module by flame.models.fused.use_fused_kernels, only where the module's function computes the
+    rotation fla's kernel computes (checked on a probe first).
+    """
+    module = importlib.import_module(module_name)
+    setattr(module, ROTARY, fuse(getattr(module, ROTARY)))
+
+
+@functools.cache
+def fused_rotary(module_name: str) -> Patch:
+    """The change putting a fused rotary function in ``module_name`` (one per module, each applied once)."""
+    change = functools.partial(_fused_rotary, module_name)
+    change.__name__ = f"fused_rotary({module_name.rpartition('.')[2].removeprefix('modeling_')})"
+    change.__doc__ = _fused_rotary.__doc__
+    return Patch(TRANSFORMERS, change, (rotary_target(module_name),))

@@ -30,6 +30,7 @@ from flame.components.loss import use_fused_cross_entropy
 from flame.errors import ConfigError
 from flame.models import attention
 from flame.models.flops import model_flops
+from flame.models.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
 from flame.models.registry import ensure_model_type
 from flame.models.support import Documents, support_for
@@ -113,6 +114,7 @@ class FlameModelArgs(BaseModelArgs):
     context_len: int = 0
     fused_cross_entropy: bool = False
     fused_cross_entropy_required: bool = False
+    fused_kernels: bool = True
     seed: int | None = None
 
     def update_from_config(self, job_config, **kwargs) -> None:
@@ -125,6 +127,9 @@ class FlameModelArgs(BaseModelArgs):
         attention.set_backend(job_config.model.attention)
         self.fused_cross_entropy = device.fused_cross_entropy_enabled(job_config, getattr(config, "vocab_size", 0))
         self.fused_cross_entropy_required = job_config.training.fused_cross_entropy == "on"
+        self.fused_kernels = job_config.model.fused_kernels and not is_fla_config(config)  # fla's have theirs
+        if self.fused_kernels:
+            prepare_kernels()
 
     @property
     def config(self) -> PretrainedConfig:
@@ -143,7 +148,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     """The causal LM for ``model_args`` (on whatever device/dtype context is active).
 
     HF models get flame's document-masked attention; a model that cannot take a registered
-    attention function keeps its own (with a warning: documents may see each other).
+    attention function keeps its own (with a warning: documents may see each other). Their RMS
+    norms, SiLU-gated MLPs and rotary embeddings get fused kernels (flame.models.fused).
     """
     config = model_args.config
     try:
@@ -153,6 +159,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     # torchtitan's init_weights(buffer_device) on HF's model: a subclass of the model's own class
     # (same name, so exports say e.g. LlamaForCausalLM), swapped in on the built instance
     model.__class__ = _trainable_class(type(model), model_args.seed)
+    if model_args.fused_kernels and not is_fla_config(config):  # fla's models have theirs
+        logger.info(use_fused_kernels(model).describe())
     if model_args.fused_cross_entropy:
         try:
             use_fused_cross_entropy(model)

@@ -43,6 +43,7 @@ from flame.components.loss import build_loss, use_fused_cross_entropy
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.models import attention, load_model_config, model_inputs
 from flame.models.builder import _trainable_class
+from flame.models.fused import use_fused_kernels
 
 
 def _rms_norm(self, x, residual=None, prenorm=False, residual_in_fp32=False):
@@ -130,6 +131,8 @@ def build(config, fused: bool, torch_kernels: bool = True) -> torch.nn.Module:
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
     model = AutoModelForCausalLM.from_config(config, **options)
     model.__class__ = _trainable_class(type(model), None)
+    if not is_fla_config(config):  # as flame builds HF models (fla's kernels on CUDA)
+        use_fused_kernels(model)
     if fused:
         use_fused_cross_entropy(model)
     if torch_kernels:
