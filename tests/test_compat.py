@@ -128,10 +128,9 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     result = check(torchrun(base_args(tiny_model, corpus, tmp_path / "run", steps=1)))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "flame.compat" in line]
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
+    changes = ["torchtitan.checkpoints_with_manifests", *on_cpu, "transformers.attention_implementation"]
     assert len(lines) == 1
-    assert lines[0].endswith(
-        f"Changes to other libraries (flame.compat): {', '.join([*on_cpu, 'transformers.attention_implementation'])}"
-    )
+    assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")
 
 
 def test_the_changes_are_written_for_the_pinned_versions():
