@@ -1,83 +1,118 @@
-"""DCP checkpoints on disk: which one a run loads, and whether a model's weights fit it.
+"""DCP checkpoints on disk: which one a run loads, whether it is intact, and whether a model's weights fit it.
 
-Used by train.sh's preflight (flame.launch) and by the HF export (flame.utils.convert_dcp_to_hf).
-The preflight check exists because a run pointed at a dump folder of another model (say the
-debug job's folder with a different --model.config) started every process, overwrote the
-folder's job_config.json (from which the folder's own checkpoints are exported), and only then
-failed inside DCP with "Missing key in checkpoint state_dict".
+Used by train.sh's preflight (flame.launch), by every rank before it loads
+(flame.components.checkpoint) and by the HF export (flame.utils.convert_dcp_to_hf).
+
+A step loads only once its files match its manifest (flame.manifest): before that, nothing of it
+is read, DCP's ``.metadata`` (a pickle) included. A damaged or incomplete latest step is set
+aside as ``step-N.damaged`` / ``step-N.incomplete`` (so that the run, reaching step N again,
+does not write over it) and the newest intact step loads; a step named explicitly stops the
+run in one line instead. The fit check exists because a run pointed at the dump folder of
+another model started every process, overwrote the folder's job_config.json (from which its
+checkpoints are exported), and only then failed inside DCP with "Missing key in checkpoint
+state_dict".
 """
 
 import os
-import re
+import sys
+from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from transformers import PretrainedConfig
 
+from flame import manifest
 from flame.errors import ConfigError
+from flame.manifest import Defect, complete_steps
 from flame.models.registry import meta_model
 
 
-def complete_steps(checkpoint_folder: str) -> list[int]:
-    """Steps whose checkpoint finished writing (DCP writes .metadata last, atomically)."""
-    if not os.path.isdir(checkpoint_folder):
-        return []
-    steps = []
-    for name in os.listdir(checkpoint_folder):
-        match = re.fullmatch(r"step-(\d+)", name)
-        if match and os.path.isfile(os.path.join(checkpoint_folder, name, ".metadata")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+def newest_intact(steps: dict[int, str], defect: Callable[[str], Defect | None], warn: Callable[[str], None] | None) -> str | None:
+    """The newest of ``steps`` (step -> folder) that ``defect`` finds intact, or None.
 
-
-def checkpoint_to_load(job_config) -> str | None:
-    """The DCP checkpoint torchtitan's Checkpointer will load for this job, or None.
-
-    Its rule: with <dump_folder>/<checkpoint.folder> present, step ``checkpoint.load_step`` or the
-    latest complete step; otherwise ``checkpoint.initial_load_path``.
+    With ``warn`` (in one process of the job), every newer step is set aside and ``warn`` gets one
+    line for each: the step, the file and what is wrong with it, where it went, what loads instead.
     """
-    checkpoint = job_config.checkpoint
-    if not checkpoint.enable:
-        return None
-    folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
-    if not os.path.exists(folder):
-        return checkpoint.initial_load_path or None
-    if checkpoint.load_step != -1:
-        return os.path.join(folder, f"step-{checkpoint.load_step}")
+    chosen, moved = None, []
+    for step in sorted(steps, reverse=True):
+        found = defect(steps[step])
+        if found is None:
+            chosen = steps[step]
+            break
+        if warn is not None:
+            moved.append((steps[step], found, manifest.set_aside(steps[step], found.kind)))
+    then = f"this run loads {chosen}" if chosen else "no intact step is left, so this run starts from step 1"
+    for path, found, target in moved:
+        # a step with DCP's metadata but no manifest may have been written by another program
+        trusted = (f"; to load it if you trust who wrote it, rename it back and run python -m flame.manifest {path}"
+                   if manifest.unrecorded(target) else "")
+        warn(f"checkpoint {path} is {found.kind}: {found.problem}; moved it to {target} (nothing is deleted), and {then}{trusted}")
+    return chosen
+
+
+def explicit_step_error(folder: str, step: int, found: Defect | None) -> str:
+    """The one-line error for ``--checkpoint.load_step`` naming a step that is not there (``found`` None) or cannot load."""
     steps = complete_steps(folder)
-    return os.path.join(folder, f"step-{steps[-1]}") if steps else None
+    what = f"{os.path.join(folder, f'step-{step}')} is {found.kind}: {found.problem}" if found else f"{folder} has no complete step-{step}"
+    if steps:
+        fix = f"its complete steps are {', '.join(map(str, steps))}: name one, or drop --checkpoint.load_step to resume from the latest intact one"
+    else:
+        fix = "it holds no complete checkpoint: drop --checkpoint.load_step to start from step 1"
+    return f"--checkpoint.load_step {step}: {what}; {fix}"
 
 
-def check_checkpoint_exists(job_config) -> None:
-    """ConfigError when the job names a checkpoint to load that is not there, complete.
+def unrecorded_checkpoint_error(flag: str, path: str, found: Defect) -> str:
+    """The one-line error for a checkpoint from elsewhere (``flag`` names it) that fails its check."""
+    if manifest.unrecorded(path):
+        return (
+            f"{flag} {path} has no {manifest.MANIFEST}, so nothing shows its files are the ones written; its "
+            f"{manifest.METADATA} is a pickle, and loading it runs whatever its author put there. If you trust who wrote "
+            f"it, record its manifest: python -m flame.manifest {path}"
+        )
+    return f"{flag} {path} is {found.kind}: {found.problem}"
 
-    torchtitan would train from step 1 when ``--checkpoint.load_step`` names a step of an empty
-    folder, fail inside a rank when the folder has other steps, and fail late on a missing
-    ``--checkpoint.initial_load_path``.
+
+def _warn(message: str) -> None:
+    print(f"flame: warning: {message}", file=sys.stderr)
+
+
+def check_checkpoint(job_config) -> str | None:
+    """The checkpoint this job will load, checked against its manifest (None: it loads none).
+
+    torchtitan's rule: with <dump_folder>/<checkpoint.folder> present, step
+    ``checkpoint.load_step`` or the latest step; otherwise ``checkpoint.initial_load_path``.
+    ConfigError when one given explicitly is not there or fails its check (torchtitan would
+    train from step 1 when ``--checkpoint.load_step`` names a step of an empty folder, fail
+    inside a rank when the folder has other steps, and fail late on a missing
+    ``--checkpoint.initial_load_path``); a latest step that fails it is set aside.
     """
     checkpoint = job_config.checkpoint
     if not checkpoint.enable:
         for flag, given in (("load_step", checkpoint.load_step != -1), ("initial_load_path", checkpoint.initial_load_path)):
             if given:  # torchtitan loads nothing with checkpointing off
                 raise ConfigError(f"--checkpoint.{flag} loads a checkpoint, but checkpointing is off: add --checkpoint.enable")
-        return
+        return None
     folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
-    steps = complete_steps(folder)
-    if checkpoint.load_step != -1 and checkpoint.load_step not in steps:
-        if steps:
-            fix = f"its complete steps are {', '.join(map(str, steps))}: name one, or drop --checkpoint.load_step to resume from the latest"
-        else:
-            fix = "it holds no complete checkpoint: drop --checkpoint.load_step to start from step 1"
-        raise ConfigError(
-            f"--checkpoint.load_step {checkpoint.load_step}: {folder} has no complete step-{checkpoint.load_step}; {fix}"
-        )
-    if not os.path.exists(folder) and checkpoint.initial_load_path:
-        if not os.path.isfile(os.path.join(checkpoint.initial_load_path, ".metadata")):
+    if checkpoint.load_step != -1:
+        path = os.path.join(folder, f"step-{checkpoint.load_step}")
+        found = manifest.defect(path) if os.path.isdir(path) else None
+        if found or not os.path.isdir(path):
+            raise ConfigError(explicit_step_error(folder, checkpoint.load_step, found))
+        return path
+    if not os.path.exists(folder):
+        path = checkpoint.initial_load_path
+        if not path:
+            return None
+        if not os.path.isfile(os.path.join(path, manifest.METADATA)):
             raise ConfigError(
-                f"--checkpoint.initial_load_path {checkpoint.initial_load_path} is not a complete DCP checkpoint "
+                f"--checkpoint.initial_load_path {path} is not a complete DCP checkpoint "
                 "(no .metadata there); give a step folder such as <dump_folder>/checkpoint/step-1000"
             )
+        if found := manifest.defect(path):
+            raise ConfigError(unrecorded_checkpoint_error("--checkpoint.initial_load_path", path, found))
+        return path
+    return newest_intact(manifest.step_folders(folder), manifest.defect, _warn)
 
 
 def weight_mismatches(metadata: Metadata, state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -92,11 +127,11 @@ def weight_mismatches(metadata: Metadata, state_dict: dict[str, torch.Tensor]) -
     return problems
 
 
-def check_checkpoint_fits_model(job_config, model_config: PretrainedConfig) -> None:
-    """ConfigError when the checkpoint this job would load lacks a weight of its model or has another shape."""
-    path = checkpoint_to_load(job_config)
-    if path is None or not os.path.isfile(os.path.join(path, ".metadata")):
-        return  # nothing to load, or torchtitan's own error about the missing step
+def check_checkpoint_fits_model(job_config, model_config: PretrainedConfig, path: str | None) -> None:
+    """ConfigError when ``path``, the checkpoint check_checkpoint verified for this job, lacks a weight of its
+    model or has another shape (it unpickles DCP's .metadata: call it only on a verified step)."""
+    if path is None:
+        return
     problems = weight_mismatches(FileSystemReader(path).read_metadata(), meta_model(model_config).state_dict())
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from flame import compat, device
-from flame.checkpoints import check_checkpoint_exists, check_checkpoint_fits_model
+from flame.checkpoints import check_checkpoint, check_checkpoint_fits_model
 from flame.config_manager import fsdp_enabled
 from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
@@ -32,8 +32,7 @@ def check_job(job_config) -> None:
     """Every check: the model, its checkpoint, and every data source (train.sh's preflight)."""
     check_dump_folder(job_config.job.dump_folder)
     model_config = check_model(job_config)
-    check_checkpoint_exists(job_config)
-    check_checkpoint_fits_model(job_config, model_config)
+    check_checkpoint_fits_model(job_config, model_config, check_checkpoint(job_config))
     DataPlan.from_config(job_config, load_tokenizer(job_config.model.tokenizer_path))
 
 

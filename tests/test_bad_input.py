@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from flame import launch
+from flame import launch, manifest
 from tests.conftest import ROOT, TOKENIZER, flame_env, write_job_toml
 
 
@@ -58,12 +58,14 @@ def test_impossible_settings_are_refused(job, tmp_path, capsys, flags, fragments
 
 
 def test_a_load_step_that_is_not_there_names_the_steps_that_are(job, tmp_path, capsys):
-    for step in (2, 4):  # complete checkpoints: DCP writes .metadata last
+    for step in (2, 4):  # complete checkpoints: DCP writes .metadata last, flame the manifest after it
         (tmp_path / "run" / "checkpoint" / f"step-{step}").mkdir(parents=True)
         (tmp_path / "run" / "checkpoint" / f"step-{step}" / ".metadata").write_bytes(b"")
+        manifest.record(str(tmp_path / "run" / "checkpoint" / f"step-{step}"))
     (tmp_path / "run" / "checkpoint" / "step-6").mkdir()  # a save that did not finish
     code, err = preflight([*job, "--checkpoint.enable", "--checkpoint.load_step", "6"], tmp_path, capsys)
-    assert code == 2 and "no complete step-6; its complete steps are 2, 4" in err, err
+    assert code == 2 and "step-6 is incomplete: it has no .metadata" in err, err
+    assert "its complete steps are 2, 4" in err, err
 
 
 def test_a_second_job_file_is_refused_not_ignored(job, tmp_path, capsys):

@@ -128,8 +128,9 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     result = check(torchrun(base_args(tiny_model, corpus, tmp_path / "run", steps=1)))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "flame.compat" in line]
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
+    changes = ["torchtitan.checkpoints_with_manifests", *on_cpu, "transformers.attention_implementation",
+               "transformers.fused_rotary(llama)"]
     assert len(lines) == 1
-    changes = [*on_cpu, "transformers.attention_implementation", "transformers.fused_rotary(llama)"]
     assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")
     # and the model's fused kernels, one line (flame.models.fused)
     assert "Fused kernels for eager code (compiled blocks run HF's own): 5 LlamaRMSNorm -> torch's rms_norm; " \

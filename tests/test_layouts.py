@@ -184,7 +184,7 @@ def test_a_seed_checkpoint_starts_other_layouts_from_the_single_process_weights(
     seed = tmp_path / "seed"
     result = check(torchrun([*base_args(tiny_model, corpus, seed, steps=4), "--checkpoint.create_seed_checkpoint"]))
     assert "Created the seed checkpoint" in result.stdout + result.stderr
-    assert (seed / "checkpoint" / "step-0").is_dir() and not (seed / "checkpoint" / "step-4").exists()
+    assert (seed / "checkpoint" / "step-0" / "manifest.json").is_file() and not (seed / "checkpoint" / "step-4").exists()
     assert not (seed / "metrics.jsonl").exists() or not metrics(seed), "a seed run takes no training step"
     # FSDP 2 from the seed trains the single process's curve (its 2 rows a step, one per rank): the
     # seed holds the single process's initial weights

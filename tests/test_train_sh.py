@@ -89,21 +89,29 @@ def test_a_dump_folder_of_another_model_is_refused_before_anything_is_overwritte
 
 
 def test_the_checkpoint_a_run_loads_is_the_one_torchtitan_picks(tmp_path, monkeypatch):
-    from flame.checkpoints import checkpoint_to_load
+    from flame import manifest
+    from flame.checkpoints import check_checkpoint
 
     def job(*flags):
         return parse_job(monkeypatch, 1, "--job.config_file", str(ROOT / "configs" / "debug.toml"),
                          "--job.dump_folder", str(tmp_path), *flags)
 
-    seed = str(tmp_path / "seed")
-    assert checkpoint_to_load(job("--checkpoint.initial_load_path", seed)) == seed  # no checkpoint folder yet
-    assert checkpoint_to_load(job("--checkpoint.no-enable", "--checkpoint.initial_load_path", seed)) is None
-    for step in (2, 10, 11):
-        (tmp_path / "checkpoint" / f"step-{step}").mkdir(parents=True)
-    for step in (2, 10):  # step-11 has no DCP metadata: an interrupted save
-        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").touch()
-    assert checkpoint_to_load(job("--checkpoint.initial_load_path", seed)) == str(tmp_path / "checkpoint" / "step-10")
-    assert checkpoint_to_load(job("--checkpoint.load_step", "2")) == str(tmp_path / "checkpoint" / "step-2")
+    def step_folder(path, complete=True):  # a complete one: DCP's .metadata, then flame's manifest
+        path.mkdir(parents=True)
+        if complete:
+            (path / ".metadata").touch()
+            manifest.record(str(path))
+        return str(path)
+
+    seed = step_folder(tmp_path / "seed")
+    assert check_checkpoint(job("--checkpoint.initial_load_path", seed)) == seed  # no checkpoint folder yet
+    assert check_checkpoint(job("--checkpoint.no-enable")) is None
+    for step in (2, 10):
+        step_folder(tmp_path / "checkpoint" / f"step-{step}")
+    step_folder(tmp_path / "checkpoint" / "step-11", complete=False)  # an interrupted save
+    assert check_checkpoint(job("--checkpoint.initial_load_path", seed)) == str(tmp_path / "checkpoint" / "step-10")
+    assert (tmp_path / "checkpoint" / "step-11.incomplete").is_dir()  # set aside: the run will write a new step-11
+    assert check_checkpoint(job("--checkpoint.load_step", "2")) == str(tmp_path / "checkpoint" / "step-2")
 
 
 def test_failed_training_exits_nonzero_and_exports_nothing(tmp_path, tiny_model, corpus):

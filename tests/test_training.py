@@ -227,7 +227,7 @@ def test_running_out_of_data_stops_every_rank_and_saves(background_runs):
     assert "Ran out of data" in result.stdout + result.stderr
     last = max(metrics(dump))
     assert 1 <= last < 1000
-    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
+    assert (dump / "checkpoint" / f"step-{last}" / "manifest.json").is_file()  # complete
 
 
 def _two_source_run(dump, model, corpus):

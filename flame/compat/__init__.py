@@ -1,6 +1,6 @@
 """flame's changes to other libraries: one seam per library, each change named, guarded, applied explicitly.
 
-    torchtitan.py    CPU runs without an accelerator; the private torchtitan names flame uses
+    torchtitan.py    CPU runs without an accelerator; checkpoint manifests; the private names flame uses
     transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
@@ -38,11 +38,12 @@ __all__ = [
 
 
 def _startup_patches(job_config: JobConfig) -> list[Patch]:
+    patches = [torchtitan.checkpoints_with_manifests]
     if not device.CUDA:
-        return [torchtitan.cpu_without_accelerator]
-    if job_config.parallelism.pipeline_parallel_degree > 1:
-        return [triton.autotune_on_the_current_stream]
-    return []
+        patches.append(torchtitan.cpu_without_accelerator)
+    elif job_config.parallelism.pipeline_parallel_degree > 1:
+        patches.append(triton.autotune_on_the_current_stream)
+    return patches
 
 
 def check(job_config: JobConfig) -> None:

@@ -1,10 +1,12 @@
-"""torchtitan's seam: flame's one change to torchtitan, and the private names of torchtitan flame uses.
+"""torchtitan's seam: flame's changes to torchtitan, and the private names of torchtitan flame uses.
 
 Written for torchtitan 0.2.2 (3rdparty/requirements.txt). flame uses torchtitan's private names
 only through the functions here (``checkpoint_block``, ``build_metric_logger``,
 ``purge_stale_checkpoints``), plus two ``ConfigManager`` hooks that flame.config_manager
 overrides; ``PRIVATE_NAMES`` lists them all, and ``check_private_names`` (run at startup by
-flame.compat.apply) refuses a torchtitan that lacks one or changed its signature.
+flame.compat.apply) refuses a torchtitan that lacks one or changed its signature. The
+``CheckpointManager`` methods flame.components.checkpoint overrides are the targets of
+``checkpoints_with_manifests``, checked the same way.
 """
 
 import contextlib
@@ -60,6 +62,43 @@ def cpu_without_accelerator() -> None:
             setattr(module, name, "cpu" if name == "device_type" else CpuDeviceModule)
     importlib.import_module(_MAYBE_ENABLE_AMP.module).maybe_enable_amp = lambda *args, **kwargs: contextlib.nullcontext()
     importlib.import_module(_GET_PEAK_FLOPS.module).get_peak_flops = lambda device_name: float("nan")
+
+
+_TRAINER_CHECKPOINT_MANAGER = Target(
+    TORCHTITAN, "torchtitan.train", "CheckpointManager",
+    holds=lambda value: isinstance(value, type) and issubclass(value, CheckpointManager),
+    shape="torchtitan.components.checkpoint.CheckpointManager",
+)
+# the methods flame.components.checkpoint.FlameCheckpointManager overrides or extends
+_CHECKPOINT_METHODS = tuple(
+    Target(TORCHTITAN, "torchtitan.components.checkpoint", f"CheckpointManager.{name}", parameters)
+    for name, parameters in (
+        ("dcp_save", ("self", "state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf")),
+        ("load", ("self", "step")),
+        ("_find_load_step", ("self", "folder")),
+        ("_purge_stale_checkpoints", ("self",)),
+        ("close", ("self",)),
+    )
+)
+
+
+@patch(TORCHTITAN, _TRAINER_CHECKPOINT_MANAGER, *_CHECKPOINT_METHODS)
+def checkpoints_with_manifests() -> None:
+    """Record a manifest of every checkpoint step, and load only steps whose files match theirs.
+
+    Upstream: a step counts as saved once DCP's ``.metadata`` is there; a truncated or changed
+    file fails deep inside DCP's load (or unpickling ``.metadata``) without naming it; a folder
+    whose name merely contains ``step-N`` counts as step N, for loading and for
+    ``--checkpoint.keep_latest_k``'s purge alike.
+    flame: torchtitan's Trainer builds ``flame.components.checkpoint.FlameCheckpointManager``,
+    which records each step's manifest after its save, checks a step against it before loading,
+    sets a damaged latest step aside and loads the newest intact one, and counts only folders
+    named exactly ``step-N``.
+    """
+    # imported here: it imports flame's model registry, which imports flame.compat
+    from flame.components.checkpoint import FlameCheckpointManager
+
+    importlib.import_module(_TRAINER_CHECKPOINT_MANAGER.module).CheckpointManager = FlameCheckpointManager
 
 
 # torchtitan's private names flame relies on (resolved when used, so that the guard can name a missing one)

@@ -5,7 +5,8 @@ logical shards r, r+R, r+2R, ... (flame.data.shards) and builds each batch from 
 shards in turn. Every batch carries the positional states its shards reached, so the main
 process always knows exactly how far each shard got in what was delivered, whatever the
 workers have prefetched. A checkpoint stores these states for all shards of all ranks in
-one entry that every rank writes identically; on resume:
+one entry that every rank writes identically, as JSON (a checkpoint's data state is read
+without unpickling anything of flame's); on resume:
 
 - same layout (ranks x workers): every reader continues with its shards and its turn
   order, and worker roles rotate so the next batch comes from the reader that would have
@@ -15,8 +16,8 @@ one entry that every rank writes identically; on resume:
   differently).
 """
 
+import json
 import os
-import pickle
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,21 @@ from flame.errors import ConfigError
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # JSON (version 1, a pickle, is not loaded)
+
+
+def _to_json(value: Any) -> str:
+    # numpy scalars (positions computed with numpy) become Python numbers; anything else not JSON fails here
+    return json.dumps(value, default=lambda v: v.item() if isinstance(v, np.generic) else _not_json(v))
+
+
+def _not_json(value: Any):
+    raise TypeError(f"data loader state holds a {type(value).__name__}, which JSON cannot store")
+
+
+def _by_int(mapping: dict[str, Any]) -> dict[int, Any]:
+    """A JSON object's keys (shard, rank or role numbers: strings in JSON) as ints."""
+    return {int(key): value for key, value in mapping.items()}
 
 
 class PackedDataset(IterableDataset):
@@ -79,7 +94,8 @@ class PackedDataset(IterableDataset):
             progress = {
                 "role": role,
                 "cursor": cursor,
-                "shard_states": pickle.dumps({shard: pipelines[shard].state_dict() for shard in set(touched)}),
+                # JSON here too, so that the states held between checkpoints are those a resume reads
+                "shard_states": _to_json({shard: pipelines[shard].state_dict() for shard in set(touched)}),
                 "source_tokens": np.sum([row.source_tokens for row in rows], axis=0),
                 "source_documents": np.sum([row.source_documents for row in rows], axis=0),
             }
@@ -114,7 +130,7 @@ class FlameDataLoader(BaseDataLoader):
             )
         for inputs, labels, progress in DataLoader(dataset, **self.loader_options):
             self.batches += 1
-            dataset.shard_states.update(pickle.loads(progress["shard_states"]))
+            dataset.shard_states.update(_by_int(json.loads(progress["shard_states"])))
             dataset.cursors[int(progress["role"])] = int(progress["cursor"])
             self.source_tokens += np.asarray(progress["source_tokens"])
             self.source_documents += np.asarray(progress["source_documents"])
@@ -150,19 +166,24 @@ class FlameDataLoader(BaseDataLoader):
             "version": STATE_VERSION,
             "sources": [spec.path for spec in dataset.plan.specs],
             "shards": dataset.shards,
-            "layout": (dataset.dp_world_size, dataset.workers),
+            "layout": [dataset.dp_world_size, dataset.workers],
             "shard_states": shard_states,
             "ranks": {rank: {k: v for k, v in s.items() if k != "shard_states"} for rank, s in ranks.items()},
         }
-        return {"state": pickle.dumps(state)}
+        return {"state": _to_json(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
         try:
-            state = pickle.loads(state_dict["state"])
+            if isinstance(state_dict.get("state"), bytes):
+                raise ValueError("it is a pickle, which flame does not load: a pickle can run code")
+            state = json.loads(state_dict["state"])
             if state["version"] != STATE_VERSION:
                 raise ValueError(f"version {state['version']}, expected {STATE_VERSION}")
+            state["shard_states"], state["ranks"] = _by_int(state["shard_states"]), _by_int(state["ranks"])
+            for rank in state["ranks"].values():
+                rank["cursors"] = _by_int(rank["cursors"])
         except Exception as error:
             raise ConfigError(
                 f"data loader state in the checkpoint is unreadable on data-parallel rank {self.dp_rank} ({error}); "
@@ -183,7 +204,7 @@ class FlameDataLoader(BaseDataLoader):
         dataset.shards = state["shards"]
         dataset.shard_states = state["shard_states"]
         ranks = state["ranks"]
-        if state["layout"] == (dataset.dp_world_size, dataset.workers):
+        if state["layout"] == [dataset.dp_world_size, dataset.workers]:
             mine = ranks[self.dp_rank]
             dataset.cursors, self.batches = dict(mine["cursors"]), mine["batches"]
             dataset.role_offset = self.batches % dataset.workers

@@ -5,14 +5,18 @@
 
 By default everything comes from the run itself (<path>/job_config.json): the model config,
 the tokenizer, the checkpoint folder and checkpoint.export_dtype; --step defaults to the
-latest complete checkpoint. The export is written next to its destination and swapped in
-only when complete, so an earlier export is never left half-overwritten.
+latest complete checkpoint, which must match its manifest (flame.manifest). The export is
+written next to its destination (``.hf-<host>-<pid>-*``) and swapped in only when complete, so
+an earlier export is never left half-overwritten; the next export removes what a killed one left
+there (exports of one folder do not run at once: train.sh's runs hold the dump folder).
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -20,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from flame import manifest
 from flame.checkpoints import complete_steps, weight_mismatches
 from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.tokenizer import load_tokenizer
@@ -40,18 +45,16 @@ def run_settings(path: str) -> dict:
 
 
 def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
-    """An HF model (fp32, CPU) holding the weights of a DCP checkpoint."""
+    """An HF model (fp32, CPU) holding the weights of a DCP checkpoint, once its files match its manifest."""
+    if found := manifest.defect(checkpoint):
+        raise ConfigError(
+            f"checkpoint {checkpoint} is {found.kind}: {found.problem}; export an intact step (--step), or, for a step "
+            f"from elsewhere that you trust, record its manifest: python -m flame.manifest {checkpoint}"
+        )
     model = meta_model(config)
     model.to_empty(device="cpu")
     state_dict = model.state_dict()
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
-    files = {item.relative_path for item in metadata.storage_data.values()}
-    absent = sorted(f for f in files if not os.path.isfile(os.path.join(checkpoint, f)))
-    if absent:
-        raise ConfigError(
-            f"checkpoint {checkpoint} lacks {', '.join(absent[:3])}, written by other ranks: on a multi-node run "
-            "the dump folder must be one path on a filesystem every node shares"
-        )
     problems = weight_mismatches(metadata, state_dict)
     if problems:
         raise ConfigError(
@@ -62,10 +65,42 @@ def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
     return model
 
 
+def _alive_here(host: str, pid: int) -> bool:
+    if host != socket.gethostname():
+        return False  # one folder is exported from one machine at a time
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_staging(out: str) -> None:
+    """Remove the staging folders of exports to ``out`` that were killed, restoring ``out`` if one was swapping it."""
+    parent, name = os.path.split(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        return
+    # tempfile's 8 random characters; without host and pid: an export by an earlier flame
+    staging = re.compile(rf"\.{re.escape(name)}-(?:(?P<host>.+)-(?P<pid>\d+)-)?[a-z0-9_]{{8}}(?P<previous>\.previous)?")
+    stale = []
+    for entry in sorted(os.listdir(parent)):
+        match = staging.fullmatch(entry)
+        if match and not (match["pid"] and _alive_here(match["host"], int(match["pid"]))):
+            stale.append((os.path.join(parent, entry), match["previous"]))
+    for path, previous in stale:
+        if previous and not os.path.exists(out):  # killed between swapping the old export out and the new one in
+            os.rename(path, out)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=parent)
+    remove_stale_staging(out)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-{socket.gethostname()}-{os.getpid()}-", dir=parent)
     try:
         model.to(dtype)
         model.config.dtype = dtype
@@ -130,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{args.path} has no {RUN_CONFIG_FILE}: pass --config and --tokenizer")
         folder = os.path.join(args.path, args.checkpoint_folder or run.get("checkpoint", {}).get("folder", "checkpoint"))
         steps = complete_steps(folder)
-        if not steps:
-            raise ConfigError(f"no complete checkpoint in {folder}")
-        step = steps[-1] if args.step == -1 else args.step
-        if step not in steps:
-            raise ConfigError(f"no complete checkpoint for step {step} in {folder}; complete steps: {steps}")
+        step = steps[-1] if args.step == -1 and steps else args.step
+        # a step folder named explicitly is checked below, which says what it lacks
+        if step not in steps and not (step != -1 and os.path.isdir(os.path.join(folder, f"step-{step}"))):
+            named = f" for step {step}" if step != -1 else ""
+            raise ConfigError(f"no complete checkpoint{named} in {folder}; complete steps: {steps}")
         dtype = DTYPES[args.dtype or run.get("checkpoint", {}).get("export_dtype", "float32")]
         out = args.out or os.path.join(args.path, "hf")
 

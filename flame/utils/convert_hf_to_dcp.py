@@ -4,7 +4,8 @@
 
 A run whose dump folder holds this step-0 checkpoint starts from these weights (model only:
 optimizer, schedule and data start fresh). Use the same model config for the run
-(``--model.config <hf dir>`` works directly).
+(``--model.config <hf dir>`` works directly). The step gets its manifest (flame.manifest) like
+every step flame saves.
 """
 
 import argparse
@@ -15,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
+from flame import manifest
 from flame.models import load_model_config
 
 
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state_dict = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
     dcp.save(state_dict, checkpoint_id=args.checkpoint)
+    manifest.record(args.checkpoint)  # last: it marks the step complete
     print(f"wrote {len(state_dict)} tensors of {args.model} to {args.checkpoint}")
     return 0
 

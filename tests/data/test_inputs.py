@@ -161,12 +161,13 @@ def test_checkpoint_of_other_sources_is_a_config_error_naming_exclude_from_loadi
 @pytest.mark.parametrize(
     "state",
     [
-        {"state": b"not a pickle"},
-        {"state": pickle.dumps({"version": 99})},
-        {"state": pickle.dumps([1, 2])},
+        {"state": "not JSON"},
+        {"state": json.dumps({"version": 99})},
+        {"state": json.dumps([1, 2])},
         {"world_size": 2, "dp_rank_1": pickle.dumps({})},  # the layout flame wrote before logical shards
+        {"state": pickle.dumps({"version": 1})},  # a pickle is never loaded
     ],
-    ids=["not-a-pickle", "other-version", "not-a-dict", "old-format"],
+    ids=["not-json", "other-version", "not-a-dict", "old-format", "pickle"],
 )
 def test_corrupt_loader_state_is_a_config_error_naming_the_data_parallel_rank(
     state, two_sources, make_config, tokenizer

@@ -1,0 +1,173 @@
+"""flame's checkpoint manager: torchtitan's CheckpointManager, with manifests and damaged steps set aside.
+
+torchtitan's Trainer builds it in place of its own (flame.compat.torchtitan.checkpoints_with_manifests).
+What it adds (flame.manifest holds the manifest itself):
+- every save records its step's manifest once the save is complete, synchronous or async: each
+  rank hashes the files it wrote, in a thread of its own, and rank 0 writes the manifest;
+- before a load, all ranks check the step against its manifest together (each checksums its
+  share): a damaged or incomplete latest step is set aside (``step-N.damaged``) and the newest
+  intact one loads; a step named explicitly (``--checkpoint.load_step``,
+  ``--checkpoint.initial_load_path``) that fails the check stops the run in one line;
+- steps are folders named exactly ``step-N``: set-aside ones are neither loaded nor purged.
+"""
+
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.tools.logging import logger
+
+from flame import manifest
+from flame.checkpoints import (
+    explicit_step_error,
+    newest_intact,
+    unrecorded_checkpoint_error,
+)
+from flame.errors import ConfigError
+
+# How long rank 0 waits for the other ranks' hashes of a step: longer than hashing a rank's
+# files takes (and than a shared filesystem takes to show one node's file to another), and it
+# bounds the wait of a rank 0 that stops after a peer died.
+_PARTS_TIMEOUT = 600.0
+
+
+def _rank_and_ranks() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+class ManifestRecorder:
+    """Records each saved step's manifest after its save completes, in order, in a thread of its own.
+
+    Each rank hashes the files it wrote (no rank reads another's) and leaves its share in the
+    step folder; rank 0 adds its own, DCP's .metadata included, and writes the manifest. The
+    shares travel through the filesystem, which every rank shares already, rather than through
+    a process group of their own: no collective runs beside the trainer's.
+    """
+
+    def __init__(self):
+        self.rank, self.ranks = _rank_and_ranks()
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="flame-manifests", daemon=True)
+        self.thread.start()
+
+    def add(self, folder: str, save: Future | None) -> None:
+        """Record ``folder``'s manifest once ``save`` (an async save's future; None: done) completes."""
+        self.queue.put((folder, save))
+
+    def wait(self) -> None:
+        """Until the manifests of the saves so far are recorded (this rank's part of them)."""
+        self.queue.join()
+
+    def close(self) -> None:
+        """Record the manifests still pending, then stop."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            try:
+                self._record(*item)
+            except Exception as error:  # the thread lives on: wait() must return
+                logger.warning(f"{item[0]} gets no {manifest.MANIFEST} ({error}): a run resuming here sets it aside")
+            finally:
+                self.queue.task_done()
+
+    def _record(self, folder: str, save: Future | None) -> None:
+        try:
+            if save is not None:
+                save.result()
+            mine = [name for name in manifest.step_files(folder) if manifest.owner(name, self.ranks) == self.rank]
+            files = manifest.describe(folder, mine)
+            if self.rank != 0:
+                manifest.write_part(folder, self.rank, files)
+                return
+            files |= manifest.collect_parts(folder, range(1, self.ranks), _PARTS_TIMEOUT)
+            manifest.write(folder, files)
+        except Exception as error:
+            if self.rank == 0:
+                raise
+            manifest.write_part(folder, self.rank, None, f"{type(error).__name__}: {error}")  # rank 0 says it
+
+
+class FlameCheckpointManager(CheckpointManager):
+    """torchtitan's CheckpointManager that records manifests and loads only steps that match theirs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorder = ManifestRecorder() if self.enable and not self.load_only else None
+
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
+                 to_hf: bool = False):
+        if self.recorder is None or to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        # One recording at a time (a step can be saved twice in a row, when the data runs out),
+        # so that no part of an earlier save is in flight. A step written over (a run resumed
+        # from an earlier one) is incomplete until its new manifest: no rank writes a file
+        # before every rank has entered DCP's save, rank 0 included.
+        self.recorder.wait()
+        if _rank_and_ranks()[0] == 0:
+            manifest.unmark(checkpoint_id)
+        result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        pending = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        self.recorder.add(checkpoint_id, pending if isinstance(pending, Future) else None)
+        return result
+
+    def load(self, step: int = -1) -> bool:
+        if self.enable:
+            if step != -1 or os.path.exists(self.folder):  # a step named explicitly must be there
+                step = self._verified_step(step)
+            elif self.initial_load_path:
+                if found := self._defect(self.initial_load_path):
+                    raise ConfigError(unrecorded_checkpoint_error("--checkpoint.initial_load_path", self.initial_load_path, found))
+        return super().load(step)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        steps = manifest.complete_steps(folder or self.folder)
+        return steps[-1] if steps else -1
+
+    def _purge_stale_checkpoints(self) -> None:
+        # only folders named exactly step-N count (torchtitan's would count and delete step-N.damaged)
+        if self.keep_latest_k > 0 and _rank_and_ranks()[0] == 0:
+            steps = manifest.step_folders(self.folder)
+            for step in sorted(steps)[: -self.keep_latest_k]:
+                self.purge_queue.put(steps[step])
+
+    def close(self) -> None:
+        if getattr(self, "recorder", None) is not None:
+            self.recorder.close()
+            self.recorder = None
+        super().close()
+
+    def _defect(self, folder: str) -> manifest.Defect | None:
+        """What is wrong with a step, checked by all ranks together: each checksums the files of its rank."""
+        rank, ranks = _rank_and_ranks()
+        mine = [name for name in manifest.step_files(folder) if manifest.owner(name, ranks) == rank]
+        found = [manifest.defect(folder, checksums=mine)]
+        if ranks > 1:
+            gathered = [None] * ranks
+            dist.all_gather_object(gathered, found[0])
+            found = gathered
+        return next((defect for defect in found if defect is not None), None)
+
+    def _verified_step(self, step: int) -> int:
+        """The step to load (-1: none): ``step`` when given and intact, else the newest intact step."""
+        if step != -1:
+            path = os.path.join(self.folder, f"step-{step}")
+            found = self._defect(path) if os.path.isdir(path) else None
+            if found or not os.path.isdir(path):
+                raise ConfigError(explicit_step_error(self.folder, step, found))
+            return step
+        rank, ranks = _rank_and_ranks()
+        steps = [manifest.step_folders(self.folder) if rank == 0 else None]
+        if ranks > 1:  # one listing: rank 0 renames folders while the others look
+            dist.broadcast_object_list(steps, src=0)
+        steps = steps[0]
+        chosen = newest_intact(steps, self._defect, logger.warning if rank == 0 else None)
+        if ranks > 1:
+            dist.barrier()  # rank 0's last rename is done before any rank lists the folder
+        return next((step for step, path in steps.items() if path == chosen), -1)
