@@ -6,6 +6,7 @@ wrong and what to change.
 """
 
 import difflib
+import math
 import os
 import sys
 from dataclasses import fields, is_dataclass
@@ -249,6 +250,31 @@ def _check_training(config: JobConfig) -> None:
         raise ConfigError(f"--metrics.log_freq must be positive, got {config.metrics.log_freq}")
 
 
+def _check_skipping(t, given: dict[str, int]) -> None:
+    """The settings of skipped updates: NaN/Inf gradients and loss spikes (flame.components.spikes)."""
+    if not math.isfinite(t.spike_sigma) or t.spike_sigma < 0:
+        raise ConfigError(
+            f"--training.spike_sigma must be a number >= 0 (standard deviations; 0 = off), got {t.spike_sigma}"
+        )
+    spikes = t.spike_sigma > 0
+    for name in ("spike_window", "spike_min_steps"):
+        if f"training.{name}" in given and not spikes:
+            raise ConfigError(
+                f"--training.{name} sets the loss-spike policy, which is off: add --training.spike_sigma (e.g. 6), "
+                f"or drop --training.{name}"
+            )
+    if spikes and not 2 <= t.spike_min_steps <= t.spike_window:
+        raise ConfigError(
+            f"--training.spike_min_steps {t.spike_min_steps} and --training.spike_window {t.spike_window}: a spike is "
+            "judged against at least 2 steps and at most the window, so set 2 <= spike_min_steps <= spike_window"
+        )
+    if "training.max_skipped_steps" in given and not (t.skip_nan_inf or spikes):
+        raise ConfigError(
+            "--training.max_skipped_steps limits skipped updates, and none are skipped: add --training.skip_nan_inf "
+            "or --training.spike_sigma, or drop --training.max_skipped_steps"
+        )
+
+
 def data_parallel_degree(config: JobConfig, world_size: int) -> int:
     """Ranks that read different data (replicate x shard), after checking the layout."""
     p = config.parallelism
@@ -356,11 +382,7 @@ def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
         raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
     _check_model(config)
     _check_training(config)
-    if "training.max_skipped_steps" in given and not config.training.skip_nan_inf:
-        raise ConfigError(
-            "--training.max_skipped_steps limits --training.skip_nan_inf, which is off: add --training.skip_nan_inf, "
-            "or drop --training.max_skipped_steps"
-        )
+    _check_skipping(config.training, given)
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
     _check_fsdp_options(config, world_size)

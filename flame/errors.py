@@ -10,5 +10,7 @@ class ConfigError(ValueError):
     """
 
 
-class NonFiniteGradientError(RuntimeError):
-    """A step's gradient norm was NaN/Inf and --training.skip_nan_inf is off: the run stops, exit 1."""
+class UpdatesFailingError(RuntimeError):
+    """A step's update cannot be taken and may not be skipped: a NaN/Inf gradient norm without
+    --training.skip_nan_inf, or one skipped update (NaN/Inf or loss spike) more in a row than
+    --training.max_skipped_steps allows. Raised on every rank alike; the run stops, exit 1."""
