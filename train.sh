@@ -85,6 +85,24 @@ if [ "$NODE_RANK" -ge "$NNODE" ]; then
   exit 2
 fi
 LOG_RANK=${LOG_RANK:-0}
+if [[ ! $LOG_RANK =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "flame: error: LOG_RANK must be local ranks below NGPU $NGPU, comma-separated (e.g. 0 or 0,1), not '$LOG_RANK'" >&2
+  exit 2
+fi
+for rank in ${LOG_RANK//,/ }; do
+  if [ "$rank" -ge "$NGPU" ]; then
+    echo "flame: error: LOG_RANK $rank is not a local rank: NGPU $NGPU runs local ranks 0 to $((NGPU - 1)) on each node" >&2
+    exit 2
+  fi
+done
+if [ -n "${MASTER_PORT:-}" ] && { [[ ! $MASTER_PORT =~ ^[0-9]{1,5}$ ]] || [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; }; then
+  echo "flame: error: MASTER_PORT must be a free port number (1-65535) on node 0, not '$MASTER_PORT'" >&2
+  exit 2
+fi
+if [ "$NNODE" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  echo "flame: error: a run on $NNODE nodes (NNODE) needs MASTER_ADDR, the address of node 0, on every node" >&2
+  exit 2
+fi
 
 plan=$(mktemp)
 trap 'rm -f "$plan"' EXIT

@@ -83,7 +83,13 @@ class Training:
     skip_nan_inf: bool = False
     """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
     max_skipped_steps: int = 10
-    """With skip_nan_inf: the most updates skipped in a row; one more stops the run (it has diverged). 0 = no limit"""
+    """With skip_nan_inf or spike_sigma: the most updates skipped in a row (NaN/Inf and spikes alike); one more stops the run (it has diverged). 0 = no limit"""
+    spike_sigma: float = 0.0
+    """Skip the update of a step whose loss or gradient norm is more than this many standard deviations above the mean of the last spike_window steps (counted: spike_skips). 0 = off"""
+    spike_window: int = 100
+    """With spike_sigma: the recent steps a step is compared with; skipped steps join it too, so a lasting shift of the loss is absorbed within a window"""
+    spike_min_steps: int = 20
+    """With spike_sigma: steps the window must hold before any step is judged (the first ones of a run, or of a new spike_sigma, are not)"""
     # Older spellings of torchtitan fields (ALIASES). Their defaults only show in `-h`: an alias
     # counts where the TOML file or the command line gives it.
     batch_size: int | None = None

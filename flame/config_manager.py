@@ -15,10 +15,12 @@ from typing import Any
 import tomllib
 from torchtitan.config import ConfigManager, JobConfig
 
-from flame import device
+from flame import config as flame_config
+from flame import config_limits, device
 from flame.config_fields import (
     CLI,
     TOML,
+    check_command_line,
     check_unused_fields,
     dotted_fields,
     merge_configs,
@@ -82,6 +84,8 @@ class FlameConfigManager(ConfigManager):
                 f"--job.config_file is given {len(config_files)} times ({', '.join(config_files)}); give one "
                 "job file and put the other's settings on the command line (they override the file)"
             )
+        # tyro refuses a bad flag in a boxed screenful; check_command_line says it in one line
+        check_command_line(merge_configs(JobConfig, flame_config.JobConfig), args)
         config_file = self._config_file(args)
         if config_file is not None:
             _check_toml(config_file)
@@ -139,13 +143,19 @@ class FlameConfigManager(ConfigManager):
 
 def _check_toml(path: str) -> None:
     """A job file that exists and parses as TOML (torchtitan would print a traceback)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--job.config_file {path} is a directory; give the job's .toml file (e.g. configs/debug.toml)")
     if not os.path.isfile(path):
-        raise ConfigError(f"job config file not found: {path}")
+        raise ConfigError(f"--job.config_file {path} does not exist; give the job's .toml file (e.g. configs/debug.toml)")
     try:
         with open(path, "rb") as f:
             tomllib.load(f)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}; fix that line") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not a text file (byte {error.start} is not UTF-8); give the job's .toml file") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read --job.config_file {path}: {error.strerror}") from None
 
 
 def split_list(value: str | None) -> list[str]:
@@ -161,10 +171,11 @@ def _check_model(config: JobConfig) -> None:
             "(e.g. --model.config configs/llama_4M.json)"
         )
     model.config = resolve_path(model.config)
+    give = "give an HF config.json or a directory holding one (e.g. configs/llama_4M.json)"
     if not os.path.exists(model.config):
-        raise ConfigError(f"--model.config {model.config} does not exist")
+        raise ConfigError(f"--model.config {model.config} does not exist; {give}")
     if os.path.isdir(model.config) and not os.path.isfile(os.path.join(model.config, "config.json")):
-        raise ConfigError(f"--model.config {model.config} is a directory without config.json")
+        raise ConfigError(f"--model.config {model.config} is a directory without config.json; {give}")
     if model.tokenizer_path is None:
         config_dir = model.config if os.path.isdir(model.config) else os.path.dirname(model.config)
         if any(os.path.isfile(os.path.join(config_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -206,8 +217,6 @@ def _check_training(config: JobConfig) -> None:
             f"--training.steps must be >= 1 (optimizer steps to train), got {t.steps}; to write initial weights "
             "without training, use --checkpoint.create_seed_checkpoint"
         )
-    if config.optimizer.lr < 0:  # 0 is a use: a step that loads and saves the weights unchanged
-        raise ConfigError(f"--optimizer.lr must be >= 0, got {config.optimizer.lr}")
     if t.max_norm <= 0:
         raise ConfigError(f"--training.max_norm must be positive, got {t.max_norm}")
     for name in ("num_workers", "shuffle_buffer", "row_shuffle_buffer", "data_shards", "max_skipped_steps"):
@@ -356,11 +365,7 @@ def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
         raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
     _check_model(config)
     _check_training(config)
-    if "training.max_skipped_steps" in given and not config.training.skip_nan_inf:
-        raise ConfigError(
-            "--training.max_skipped_steps limits --training.skip_nan_inf, which is off: add --training.skip_nan_inf, "
-            "or drop --training.max_skipped_steps"
-        )
+    config_limits.check(config, given)
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
     _check_fsdp_options(config, world_size)

@@ -10,5 +10,15 @@ class ConfigError(ValueError):
     """
 
 
-class NonFiniteGradientError(RuntimeError):
-    """A step's gradient norm was NaN/Inf and --training.skip_nan_inf is off: the run stops, exit 1."""
+class UpdatesFailingError(RuntimeError):
+    """A step's update cannot be taken and may not be skipped: a NaN/Inf gradient norm without
+    --training.skip_nan_inf, or one skipped update (NaN/Inf or loss spike) more in a row than
+    --training.max_skipped_steps allows. Raised on every rank alike; the run stops, exit 1."""
+
+
+def gist(error: BaseException) -> str:
+    """A library error in a few words, for a one-line message: its innermost cause's first line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0].rstrip(".") if lines else type(error).__name__

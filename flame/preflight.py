@@ -9,6 +9,8 @@ import importlib.util
 import os
 from importlib import metadata
 
+import datasets
+import transformers
 from packaging.requirements import Requirement
 from torch import nn
 from transformers import PretrainedConfig
@@ -30,6 +32,11 @@ from flame.models.support import Documents, support_for
 
 def check_job(job_config) -> None:
     """Every check: the model, its checkpoint, and every data source (train.sh's preflight)."""
+    # A refusal is one line on stderr: the libraries' own warnings and progress bars stay out of it
+    # (the ranks load the same model and data, and show them there).
+    transformers.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs an error before raising it
+    datasets.disable_progress_bars()
     check_dump_folder(job_config.job.dump_folder)
     model_config = check_model(job_config)
     check_checkpoint_fits_model(job_config, model_config, check_checkpoint(job_config))

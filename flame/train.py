@@ -20,7 +20,7 @@ import torch
 from torchtitan.tools.logging import init_logger, logger
 
 from flame.config_manager import FlameConfigManager
-from flame.errors import ConfigError, NonFiniteGradientError
+from flame.errors import ConfigError, UpdatesFailingError
 
 
 def arrange_stack_dumps() -> None:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
-    except NonFiniteGradientError as error:
+    except UpdatesFailingError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 1
     except Exception:

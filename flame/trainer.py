@@ -12,11 +12,13 @@ overrides:
 - ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
   to start: numbers the attempt and records its job config (flame.dump_folder);
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
-  check (skip or stop), richer metrics (per-source data counts among them);
-- ``state_dict``: the train state also counts skipped steps.
+  check (skip or stop), the loss-spike policy (flame.components.spikes), richer metrics
+  (per-source data counts among them);
+- ``state_dict``: the train state also counts skipped steps and holds the spike window.
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
 
+import math
 import os
 from typing import Any
 
@@ -40,13 +42,14 @@ from flame.batch_context import BatchContext
 from flame.checkpoints import complete_steps
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
+from flame.components.spikes import SpikeWindow
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 from flame.distributed.context_parallel import ContextParallel
 from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.dump_folder import ATTEMPTS, next_attempt, record_attempt
-from flame.errors import NonFiniteGradientError
+from flame.errors import UpdatesFailingError
 from flame.models import AnyFlavor, build_model, model_inputs
 
 
@@ -80,6 +83,8 @@ class Trainer(TorchtitanTrainer):
         register_flame_train_spec()
         self.skipped_steps = 0
         self.consecutive_skips = 0  # updates skipped in a row (--training.max_skipped_steps)
+        t = job_config.training
+        self.spikes = SpikeWindow(t.spike_sigma, t.spike_window, t.spike_min_steps)
         self.data_exhausted = False
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
@@ -216,66 +221,104 @@ class Trainer(TorchtitanTrainer):
             foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
         )
-        if torch.isfinite(grad_norm):
+        step_loss = torch.stack(losses).sum()
+        if self._update_is_sound(step_loss, grad_norm):
             self.consecutive_skips = 0
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
-        else:
-            self._skip_or_stop(grad_norm.item())
         self.lr_schedulers.step()
 
         # The logged loss is the mean over the steps since the last log line (a smooth curve
         # even when logging every N steps); accumulated on device, so no sync per step.
-        step_loss = torch.stack(losses).sum()
         self._loss_window = step_loss if self._loss_window is None else self._loss_window + step_loss
         self._window_steps += 1
         if not self.metrics_processor.should_log(self.step):
             return
-        loss, self._loss_window = self._loss_window / self._window_steps, None
-        self._window_steps = 0
+        loss, global_avg_loss = self._reduce_loss(self._loss_window / self._window_steps)
+        self._loss_window, self._window_steps = None, 0
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
+        global_max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, batch_mesh)
+        tokens_seen = int(dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), batch_mesh))
+        spikes = self.spikes.metrics() if self.spikes.enabled else {}
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss.item(),
+            global_max_loss,
+            grad_norm.item(),
+            extra_metrics={
+                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.skipped_steps, **spikes,
+                **self._data_metrics(),
+            },
+        )
+
+    def _reduce_loss(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this data-parallel rank's share of ``loss``, the sum over all of them), as tensors: no host sync.
+
+        ``loss`` is this rank's part of a loss divided by the global target count, so the sum over
+        the data-parallel ranks is the step's loss; every rank gets the same sum.
+        """
+        loss = loss.detach().clone()  # reduced in place, and the caller may keep the original
         if self.parallel_dims.pp_enabled:  # the last stage holds the loss, the others 0
             torch.distributed.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
         if self.parallel_dims.cp_enabled:  # a data-parallel rank's loss is spread over its CP ranks
             torch.distributed.all_reduce(loss, group=self.parallel_dims.get_mesh("cp").get_group())
+        total = loss.clone()
         # over the data-parallel ranks (every CP, TP or pipeline rank of one holds the same batch)
-        batch_mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
-        global_avg_loss = dist_utils.dist_sum(loss, batch_mesh)
-        global_max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, batch_mesh)
-        tokens_seen = int(dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), batch_mesh))
-        self.metrics_processor.log(
-            self.step,
-            global_avg_loss,
-            global_max_loss,
-            grad_norm.item(),
-            extra_metrics={
-                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.skipped_steps, **self._data_metrics()
-            },
-        )
+        if self.parallel_dims.dp_enabled:
+            torch.distributed.all_reduce(total, group=self.parallel_dims.get_mesh("batch").get_group())
+        return loss, total
 
-    def _skip_or_stop(self, grad_norm: float) -> None:
-        """A step whose gradient norm is NaN/Inf: skip its update (--training.skip_nan_inf), or stop the run.
+    def _update_is_sound(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether to take this step's update: a finite gradient norm and, under --training.spike_sigma,
+        no loss or gradient-norm spike. Otherwise the update is skipped, or the run stops.
+
+        One host sync either way (the step waits for its gradient norm): with the spike policy the
+        step's global loss comes along in the same transfer. Every rank decides alike, from values
+        that are the same on every rank.
+        """
+        if not self.spikes.enabled:
+            if torch.isfinite(grad_norm):
+                return True
+            self._skip_or_stop(f"gradient norm is {grad_norm.item()}", spike=False)
+            return False
+        step_loss = self._reduce_loss(step_loss)[1]
+        loss, norm = torch.stack([step_loss.float(), grad_norm.float()]).tolist()
+        if not math.isfinite(norm):
+            self._skip_or_stop(f"gradient norm is {norm}", spike=False)
+            return False
+        if (spike := self.spikes.judge(loss, norm)) is None:
+            return True
+        self._skip_or_stop(spike, spike=True)
+        return False
+
+    def _skip_or_stop(self, problem: str, spike: bool) -> None:
+        """Skip this step's update (a spike, or a NaN/Inf gradient norm with --training.skip_nan_inf), or stop the run.
 
         Skipping has a limit: a run whose updates keep failing has diverged, and skipping on would
         train nothing while looking healthy.
         """
         training = self.job_config.training
         limit = training.max_skipped_steps
-        if training.skip_nan_inf and (limit == 0 or self.consecutive_skips < limit):
+        skips = spike or training.skip_nan_inf
+        if skips and (limit == 0 or self.consecutive_skips < limit):
             self.skipped_steps += 1
             self.consecutive_skips += 1
-            logger.warning(f"step {self.step}: gradient norm is {grad_norm}; update skipped ({self.skipped_steps} so far)")
+            self.spikes.skips += int(spike)
+            kind = "spike" if spike else "non-finite"
+            logger.warning(f"step {self.step}: {problem}; update skipped ({kind}; {self.skipped_steps} skipped so far)")
             self.optimizers.zero_grad()
             return
         steps = complete_steps(os.path.join(self.job_config.job.dump_folder, self.job_config.checkpoint.folder))
         saved = f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
-        if training.skip_nan_inf:
-            raise NonFiniteGradientError(
-                f"step {self.step}: gradient norm is {grad_norm}, non-finite for {limit + 1} updates in a row "
-                f"(--training.max_skipped_steps {limit}); stopping, {saved}. The run has diverged: lower the learning "
-                "rate or raise the warmup, and resume from the last checkpoint"
+        if skips:
+            spikes = " or raise --training.spike_sigma" if self.spikes.enabled else ""
+            raise UpdatesFailingError(
+                f"step {self.step}: {problem}; {limit + 1} updates in a row could not be taken (loss spikes or non-finite "
+                f"gradients; --training.max_skipped_steps {limit}): stopping, {saved}. The run has diverged: lower the "
+                f"learning rate or raise the warmup{spikes}, and resume from the last checkpoint"
             )
-        raise NonFiniteGradientError(
-            f"step {self.step}: gradient norm is {grad_norm}; stopping, {saved}. Lower the learning rate, or pass "
+        raise UpdatesFailingError(
+            f"step {self.step}: {problem}; stopping, {saved}. Lower the learning rate, or pass "
             "--training.skip_nan_inf to skip such updates"
         )
 
@@ -297,13 +340,14 @@ class Trainer(TorchtitanTrainer):
             tokens = int(dist_utils.dist_sum(torch.tensor(tokens, device=self.device), self.parallel_dims.get_mesh("batch")))
         return {
             **super().state_dict(), "ntokens_seen": tokens, "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
+            "consecutive_skips": self.consecutive_skips, **self.spikes.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
         self.consecutive_skips = state_dict.get("consecutive_skips", 0)
+        self.spikes.load_state_dict(state_dict)
         # the total carries on in the first data-parallel rank's count; the log sums them
         if self.parallel_dims.dp_enabled and self.parallel_dims.get_mesh("batch").get_local_rank() != 0:
             self.ntokens_seen = 0

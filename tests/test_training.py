@@ -11,7 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+from flame.components.spikes import SpikeWindow
+from flame.models.builder import load_model_config
+from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
 from tests.conftest import (
     SCRIPTS,
     BackgroundRun,
@@ -109,8 +113,9 @@ def test_skipping_stops_when_too_many_updates_in_a_row_fail(background_runs):
     dump, result = background_runs["run"]
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "step 4: gradient norm is inf; update skipped (2 so far)" in output  # steps 3 and 4 skipped
-    assert "step 5: gradient norm is inf, non-finite for 3 updates in a row (--training.max_skipped_steps 2)" in output
+    assert "step 4: gradient norm is inf; update skipped (non-finite; 2 skipped so far)" in output  # steps 3, 4
+    assert "step 5: gradient norm is inf; 3 updates in a row could not be taken" in output
+    assert "--training.max_skipped_steps 2" in output
     assert "no checkpoint was saved" in output  # the run's only checkpoint would have been at step 8
     assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir())
 
@@ -249,3 +254,77 @@ def test_per_source_counts_are_logged_and_add_up_to_the_tokens_seen(background_r
     assert sum(by_source.values()) == row["n_tokens_seen"]
     assert " mix " in result.stdout + result.stderr
 
+
+
+# A spike is judged against the 6 steps before it, once 3 are there; the schedule spans 10 steps
+# whatever training.steps says, so a short run and its resumption follow the uninterrupted run.
+SPIKE_FLAGS = ["--training.spike_sigma=6", "--training.spike_window=6", "--training.spike_min_steps=3",
+               "--lr_scheduler.total_steps=10", "--checkpoint.keep_latest_k=0"]
+
+
+def _spike_env(grad: str, loss: str = "") -> dict[str, str]:
+    return {"FLAME_TEST_GRAD_SPIKES": grad, "FLAME_TEST_LOSS_SPIKES": loss}
+
+
+def _spike_job(steps, *flags, grad="6", loss="8"):
+    return train_job(steps, *SPIKE_FLAGS, *flags, module=str(SCRIPTS / "inject_spikes.py"), env=_spike_env(grad, loss))
+
+
+def _weights(dump: Path, step: int, model_config: str) -> dict:
+    return load_hf_model_from_dcp(str(dump / "checkpoint" / f"step-{step}"), load_model_config(model_config)).state_dict()
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[name], b[name]) for name in a)
+
+
+SPIKE_METRICS = ["spike_skips", "skipped_steps", "spike/loss_mean", "spike/loss_std", "spike/grad_norm_mean",
+                 "spike/grad_norm_std", "loss_metrics/global_avg_loss", "grad_norm"]
+
+
+@pytest.mark.background_runs(straight=_spike_job(10, "--checkpoint.interval=1"), resumed=_spike_job(4))
+def test_a_loss_or_gradient_spike_skips_its_update_and_a_resume_judges_alike(background_runs, tiny_model, corpus):
+    dumps = succeeded(background_runs)
+    straight, resumed = dumps["straight"], dumps["resumed"]
+    rows = metrics(straight)
+    # step 6's gradient norm and step 8's loss are spikes; the steps around them are not
+    assert [rows[s]["spike_skips"] for s in range(1, 11)] == [0, 0, 0, 0, 0, 1, 1, 2, 2, 2]
+    assert [rows[s]["skipped_steps"] for s in range(1, 11)] == [rows[s]["spike_skips"] for s in range(1, 11)]
+    output = background_runs["straight"].result.stdout + background_runs["straight"].result.stderr
+    assert "step 6: gradient norm" in output and "step 8: loss" in output and "update skipped (spike" in output
+    # a skipped update leaves the weights as they were; a taken one changes them
+    weights = {step: _weights(straight, step, tiny_model) for step in (5, 6, 7, 8)}
+    assert _same_weights(weights[5], weights[6]) and _same_weights(weights[7], weights[8])
+    assert not _same_weights(weights[6], weights[7])
+    # the window holds the last 6 steps, the skipped ones too (a lasting shift is absorbed)
+    window = [rows[s]["loss_metrics/global_avg_loss"] for s in range(5, 11)]
+    assert math.isclose(rows[10]["spike/loss_mean"], sum(window) / 6, rel_tol=1e-6)
+    # resumed after step 4, the run judges steps 5-10 against the window it saved: as the straight run
+    check(torchrun(base_args(tiny_model, corpus, resumed, steps=10) + SPIKE_FLAGS,
+                   module=str(SCRIPTS / "inject_spikes.py"), env=_spike_env("6", "8")))
+    got = metrics(resumed)
+    for step in range(5, 11):
+        assert {k: got[step][k] for k in SPIKE_METRICS} == {k: rows[step][k] for k in SPIKE_METRICS}, step
+
+
+@pytest.mark.background_runs(run=_spike_job(10, "--checkpoint.interval=2", "--training.max_skipped_steps=2",
+                                            grad="5,6,7", loss=""))
+def test_a_run_that_keeps_spiking_stops_in_one_line(background_runs):
+    dump, result = background_runs["run"]
+    assert result.returncode == 1
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "flame: error:" in line]
+    assert len(errors) == 1, errors
+    assert "step 7: gradient norm" in errors[0] and "3 updates in a row could not be taken" in errors[0]
+    assert "--training.max_skipped_steps 2" in errors[0] and "step-6, the last checkpoint, is intact" in errors[0]
+    assert metrics(dump)[6]["spike_skips"] == 2
+
+
+def test_the_spike_window_absorbs_a_lasting_shift():
+    window = SpikeWindow(sigma=3, size=4, min_steps=3)
+    judged = [window.judge(loss, 1.0) for loss in (2.0, 2.1, 2.0, 2.1, 5.0, 5.0, 5.1, 5.0, 5.0, 5.1)]
+    assert judged[:4] == [None] * 4
+    assert judged[4] is not None and "loss 5 is" in judged[4]  # the shift is a spike at first ...
+    assert judged[-1] is None  # ... and the new level once the window holds mostly it
+    restored = SpikeWindow(sigma=3, size=4, min_steps=3)
+    restored.load_state_dict(window.state_dict())
+    assert restored.judge(9.0, 1.0) == window.judge(9.0, 1.0) is not None

@@ -134,6 +134,7 @@ class FlameMetricsProcessor(MetricsProcessor):
 
         c = self.color
         skipped = extra.get("skipped_steps", 0)
+        spikes = extra.get("spike_skips", 0)
         source_tokens = {k[5:-7]: v for k, v in extra.items() if k.startswith("data/") and k.endswith("/tokens")}
         total = sum(source_tokens.values())
         mix = ""
@@ -149,7 +150,7 @@ class FlameMetricsProcessor(MetricsProcessor):
             f"{c.magenta}MFU {'n/a' if mfu is None else f'{mfu:.1f}%'}  "
             f"{c.turquoise}mem {memory.max_reserved_gib:.2f}GiB ({memory.max_reserved_pct:.0f}%)  "
             f"{c.white}elapsed {_clock(now - self.time_start)}  ETA {_clock(eta)}"
-            f"{f'  skipped {skipped}' if skipped else ''}{mix}{c.reset}"
+            f"{f'  skipped {skipped}' if skipped else ''}{f' ({spikes} spikes)' if spikes else ''}{mix}{c.reset}"
         )
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0

@@ -8,7 +8,7 @@ import datasets
 
 from flame.config_manager import split_list
 from flame.data import builtin
-from flame.errors import ConfigError
+from flame.errors import ConfigError, gist
 
 # file extension -> datasets' packaged builder
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
@@ -58,8 +58,7 @@ def load_source(spec: SourceSpec, streaming: bool) -> datasets.Dataset | dataset
     except (StopIteration, IndexError) as error:  # what datasets raises for empty files/tables
         raise ConfigError(f"dataset {spec.path} is empty or unreadable ({type(error).__name__})") from None
     except datasets.exceptions.DatasetGenerationError as error:
-        cause = error.__cause__ or error
-        raise ConfigError(f"cannot read dataset {spec.path}: {type(cause).__name__}: {cause}") from None
+        raise ConfigError(f"cannot read dataset {spec.path}: {gist(error)}; fix or remove the file") from None
     empty = len(dataset) == 0 if isinstance(dataset, datasets.Dataset) else next(iter(dataset.take(1)), None) is None
     if empty:
         raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents")
@@ -97,11 +96,11 @@ def _load(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.Iter
         if "corresponds to no data" in str(error):
             raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents") from None
         if "split" in str(error).lower():
-            raise ConfigError(f"dataset {spec.path}: unknown split '{spec.split}' ({error})") from None
-        raise ConfigError(f"cannot load dataset {spec.path}: {error}") from None
+            raise ConfigError(f"dataset {spec.path}: unknown split '{spec.split}' ({gist(error)})") from None
+        raise ConfigError(f"cannot load dataset {spec.path}: {gist(error)}") from None
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise ConfigError(
-            f"dataset {spec.path} not found (not a local path, nor a hub dataset in the local HF cache): {error}"
+            f"dataset {spec.path} not found (not a local path, nor a hub dataset in the local HF cache): {gist(error)}"
         ) from None
 
 
@@ -130,7 +129,7 @@ def document_column(dataset, spec: SourceSpec, preferred: str | None) -> tuple[s
     for name in candidates:
         if name in columns:
             return name, _holds_token_ids(dataset, name, spec)
-    wanted = f"column '{preferred}'" if preferred else "a 'text', 'content' or 'input_ids' column"
+    wanted = f"column '{preferred}'" if preferred else "'text', 'content' or 'input_ids' column"
     raise ConfigError(
         f"dataset {spec.path} has no {wanted}; its columns are: {', '.join(columns)} (set --training.text_column)"
     )

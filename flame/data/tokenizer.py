@@ -7,18 +7,37 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from flame.data import builtin
-from flame.errors import ConfigError
+from flame.errors import ConfigError, gist
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_GIVE = "give a directory holding tokenizer.json, a hub name in the local HF cache (org/name), or builtin:python-stdlib-bpe"
+
+
+def _check_tokenizer_location(location: str) -> None:
+    """A local path that cannot hold a tokenizer, refused as such (transformers would take it for a hub name)."""
+    hub_name = not os.path.isabs(location) and not location.startswith((".", "~")) and location.count("/") <= 1
+    if not os.path.exists(location) and not hub_name:
+        raise ConfigError(f"--model.tokenizer_path {location} does not exist; {_GIVE}")
+    if os.path.isfile(location):
+        raise ConfigError(f"--model.tokenizer_path {location} is a file; {_GIVE}")
 
 
 @functools.cache
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """A fast tokenizer from a directory, a hub name (local HF cache) or ``builtin:<name>``."""
     location = builtin.resolve(path) if builtin.is_builtin(path) else path
+    _check_tokenizer_location(location)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
-    except (OSError, ValueError) as error:
-        where = "directory" if os.path.isdir(location) else "name (not a local directory; offline runs need it in the HF cache)"
-        raise ConfigError(f"cannot load tokenizer from {location} ({where}): {error}") from None
+    except Exception as error:  # transformers raises many kinds, some spanning lines
+        if os.path.isdir(location) and not any(os.path.isfile(os.path.join(location, f)) for f in TOKENIZER_FILES):
+            raise ConfigError(f"--model.tokenizer_path {location} holds no {' or '.join(TOKENIZER_FILES)}; {_GIVE}") from None
+        if os.path.isdir(location):
+            raise ConfigError(f"cannot load the tokenizer in {location}: {gist(error)}; {_GIVE}") from None
+        raise ConfigError(
+            f"--model.tokenizer_path {location} is not a local directory, nor a hub name in the local HF cache "
+            f"({gist(error)}); {_GIVE}"
+        ) from None
     if not tokenizer.is_fast:
         raise ConfigError(f"tokenizer {path} has no fast (Rust) implementation; flame tokenizes online and needs one")
     return tokenizer

@@ -1,0 +1,87 @@
+"""Settings whose values torch or torchtitan would refuse only inside the ranks, after the processes
+started (or take silently and train wrong): numbers out of range, NaN or Inf, unknown optimizer
+names, settings that act only together with another one. ``check`` refuses them in one line
+each, from ``flame.config_manager.finalize``, before any process group exists.
+"""
+
+import math
+from typing import Any
+
+from flame.errors import ConfigError
+
+OPTIMIZERS = ("Adam", "AdamW")  # the names torchtitan's build_optimizers knows
+
+
+def _number(flag: str, value: float, low: float, high: float = math.inf, *, high_open: bool = False,
+            meaning: str = "") -> None:
+    """``value`` is finite and within [low, high] (or [low, high) with ``high_open``)."""
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or value < low or above:
+        bound = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{flag} must be a number {bound}{meaning}, got {value}")
+
+
+def check(config: Any, given: dict[str, int]) -> None:
+    """Refuse what torch, torchtitan or flame's trainer cannot run; ``given``: the dotted names the TOML and CLI set."""
+    if not config.job.dump_folder.strip():
+        raise ConfigError("--job.dump_folder is empty; give the folder for this run's checkpoints and logs (e.g. exp/run)")
+    _check_optimizer(config.optimizer)
+    _check_lr_scheduler(config.lr_scheduler)
+    t = config.training
+    if math.isnan(t.max_norm):
+        raise ConfigError("--training.max_norm is NaN; give the gradient-norm bound, e.g. 1.0")
+    loader = t.dataloader
+    if "training.dataloader.prefetch_factor" in given or "training.prefetch_factor" in given:
+        if loader.num_workers == 0:
+            raise ConfigError(
+                "--training.prefetch_factor applies to data-loading workers, and there are none: add "
+                "--training.num_workers (e.g. 2), or drop --training.prefetch_factor"
+            )
+        if loader.prefetch_factor is not None and loader.prefetch_factor < 1:
+            raise ConfigError(f"--training.prefetch_factor must be >= 1 (batches per worker), got {loader.prefetch_factor}")
+    _check_skipping(t, given)
+
+
+def _check_optimizer(o: Any) -> None:
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer.name {o.name}: flame trains with {' or '.join(OPTIMIZERS)}; choose one of them")
+    _number("--optimizer.lr", o.lr, 0)  # 0 is a use: a step that loads and saves the weights unchanged
+    _number("--optimizer.beta1", o.beta1, 0, 1, high_open=True)
+    _number("--optimizer.beta2", o.beta2, 0, 1, high_open=True)
+    _number("--optimizer.eps", o.eps, 0)
+    _number("--optimizer.weight_decay", o.weight_decay, 0)
+
+
+def _check_lr_scheduler(s: Any) -> None:
+    if s.warmup_steps < 0:
+        raise ConfigError(f"--lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    if s.total_steps is not None and s.total_steps < 1:
+        raise ConfigError(
+            f"--lr_scheduler.total_steps must be >= 1 (the steps the schedule spans), got {s.total_steps}; "
+            "leave it out to span --training.steps"
+        )
+    if s.decay_ratio is not None:
+        _number("--lr_scheduler.decay_ratio", s.decay_ratio, 0, 1, meaning=" (the fraction of steps that decay)")
+    _number("--lr_scheduler.min_lr_factor", s.min_lr_factor, 0, 1, meaning=" (the last lr as a fraction of --optimizer.lr)")
+
+
+def _check_skipping(t: Any, given: dict[str, int]) -> None:
+    """The settings of skipped updates: NaN/Inf gradients and loss spikes (flame.components.spikes)."""
+    _number("--training.spike_sigma", t.spike_sigma, 0, meaning=" (standard deviations; 0 = off)")
+    spikes = t.spike_sigma > 0
+    for name in ("spike_window", "spike_min_steps"):
+        if f"training.{name}" in given and not spikes:
+            raise ConfigError(
+                f"--training.{name} sets the loss-spike policy, which is off: add --training.spike_sigma (e.g. 6), "
+                f"or drop --training.{name}"
+            )
+    if spikes and not 2 <= t.spike_min_steps <= t.spike_window:
+        raise ConfigError(
+            f"--training.spike_min_steps {t.spike_min_steps} and --training.spike_window {t.spike_window}: a spike is "
+            "judged against at least 2 steps and at most the window, so set 2 <= spike_min_steps <= spike_window"
+        )
+    if "training.max_skipped_steps" in given and not (t.skip_nan_inf or spikes):
+        raise ConfigError(
+            "--training.max_skipped_steps limits skipped updates, and none are skipped: add --training.skip_nan_inf "
+            "or --training.spike_sigma, or drop --training.max_skipped_steps"
+        )
