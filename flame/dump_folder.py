@@ -78,7 +78,8 @@ def describe(holder: dict[str, Any]) -> str:
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {since}{job}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine with this pid runs (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -96,7 +97,7 @@ def gone(holder: dict[str, Any], flock_free: bool | None, heartbeat_age: float) 
     if holder.get("host") == socket.gethostname():
         if flock_free:  # the kernel releases a holder's flock when it exits; its pid may be reused since
             return "it has ended (its lock is free)"
-        if flock_free is None and not _pid_alive(int(holder.get("pid", 0))):
+        if flock_free is None and not pid_alive(int(holder.get("pid", 0))):
             return f"it has ended (pid {holder.get('pid')} is not running)"
         return None
     job = os.environ.get("SLURM_JOB_ID")

@@ -28,6 +28,7 @@ from flame import manifest
 from flame.checkpoints import complete_steps, weight_mismatches
 from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.tokenizer import load_tokenizer
+from flame.dump_folder import pid_alive
 from flame.errors import ConfigError
 from flame.models import load_model_config
 from flame.models.registry import meta_model
@@ -66,15 +67,8 @@ def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
 
 
 def _alive_here(host: str, pid: int) -> bool:
-    if host != socket.gethostname():
-        return False  # one folder is exported from one machine at a time
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    # one folder is exported from one machine at a time: another machine's staging folder is a leftover
+    return host == socket.gethostname() and pid_alive(pid)
 
 
 def remove_stale_staging(out: str) -> None:
