@@ -33,12 +33,12 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_PID = "FLAME_PARENT_PID"  # set by a parent for its child: the pid the child must find as its parent
 
 
-def die_with_parent(sig: signal.Signals) -> None:
+def die_with_parent(sig: signal.Signals, parent: int | None = None) -> None:
     """Have the kernel send ``sig`` to this process when its parent exits (Linux; elsewhere nothing).
 
     The parent may have exited already, before this ran: then this process has been handed to
-    another parent, which FLAME_PARENT_PID (the pid of the parent that started it) tells, and it
-    takes ``sig`` now.
+    another parent, which ``parent`` (default: FLAME_PARENT_PID, the pid of the parent that
+    started it) tells, and it takes ``sig`` now.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -47,7 +47,7 @@ def die_with_parent(sig: signal.Signals) -> None:
         print(f"flame: warning: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(ctypes.get_errno())}): "
               "this process will outlive its launcher", file=sys.stderr)
         return
-    expected = os.environ.get(PARENT_PID, "")
+    expected = str(parent) if parent is not None else os.environ.get(PARENT_PID, "")
     if expected.isdigit() and os.getppid() != int(expected):
         print(f"flame: the process that started this one (pid {expected}) has ended; stopping", file=sys.stderr)
         os.kill(os.getpid(), sig)

@@ -16,8 +16,10 @@ without unpickling anything of flame's); on resume:
   differently).
 """
 
+import functools
 import json
 import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from flame.data.packing import collate_rows
 from flame.data.shards import DataPlan, DataShard, shards_of_reader
 from flame.data.streams import SourceExhausted
 from flame.errors import ConfigError
+from flame.supervise import die_with_parent
 
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -102,6 +105,10 @@ class PackedDataset(IterableDataset):
             yield (*collate_rows(rows), progress)
 
 
+def _end_with_rank(rank_pid: int, worker_id: int) -> None:
+    die_with_parent(signal.SIGKILL, parent=rank_pid)
+
+
 class FlameDataLoader(BaseDataLoader):
     """torchtitan's dataloader protocol over PackedDataset: iterate batches, save and load state."""
 
@@ -111,8 +118,10 @@ class FlameDataLoader(BaseDataLoader):
         self.loader_options = {"batch_size": None, "num_workers": loader_config.num_workers,
                                "pin_memory": loader_config.pin_memory}
         if loader_config.num_workers > 0:
+            # workers end with their rank at once (torch's own check of the parent takes seconds)
             self.loader_options |= {"persistent_workers": loader_config.persistent_workers,
-                                    "prefetch_factor": loader_config.prefetch_factor}
+                                    "prefetch_factor": loader_config.prefetch_factor,
+                                    "worker_init_fn": functools.partial(_end_with_rank, os.getpid())}
         self.batches = 0  # batches this rank delivered (since the run started)
         self.source_tokens = np.zeros(len(plan.specs), dtype=np.int64)
         self.source_documents = np.zeros(len(plan.specs), dtype=np.int64)
