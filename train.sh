@@ -69,7 +69,14 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then # what the user did not set comes from the S
   slurm=$("$python" -m flame.slurm) || exit $?
   eval "$slurm"
 fi
-NGPU=${NGPU:-$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+if [ -z "${NGPU:-}" ]; then # the visible GPUs: nvidia-smi answers in a fraction of torch's import
+  if [ -z "${CUDA_VISIBLE_DEVICES+set}" ] && command -v nvidia-smi > /dev/null && gpus=$(nvidia-smi -L 2> /dev/null); then
+    NGPU=$(grep -c '^GPU ' <<< "$gpus")
+  else # CUDA_VISIBLE_DEVICES has forms (UUIDs, MIG) only CUDA itself counts right
+    NGPU=$("$python" -c 'import torch; print(torch.cuda.device_count())')
+  fi
+  [ "$NGPU" -ge 1 ] 2> /dev/null || NGPU=1
+fi
 NNODE=${NNODE:-1}
 NODE_RANK=${NODE_RANK:-0}
 for name in NGPU NNODE NODE_RANK; do # shell arithmetic below would fail with a bare shell error

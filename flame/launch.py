@@ -8,7 +8,8 @@ nothing; the launcher takes the lock after this check). Then it loads the
 tokenizer, the model config, the metadata of the checkpoint the run would load and every data
 source, and checks the libraries flame changes (flame.compat.check): bad input, or a library
 flame's changes no longer fit, fails here, in seconds, before torchrun starts any process.
-Built-in corpora are built here once, not by every rank. Writes shell assignments to --env-file:
+Built-in corpora are built here once, not by every rank, and flame's shipped autotune choices
+are copied into this node's Triton cache (flame.autotune). Writes shell assignments to --env-file:
 FLAME_DUMP_FOLDER and FLAME_CHECKPOINT (1 if checkpoints are saved).
 """
 
@@ -17,7 +18,7 @@ import os
 import shlex
 import sys
 
-from flame import compat, dump_folder
+from flame import autotune, compat, dump_folder
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError
 from flame.preflight import check_job
@@ -41,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
+    try:  # a cache that cannot be written only costs the benchmarks the choices would have saved
+        if copied := autotune.install():
+            print(f"flame: {copied} shipped autotune choices copied into Triton's cache ({autotune.triton_cache_dir()})")
+    except OSError as error:
+        print(f"flame: warning: the shipped autotune choices were not installed ({error}); fla's kernels tune "
+              "on first use instead", file=sys.stderr)
     with open(args.env_file, "w") as f:
         f.write(f"FLAME_DUMP_FOLDER={shlex.quote(config.job.dump_folder)}\n")
         saves = config.checkpoint.enable and not config.checkpoint.load_only  # load_only: loads, never saves
