@@ -213,7 +213,7 @@ class ChatEncoder:
     def check_sample(self, dataset) -> None:
         """Encode the first records before training: bad records, columns and templates fail here, in one line."""
         records = list(dataset.select_columns(list(self.columns)).take(SAMPLE))
-        documents, dropped = self.encode(records, lambda index: f"record {index}")
+        _, dropped = self.encode(records, lambda index: f"record {index}")
         if dropped:
             logger.warning(
                 f"dataset {self.source}: {dropped} of its first {len(records)} conversations are longer than "
