@@ -57,7 +57,13 @@ class Training:
     streaming: bool = False
     """Stream the datasets (nothing is downloaded or materialized up front)"""
     text_column: str | None = None
-    """Column holding each document: text (default: 'text', then 'content'), or token ids (e.g. 'input_ids', used without tokenizing)"""
+    """Column holding each document of a text source: text (default: 'text', then 'content'), or token ids (e.g. 'input_ids', used without tokenizing)"""
+    data_format: str = "text"
+    """Comma list, one per dataset (or one for all): text (documents, every token a target) or sft (chat/instruction records: 'messages', 'prompt'/'completion' or 'instruction'/'input'/'output'; README: Fine-tune on chat data)"""
+    sft_loss_on: Literal["completion", "prompt+completion"] = "completion"
+    """SFT sources: the targets trained on: the assistant turns only (completion), or every token of the conversation"""
+    truncate_long: bool = False
+    """SFT sources: cut a conversation longer than context_len to its first context_len tokens instead of dropping it (both counted: metrics data/<source>/dropped, data/<source>/truncated)"""
     delimiters: Literal["auto", "eos", "bos", "bos+eos"] = "auto"
     """Tokens flame puts around every document: auto = EOS after and BOS before, for whichever the tokenizer defines"""
     separator_token: str | None = None

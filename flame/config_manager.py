@@ -224,13 +224,14 @@ def _check_training(config: JobConfig) -> None:
         if value < 0:
             raise ConfigError(f"--training.{name} must be >= 0, got {value}")
     datasets = split_list(t.dataset)
-    for name in ("dataset_name", "dataset_split", "data_dir", "data_files"):
+    for name in ("dataset_name", "dataset_split", "data_dir", "data_files", "data_format"):
         entries = split_list(getattr(t, name))
         if entries and len(entries) not in (1, len(datasets)):
             raise ConfigError(
                 f"--training.{name} has {len(entries)} entries for {len(datasets)} datasets: "
                 "give one entry per dataset (empty entries allowed) or a single one for all"
             )
+    _check_data_format(t)
     if t.data_probs is not None:
         probs = split_list(t.data_probs)
         if len(probs) != len(datasets):
@@ -256,6 +257,20 @@ def _check_training(config: JobConfig) -> None:
         raise ConfigError(f"--checkpoint.interval must be positive, got {config.checkpoint.interval}")
     if config.metrics.log_freq <= 0:
         raise ConfigError(f"--metrics.log_freq must be positive, got {config.metrics.log_freq}")
+
+
+def _check_data_format(t) -> None:
+    formats = {entry or "text" for entry in split_list(t.data_format)}
+    if unknown := formats - {"text", "sft"}:
+        raise ConfigError(f"--training.data_format {t.data_format}: {', '.join(sorted(unknown))} is not a format; "
+                          "give text or sft per dataset")
+    if "sft" in formats and not t.document_mask:
+        raise ConfigError("--training.data_format sft keeps each conversation a document of its own: "
+                          "drop --training.no-document_mask")
+    if "sft" not in formats and (t.truncate_long or t.sft_loss_on != "completion"):
+        flag = "--training.truncate_long" if t.truncate_long else f"--training.sft_loss_on {t.sft_loss_on}"
+        raise ConfigError(f"{flag} applies to SFT sources, and no dataset is one: set --training.data_format sft "
+                          "for the chat datasets, or drop the flag")
 
 
 def data_parallel_degree(config: JobConfig, world_size: int) -> int:

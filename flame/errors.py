@@ -10,6 +10,12 @@ class ConfigError(ValueError):
     """
 
 
+class DataError(ConfigError):
+    """A record of the data that cannot be trained on (e.g. an SFT record without an assistant turn): one
+    line naming the source, the record and the fix. Raised before training for the records checked up
+    front; for the others while training, by the rank that reads the record only."""
+
+
 class UpdatesFailingError(RuntimeError):
     """A step's update cannot be taken and may not be skipped: a NaN/Inf gradient norm without
     --training.skip_nan_inf, or one skipped update (NaN/Inf or loss spike) more in a row than

@@ -20,7 +20,7 @@ import torch
 from torchtitan.tools.logging import init_logger, logger
 
 from flame.config_manager import FlameConfigManager
-from flame.errors import ConfigError, UpdatesFailingError
+from flame.errors import ConfigError, DataError, UpdatesFailingError
 
 
 def arrange_stack_dumps() -> None:
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             logger.info(f"Created the seed checkpoint {trainer.checkpointer.folder}/step-0 (no training step)")
         else:
             trainer.train()
+    except DataError as error:  # maybe on this rank only, its peers waiting in a collective: as below
+        every_rank_stops = False
+        print(f"flame: error: {error}", file=sys.stderr)
+        return 2
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2

@@ -323,14 +323,18 @@ class Trainer(TorchtitanTrainer):
         )
 
     def _data_metrics(self) -> dict[str, float]:
-        """Documents and tokens trained on from each source, over all ranks, since the run started."""
+        """Documents and tokens trained on from each source, over all ranks, since the run started; for SFT
+        sources also the conversations dropped or truncated as too long and the padding before them."""
         loader = self.dataloader
-        counts = torch.tensor(np.stack([loader.source_tokens, loader.source_documents]), device=self.device)
+        counts = torch.tensor(np.stack(list(loader.counts.values())), device=self.device)
         if self.parallel_dims.dp_enabled:
             torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
         metrics = {}
-        for name, (tokens, documents) in zip(loader.dataset.plan.source_names(), counts.T.tolist()):
-            metrics[f"data/{name}/tokens"], metrics[f"data/{name}/documents"] = tokens, documents
+        plan = loader.dataset.plan
+        for name, spec, source_counts in zip(plan.source_names(), plan.specs, counts.T.tolist()):
+            for counter, count in zip(loader.counts, source_counts):
+                if counter in ("tokens", "documents") or spec.data_format == "sft":
+                    metrics[f"data/{name}/{counter}"] = count
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

@@ -28,10 +28,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from flame.data.packing import collate_rows
+from flame.data.packing import ROW_COUNTERS, collate_rows
 from flame.data.shards import DataPlan, DataShard, shards_of_reader
 from flame.data.streams import SourceExhausted
-from flame.errors import ConfigError
+from flame.errors import ConfigError, DataError
 from flame.supervise import die_with_parent
 
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
@@ -92,6 +92,9 @@ class PackedDataset(IterableDataset):
                 except SourceExhausted as exhausted:
                     logger.info(f"dataset {exhausted} ran out (--training.source_exhausted stop)")
                     return
+                except DataError as error:  # handed over as data: a worker's exception would arrive as a traceback
+                    yield None, None, {"error": str(error)}
+                    return
                 cursor += 1
                 touched.append(shard)
             progress = {
@@ -99,8 +102,8 @@ class PackedDataset(IterableDataset):
                 "cursor": cursor,
                 # JSON here too, so that the states held between checkpoints are those a resume reads
                 "shard_states": _to_json({shard: pipelines[shard].state_dict() for shard in set(touched)}),
-                "source_tokens": np.sum([row.source_tokens for row in rows], axis=0),
-                "source_documents": np.sum([row.source_documents for row in rows], axis=0),
+                "counts": {name: np.sum([getattr(row, f"source_{name}") for row in rows], axis=0)
+                           for name in ROW_COUNTERS},
             }
             yield (*collate_rows(rows), progress)
 
@@ -123,8 +126,8 @@ class FlameDataLoader(BaseDataLoader):
                                     "prefetch_factor": loader_config.prefetch_factor,
                                     "worker_init_fn": functools.partial(_end_with_rank, os.getpid())}
         self.batches = 0  # batches this rank delivered (since the run started)
-        self.source_tokens = np.zeros(len(plan.specs), dtype=np.int64)
-        self.source_documents = np.zeros(len(plan.specs), dtype=np.int64)
+        # per source, what this rank's batches held since the run started (flame.data.packing.Row's counters)
+        self.counts = {name: np.zeros(len(plan.specs), dtype=np.int64) for name in ROW_COUNTERS}
 
     def __iter__(self):
         dataset = self.dataset
@@ -138,11 +141,13 @@ class FlameDataLoader(BaseDataLoader):
                 f"worker roles{mixing}"
             )
         for inputs, labels, progress in DataLoader(dataset, **self.loader_options):
+            if "error" in progress:
+                raise DataError(progress["error"])
             self.batches += 1
             dataset.shard_states.update(_by_int(json.loads(progress["shard_states"])))
             dataset.cursors[int(progress["role"])] = int(progress["cursor"])
-            self.source_tokens += np.asarray(progress["source_tokens"])
-            self.source_documents += np.asarray(progress["source_documents"])
+            for name, count in progress["counts"].items():
+                self.counts[name] += np.asarray(count)
             yield inputs, labels
 
     def local_state(self) -> tuple[int, dict]:
@@ -153,8 +158,7 @@ class FlameDataLoader(BaseDataLoader):
             "cursors": dict(self.dataset.cursors),
             "batches": self.batches,
             "shard_states": {shard: states[shard] for shard in self.dataset.rank_shards() if shard in states},
-            "source_tokens": self.source_tokens.tolist(),
-            "source_documents": self.source_documents.tolist(),
+            **{f"source_{name}": count.tolist() for name, count in self.counts.items()},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -217,8 +221,7 @@ class FlameDataLoader(BaseDataLoader):
             mine = ranks[self.dp_rank]
             dataset.cursors, self.batches = dict(mine["cursors"]), mine["batches"]
             dataset.role_offset = self.batches % dataset.workers
-            self.source_tokens = np.asarray(mine["source_tokens"], dtype=np.int64)
-            self.source_documents = np.asarray(mine["source_documents"], dtype=np.int64)
+            self._load_counts([mine])
             return
         saved_ranks, saved_workers = state["layout"]
         logger.info(
@@ -226,9 +229,12 @@ class FlameDataLoader(BaseDataLoader):
             f"on {dataset.dp_world_size} ranks x {dataset.workers} workers (same stream, batches composed anew)"
         )
         dataset.cursors, dataset.role_offset, self.batches = {}, 0, 0
-        first = self.dp_rank == 0  # the run's totals carry on in rank 0's counters
-        self.source_tokens = np.sum([r["source_tokens"] for r in ranks.values()], axis=0) * first
-        self.source_documents = np.sum([r["source_documents"] for r in ranks.values()], axis=0) * first
+        self._load_counts(list(ranks.values()) if self.dp_rank == 0 else [])  # the run's totals go on in rank 0's
+
+    def _load_counts(self, ranks: list[dict]) -> None:
+        """The counters as the sum over ``ranks``' saved ones (a counter a checkpoint lacks starts at 0)."""
+        for name, count in self.counts.items():
+            count[:] = sum((np.asarray(r.get(f"source_{name}", 0), dtype=np.int64) for r in ranks), start=0)
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FlameDataLoader:

@@ -17,6 +17,12 @@ IGNORE_INDEX for a document's last token, so no target crosses a document bounda
 may cross a segment or row boundary inside a document: it is still the true next token).
 With ``document_mask`` off (plain concatenation), each row is cut only into the fewest
 near-equal segments of at most ``context_len`` tokens, and labels still stop at document ends.
+
+A WholeDocument (a conversation of an SFT source, flame.data.sft) brings its own labels and is
+never cut: its source keeps it within ``context_len`` tokens, and when it does not fit in what
+is left of a row, that rest is padding (its own segment, IGNORE_INDEX labels) and the document
+opens the next row. Cut at a row end, its tail would train in the next row without the turns
+it answers.
 """
 
 import copy
@@ -30,10 +36,24 @@ from torchtitan.components.loss import IGNORE_INDEX
 from flame.data.tokenizer import Delimiters
 
 DOCUMENTS_PER_READ = 64  # documents read and tokenized together (batched tokenization is much faster)
+ROW_COUNTERS = ("tokens", "documents", "dropped", "truncated", "padding")  # Row.source_<name>, per source
 
 
 def _permutation(size: int, *seed: int) -> np.ndarray:
     return np.random.default_rng(list(seed)).permutation(size)
+
+
+@dataclass(frozen=True)
+class WholeDocument:
+    """A document packed whole into one segment, with its own labels (IGNORE_INDEX where it trains nothing)."""
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    dropped: int = 0  # documents its source dropped as too long just before handing this one out
+    truncated: bool = False  # cut to context_len by its source
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
 class TokenizedSource:
@@ -64,9 +84,7 @@ class TokenizedSource:
             if self._documents:
                 self._reads += 1
             self._read_start = copy.deepcopy(self.stream.state_dict())
-            documents = self.stream.read(self.window)
-            ids = self.tokenize(documents) if self.tokenize is not None else documents
-            self._documents = [np.asarray(self.delimiters.wrap(list(d)), dtype=np.int64) for d in ids]
+            self._documents = self._encode(self.stream.read(self.window))
             if self.shuffle_seed is not None:
                 order = _permutation(len(self._documents), *self.shuffle_seed, self._reads)
                 self._documents = [self._documents[i] for i in order]
@@ -74,6 +92,11 @@ class TokenizedSource:
         document = self._documents[self._used]
         self._used += 1
         return document
+
+    def _encode(self, documents: list) -> list:
+        """A read's documents as delimited token arrays (subclasses may drop some: resuming re-encodes alike)."""
+        ids = self.tokenize(documents) if self.tokenize is not None else documents
+        return [np.asarray(self.delimiters.wrap(list(d)), dtype=np.int64) for d in ids]
 
     def state_dict(self) -> dict:
         return {"stream": self._read_start, "reads": self._reads, "used": self._used}
@@ -138,6 +161,9 @@ class Row:
     segments: list[int]  # lengths of the attention segments, in order
     source_tokens: np.ndarray  # tokens of the row from each source
     source_documents: np.ndarray  # documents starting in the row, per source
+    source_dropped: np.ndarray  # per source: documents dropped as too long (WholeDocument.dropped)
+    source_truncated: np.ndarray  # per source: documents cut to context_len
+    source_padding: np.ndarray  # per source: padding put before its next whole document, which did not fit
 
 
 def balanced_pieces(length: int, context_len: int) -> list[int]:
@@ -150,54 +176,73 @@ def balanced_pieces(length: int, context_len: int) -> list[int]:
 class Packer:
     """Cuts the document stream into rows of ``seq_len`` tokens (see the module docstring)."""
 
-    def __init__(self, documents: DocumentMixer, seq_len: int, context_len: int, document_mask: bool = True):
+    def __init__(
+        self, documents: DocumentMixer, seq_len: int, context_len: int, document_mask: bool = True, pad_id: int = 0
+    ):
         self.documents, self.seq_len, self.context_len = documents, seq_len, context_len
-        self.document_mask = document_mask
+        self.document_mask, self.pad_id = document_mask, pad_id
         self.sources = len(documents.sources)
         self._document_start = documents.state_dict()  # mixer position before the current document
         self._document: np.ndarray | None = None
+        self._labels: np.ndarray | None = None  # a WholeDocument's own labels; None: the next tokens
         self._source = 0
         self._offset = 0  # tokens of the current document already packed
         self._piece_ends: list[int] = []  # where the current document's pieces end
 
-    def _next_document(self) -> None:
+    def _next_document(self) -> np.ndarray | WholeDocument:
         self._document_start = self.documents.state_dict()
-        self._source, self._document = self.documents.next_document()
+        self._source, document = self.documents.next_document()
+        whole = isinstance(document, WholeDocument)
+        self._document, self._labels = (document.tokens, document.labels) if whole else (document, None)
         self._offset = 0
         self._piece_ends = list(np.cumsum(balanced_pieces(len(self._document), self.context_len)))
+        return document
 
     def next_row(self) -> Row:
-        inputs, labels, positions, segments = [], [], [], []
-        source_tokens = np.zeros(self.sources, dtype=np.int64)
-        source_documents = np.zeros(self.sources, dtype=np.int64)
+        inputs, labels, segments = [], [], []
+        counts = {name: np.zeros(self.sources, dtype=np.int64) for name in ROW_COUNTERS}
         filled = 0
         while filled < self.seq_len:
             if self._document is None or self._offset == len(self._document):
-                self._next_document()
-                source_documents[self._source] += 1
+                drawn = self._next_document()
+                if isinstance(drawn, WholeDocument):  # counted as drawn: a resume re-draws it uncounted
+                    counts["dropped"][self._source] += drawn.dropped
+                    counts["truncated"][self._source] += drawn.truncated
             document, start = self._document, self._offset
+            if self._labels is not None and filled and len(document) > self.seq_len - filled:
+                padding = self.seq_len - filled  # the whole document opens the next row
+                inputs.append(np.full(padding, self.pad_id, dtype=np.int64))
+                labels.append(np.full(padding, IGNORE_INDEX, dtype=np.int64))
+                segments.append(padding)
+                counts["padding"][self._source] += padding
+                break
+            counts["documents"][self._source] += start == 0
             piece_end = next(end for end in self._piece_ends if end > start)
             end = min(start + self.seq_len - filled, piece_end if self.document_mask else len(document))
             inputs.append(document[start:end])
-            targets = document[start + 1 : end + 1]
-            if end == len(document):
-                targets = np.append(targets, IGNORE_INDEX)
+            if self._labels is not None:
+                targets = self._labels[start:end]
+            else:
+                targets = document[start + 1 : end + 1]
+                if end == len(document):
+                    targets = np.append(targets, IGNORE_INDEX)
             labels.append(targets)
             segments.append(end - start)
-            source_tokens[self._source] += end - start
+            counts["tokens"][self._source] += end - start
             filled += end - start
             self._offset = end
         if not self.document_mask:  # plain concatenation: the row in near-equal context_len segments
             segments = balanced_pieces(self.seq_len, self.context_len) if self.context_len < self.seq_len else [self.seq_len]
         positions = np.concatenate([np.arange(length) for length in segments])
-        return Row(np.concatenate(inputs), np.concatenate(labels), positions, segments, source_tokens, source_documents)
+        return Row(np.concatenate(inputs), np.concatenate(labels), positions, segments,
+                   **{f"source_{name}": count for name, count in counts.items()})
 
     def state_dict(self) -> dict:
         return {"document_start": self._document_start, "offset": self._offset, "started": self._document is not None}
 
     def load_state_dict(self, state: dict) -> None:
         self.documents.load_state_dict(state["document_start"])
-        self._document, self._offset = None, 0
+        self._document, self._labels, self._offset = None, None, 0
         if state["started"]:
             self._next_document()
             self._offset = state["offset"]

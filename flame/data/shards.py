@@ -22,6 +22,7 @@ from flame.data.packing import (
     RowShuffler,
     TokenizedSource,
 )
+from flame.data.sft import ChatEncoder, ChatSource, padding_token, record_columns
 from flame.data.sources import SourceSpec, document_column, load_source, source_specs
 from flame.data.streams import IterStream, MapStream
 from flame.data.tokenizer import Delimiters, document_delimiters
@@ -36,8 +37,9 @@ class DataPlan:
 
     specs: list[SourceSpec]
     datasets: list
-    columns: list[str]
+    columns: list[str | tuple[str, ...]]  # a text source's column; the columns of an SFT source's records
     pretokenized: list[bool]
+    encoders: list[ChatEncoder | None]  # SFT sources' (flame.data.sft); None for text sources
     probabilities: list[float]
     mix_unit: str
     streaming: bool
@@ -52,13 +54,25 @@ class DataPlan:
     stop_at_end: bool
     seed: int
     shards: int  # 0: decided at the first start (default_shards) or taken from the checkpoint
+    pad_id: int  # pads a row where the next conversation does not fit
 
     @classmethod
     def from_config(cls, job_config, tokenizer) -> "DataPlan":
         training = job_config.training
         specs = source_specs(training)
         datasets = [load_source(spec, training.streaming) for spec in specs]
-        columns = [document_column(ds, spec, training.text_column) for ds, spec in zip(datasets, specs)]
+        delimiters = document_delimiters(tokenizer, training.delimiters, training.separator_token)
+        columns, encoders = [], []
+        for dataset, spec in zip(datasets, specs):
+            if spec.data_format == "sft":
+                encoder = ChatEncoder(tokenizer, delimiters, record_columns(dataset, spec), spec.path,
+                                      training.context_len, training.sft_loss_on, training.truncate_long)
+                encoder.check_sample(dataset)
+                columns.append((encoder.columns, False))
+            else:
+                encoder = None
+                columns.append(document_column(dataset, spec, training.text_column))
+            encoders.append(encoder)
         probabilities = [float(p) for p in split_list(training.data_probs)] or [1.0] * len(specs)
         if training.data_probs is not None and abs(sum(probabilities) - 1) > 1e-6:
             logger.warning(f"--training.data_probs {training.data_probs} sum to {sum(probabilities):g}; normalizing")
@@ -67,11 +81,12 @@ class DataPlan:
             datasets=datasets,
             columns=[column for column, _ in columns],
             pretokenized=[tokens for _, tokens in columns],
+            encoders=encoders,
             probabilities=probabilities,
             mix_unit=training.mix_unit,
             streaming=training.streaming,
             tokenizer=tokenizer,
-            delimiters=document_delimiters(tokenizer, training.delimiters, training.separator_token),
+            delimiters=delimiters,
             seq_len=training.seq_len,
             context_len=training.context_len,
             batch_size=training.local_batch_size,
@@ -81,6 +96,7 @@ class DataPlan:
             stop_at_end=training.source_exhausted == "stop",
             seed=job_config.debug.seed or 0,
             shards=training.data_shards,
+            pad_id=padding_token(tokenizer, delimiters),
         )
 
     def default_shards(self, readers: int) -> int:
@@ -111,25 +127,23 @@ class DataShard:
 
     def __init__(self, plan: DataPlan, shard: int, shards: int):
         sources = []
-        for index, (dataset, column, spec, pretokenized) in enumerate(
-            zip(plan.datasets, plan.columns, plan.specs, plan.pretokenized)
+        for index, (dataset, column, spec, pretokenized, encoder) in enumerate(
+            zip(plan.datasets, plan.columns, plan.specs, plan.pretokenized, plan.encoders)
         ):
             if plan.streaming:
                 stream = IterStream(dataset, column, shard, shards, spec.path, stop_at_end=plan.stop_at_end)
             else:
                 stream = MapStream(dataset, column, shard, shards, plan.seed, spec.path, stop_at_end=plan.stop_at_end)
             shuffled = plan.streaming and plan.shuffle_buffer > 0
-            sources.append(
-                TokenizedSource(
-                    stream,
-                    None if pretokenized else plan.tokenize,
-                    plan.delimiters,
-                    window=max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ,
-                    shuffle_seed=(plan.seed, shard, index) if shuffled else None,
-                )
-            )
+            window = max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ
+            shuffle_seed = (plan.seed, shard, index) if shuffled else None
+            if encoder is not None:
+                sources.append(ChatSource(stream, encoder, window, shuffle_seed))
+            else:
+                tokenize = None if pretokenized else plan.tokenize
+                sources.append(TokenizedSource(stream, tokenize, plan.delimiters, window, shuffle_seed))
         mixer = DocumentMixer(sources, plan.probabilities, np.random.SeedSequence([plan.seed, shard]), plan.mix_unit)
-        self.packer = Packer(mixer, plan.seq_len, plan.context_len, plan.document_mask)
+        self.packer = Packer(mixer, plan.seq_len, plan.context_len, plan.document_mask, plan.pad_id)
         self.rows = (
             RowShuffler(self.packer, plan.row_shuffle_buffer, (plan.seed, shard))
             if plan.row_shuffle_buffer > 0

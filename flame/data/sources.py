@@ -23,6 +23,7 @@ class SourceSpec:
     split: str = "train"
     data_dir: str | None = None
     data_files: str | None = None
+    data_format: str = "text"  # text or sft (flame.data.sft)
 
 
 def source_specs(training) -> list[SourceSpec]:
@@ -35,13 +36,15 @@ def source_specs(training) -> list[SourceSpec]:
         return [entry or None for entry in entries] or [None] * len(paths)
 
     return [
-        SourceSpec(path=path, name=name, split=split or "train", data_dir=data_dir, data_files=data_files)
-        for path, name, split, data_dir, data_files in zip(
+        SourceSpec(path=path, name=name, split=split or "train", data_dir=data_dir, data_files=data_files,
+                   data_format=data_format or "text")
+        for path, name, split, data_dir, data_files, data_format in zip(
             paths,
             per_entry(training.dataset_name),
             per_entry(training.dataset_split),
             per_entry(training.data_dir),
             per_entry(training.data_files),
+            per_entry(training.data_format),
         )
     ]
 

@@ -20,13 +20,24 @@ class SourceExhausted(Exception):
     """A source reached the end of its data and --training.source_exhausted is 'stop'."""
 
 
+def _values(batch: dict, column: str | tuple[str, ...]) -> list:
+    """A read batch's documents: the column's values, or for several columns one dict per record."""
+    if isinstance(column, str):
+        return batch[column]
+    return [dict(zip(column, values)) for values in zip(*(batch[name] for name in column))]
+
+
 class MapStream:
-    """A map-style dataset in a seeded per-epoch permutation, every n-th document for this consumer."""
+    """A map-style dataset in a seeded per-epoch permutation, every n-th document for this consumer.
+
+    ``column`` names the documents' column, or a tuple of columns to read records (dicts) of them.
+    """
 
     def __init__(
-        self, dataset: Dataset, column: str, consumer: int, consumers: int, seed: int, name: str, stop_at_end: bool = False
+        self, dataset: Dataset, column: str | tuple[str, ...], consumer: int, consumers: int, seed: int, name: str,
+        stop_at_end: bool = False,
     ):
-        self.dataset = dataset.select_columns([column])
+        self.dataset = dataset.select_columns([column] if isinstance(column, str) else list(column))
         self.column, self.consumer, self.consumers, self.seed, self.name = column, consumer, consumers, seed, name
         self.stop_at_end = stop_at_end
         if len(self.dataset) < consumers:
@@ -36,6 +47,7 @@ class MapStream:
             )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self.last_read: list[int] = []  # the dataset rows the last read returned (error messages name them)
 
     def _share(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
@@ -53,7 +65,8 @@ class MapStream:
                 logger.info(f"dataset {self.name}: epoch {self.epoch} starts (reshuffled)")
         take = self._share()[self.position : self.position + count]
         self.position += len(take)
-        return self.dataset[take.tolist()][self.column]
+        self.last_read = take.tolist()
+        return _values(self.dataset[self.last_read], self.column)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -63,12 +76,17 @@ class MapStream:
 
 
 class IterStream:
-    """A streaming dataset split across consumers by shards (or by examples when shards are few)."""
+    """A streaming dataset split across consumers by shards (or by examples when shards are few).
+
+    ``column`` as MapStream's.
+    """
 
     def __init__(
-        self, dataset: IterableDataset, column: str, consumer: int, consumers: int, name: str, stop_at_end: bool = False
+        self, dataset: IterableDataset, column: str | tuple[str, ...], consumer: int, consumers: int, name: str,
+        stop_at_end: bool = False,
     ):
-        self.dataset = split_dataset_by_node(dataset.select_columns([column]), rank=consumer, world_size=consumers)
+        columns = [column] if isinstance(column, str) else list(column)
+        self.dataset = split_dataset_by_node(dataset.select_columns(columns), rank=consumer, world_size=consumers)
         self.column, self.consumer, self.name, self.stop_at_end = column, consumer, name, stop_at_end
         self.epoch = 0
         self._batches = None
@@ -81,7 +99,7 @@ class IterStream:
                 self._batches = self.dataset.iter(batch_size=count)
             batch = next(self._batches, None)
             if batch is not None:
-                return batch[self.column]
+                return _values(batch, self.column)
             if self.stop_at_end:
                 raise SourceExhausted(self.name)
             self.epoch, self._batches = self.epoch + 1, None

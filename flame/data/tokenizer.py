@@ -50,10 +50,15 @@ class Delimiters:
     bos: int | None
     eos: int | None
 
-    def wrap(self, ids: list[int]) -> list[int]:
-        """``ids`` with BOS before and EOS after (not doubled where pretokenized data has them)."""
+    def ends(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        """The tokens ``wrap`` puts before and after ``ids``: BOS and EOS, unless ``ids`` has them there already."""
         head = [self.bos] if self.bos is not None and ids[:1] != [self.bos] else []
         tail = [self.eos] if self.eos is not None and ids[-1:] != [self.eos] else []
+        return head, tail
+
+    def wrap(self, ids: list[int]) -> list[int]:
+        """``ids`` with BOS before and EOS after (not doubled where pretokenized data has them)."""
+        head, tail = self.ends(ids)
         return head + ids + tail
 
 

@@ -213,9 +213,9 @@ def test_elastic_resume_keeps_the_runs_per_source_counts(numbered, make_config, 
     before = rank_loaders(config, tokenizer, plan, 2)
     for loader in before:
         batches(loader, 3)
-    total = sum(loader.source_tokens for loader in before)
+    total = sum(loader.counts["tokens"] for loader in before)
     assert total.tolist() == [2 * 3 * 3 * 32]
     after = rank_loaders(config, tokenizer, plan, 4, checkpoint_of(before))
-    assert sum(loader.source_tokens for loader in after).tolist() == total.tolist()
-    documents = sum(loader.source_documents for loader in before)
-    assert sum(loader.source_documents for loader in after).tolist() == documents.tolist()
+    assert sum(loader.counts["tokens"] for loader in after).tolist() == total.tolist()
+    documents = sum(loader.counts["documents"] for loader in before)
+    assert sum(loader.counts["documents"] for loader in after).tolist() == documents.tolist()

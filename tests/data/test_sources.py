@@ -142,7 +142,7 @@ def test_mix_unit_tokens_makes_data_probs_the_fraction_of_tokens_from_each_sourc
     from_a, from_b = int((source == 1).sum()), int((source == 2).sum())
     assert from_a + from_b == 5000 * 64
     assert from_a / (from_a + from_b) == pytest.approx(0.7, abs=0.02)
-    assert loader.source_tokens.tolist() == [from_a, from_b], "the per-source token counters are not what was packed"
+    assert loader.counts["tokens"].tolist() == [from_a, from_b], "the per-source token counters are not what was packed"
 
 
 def test_a_source_with_probability_far_below_one_is_still_read(tmp_path, make_config, tokenizer):
