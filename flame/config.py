@@ -152,6 +152,8 @@ class Checkpoint:
     """Alias of checkpoint.enable"""
     model_weights_only: bool = False
     """Alias of checkpoint.last_save_model_only"""
+    export_as: Literal["native", "llama"] = "native"
+    """Architecture of the HF export (train.sh's, and convert_dcp_to_hf's default): native = the model's own; llama = fla's transformer as LlamaForCausalLM, the same weights under llama's names, for tools that read only standard architectures (vLLM, SGLang, llama.cpp). Options llama cannot express (qk_norm, window_size, ...) are refused at preflight"""
 
 
 @dataclass

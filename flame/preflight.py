@@ -28,6 +28,7 @@ from flame.models.builder import load_model_config
 from flame.models.inputs import keeps_rows_whole
 from flame.models.registry import meta_model
 from flame.models.support import Documents, support_for
+from flame.utils import llama_export
 
 
 def check_job(job_config) -> None:
@@ -151,6 +152,8 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
             subject = f"{support.name} with {package.option} true" if package.option else support.name
             alternative = f", or set {package.option} to false in the model config" if package.option else ""
             raise ConfigError(f"{subject} needs {package.purpose}: {package.install} (not installed here){alternative}")
+    if job_config.checkpoint.export_as == "llama":  # the export comes after training: refuse it before
+        llama_export.check(config)
     if config.model_type == "mamba3":
         check_mamba3_kernels(config)
     if support.documents is Documents.ATTENTION:

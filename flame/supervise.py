@@ -13,7 +13,8 @@ process ties the run's processes to train.sh:
   anything else), which covers an agent killed outright;
 - on node 0 it holds the dump folder's lock for the run's life (flame.dump_folder), the HF
   export after training included (--export-hf), and picks the attempt number, passed to the
-  ranks as FLAME_ATTEMPT. Other nodes neither lock nor number.
+  ranks as FLAME_ATTEMPT; after training it records the attempt's command line and draws
+  <dump_folder>/curves.png (flame.plot). Other nodes neither lock, number nor draw.
 
 Linux only (prctl PR_SET_PDEATHSIG); elsewhere the processes run untied, as under bare torchrun.
 """
@@ -70,6 +71,23 @@ def train(torchrun_args: list[str]) -> int:
     return 0
 
 
+def record_the_run(dump_folder: str, attempt: int, torchrun_args: list[str]) -> None:
+    """After training: the attempt's train.sh command line (for the model card) and <dump_folder>/curves.png.
+
+    Neither may fail the run or its export: a problem is a warning.
+    """
+    try:
+        from flame import plot, run_record
+
+        run_record.record_command(dump_folder, attempt, torchrun_args)
+        if curves := plot.write_run_curves(dump_folder):
+            print(f"flame: the run's curves are in {curves}")
+    except Exception as error:
+        print(f"flame: warning: the run's command line or curves were not recorded ({type(error).__name__}: {error}); "
+              f"training and the export are unaffected; draw the curves with: python -m flame.plot {dump_folder}",
+              file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGTERM)  # first: train.sh may be killed at any moment
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[PARENT_PID] = str(os.getpid())  # the ranks' parent: torchrun's agent, this process
     try:
         status = train(torchrun_args)
+        if lock is not None:  # node 0, whatever the outcome: a diverged run's curves are the ones to look at
+            record_the_run(args.dump_folder, lock.attempt, torchrun_args)
         if status == 0 and args.export_hf:  # under the lock still: no other run may purge the step it reads
             from flame.utils.convert_dcp_to_hf import main as export
 

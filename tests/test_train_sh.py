@@ -59,6 +59,52 @@ def test_trains_and_exports_to_the_dump_folder_named_only_in_toml(trained):
     assert list((dump / "logs").rglob("stdout.log")), "per-rank logs under <dump>/logs"
 
 
+def test_a_run_leaves_its_curves_and_a_model_card(trained):
+    from transformers import AutoModelForCausalLM
+
+    from flame import plot
+    from tests.conftest import metrics
+
+    job, result = trained
+    dump = job.parent / "dump"
+    assert (dump / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    titles = {(ax.get_title(), ax.get_xlabel()) for ax in plot.figure([plot.Run.load(str(dump))]).axes}
+    assert titles == {(title, x) for title in ("loss (nats/token)", "learning rate", "gradient norm", "tokens/s per device")
+                      for x in ("step", "tokens trained")}
+
+    card = (dump / "hf" / "README.md").read_text()
+    last = metrics(dump)[4]
+    model = AutoModelForCausalLM.from_pretrained(dump / "hf")
+    for line in ("| model_type | `llama` |", "| layers | 2 |", "| hidden size | 64 |", "| attention heads | 4 |",
+                 "| key/value heads | 2 |", "| vocabulary | 4,096 |", f"| parameters | {model.num_parameters():,} ",
+                 "| steps | 4 |", f"| tokens trained | {last['n_tokens_seen']:,} |",
+                 f"| training loss | {last['loss_metrics/global_avg_loss']:.4f} at step 4 ",
+                 "| context trained | documents of up to 64 tokens, rows of 64 |",
+                 f"NGPU=1 bash train.sh --job.config_file {job}", "trained with flame "):
+        assert line in card, line
+    assert "corpus.jsonl` | split train |" in card and "validation" not in card and "## Evaluation" not in card
+
+
+def test_the_model_card_shows_validation_and_eval_scores_when_the_run_has_them(trained, tmp_path):
+    import shutil
+
+    from flame.utils import convert_dcp_to_hf
+
+    dump = tmp_path / "dump"
+    shutil.copytree(trained[0].parent / "dump", dump, ignore=shutil.ignore_patterns("hf", "logs"))
+    with open(dump / "metrics.jsonl", "a") as f:  # as in-loop validation and flame.eval record them
+        f.write(json.dumps({"step": 4, "attempt": 1, "validation/loss": 6.5, "validation/bpb": 1.25}) + "\n")
+    (dump / "eval" / "step-4").mkdir(parents=True)
+    (dump / "eval" / "step-4" / "results.json").write_text(json.dumps(
+        {"results": {"arc_easy": {"acc,none": 0.3125, "acc_stderr,none": 0.01, "acc_norm,none": 0.25}}}))
+    assert convert_dcp_to_hf.main(["--path", str(dump)]) == 0
+    card = (dump / "hf" / "README.md").read_text()
+    for line in ("| validation loss | 6.5000 (step 4) |", "| validation bits per byte | 1.2500 (step 4) |",
+                 "| `arc_easy/acc` | 0.3125 |", "| `arc_easy/acc_norm` | 0.2500 |"):
+        assert line in card, line
+    assert "stderr" not in card
+
+
 def test_bad_config_fails_before_any_process_starts(tmp_path, tiny_model, corpus):
     result = train_sh("--job.config_file", str(job_toml(tmp_path, tiny_model, corpus)),
                       "--training.dataset", str(tmp_path / "missing.jsonl"))
@@ -122,6 +168,7 @@ def test_failed_training_exits_nonzero_and_exports_nothing(tmp_path, tiny_model,
     assert "step 2: gradient norm is nan" in result.stdout + result.stderr
     assert (tmp_path / "dump" / "checkpoint" / "step-1" / ".metadata").is_file()
     assert not (tmp_path / "dump" / "hf").exists()
+    assert (tmp_path / "dump" / "curves.png").is_file()  # a diverged run's curves are the ones to look at
 
 
 def test_the_export_follows_whether_the_run_saves_checkpoints(tmp_path, tiny_model, corpus):

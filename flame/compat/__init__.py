@@ -16,28 +16,42 @@ changes nothing; the changes apply where flame calls them:
   imports fla (lazily: it costs seconds);
 - the transformers registration, when flame first resolves a model type
   (flame.models.registry.ensure_model_type): every path that builds a model passes there;
+  ``flame.register()`` (loading exports) applies it and fla's changes up front;
 - ``fla.kernels_take_cp_context``/``fla.gsa_norm_gathers_heads``: by context and tensor
   parallelism, for the fla models they run;
 - ``transformers.fused_rotary(module)``: by flame.models.fused, once per modeling module of an HF
   model flame builds with fused kernels (--model.fused_kernels).
 ``describe()`` is the startup log's line of the changes applied. The guard refuses to start when
 a change's target is missing or changed, and only warns about another version (guard.py says why).
+The torchtitan seam is imported when first used: loading an export (``flame.register``) needs
+fla's and transformers' seams only, and importing torchtitan costs seconds.
 """
 
+import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
-from torchtitan.config import JobConfig
-
-from flame import device
-from flame.compat import fla, mamba_ssm, torchtitan, transformers, triton
+from flame.compat import fla, mamba_ssm, transformers, triton
 from flame.compat.guard import Patch, applied
+
+if TYPE_CHECKING:
+    from torchtitan.config import JobConfig
 
 __all__ = [
     "apply", "apply_after_fla_import", "check", "describe", "fla", "mamba_ssm", "torchtitan", "transformers", "triton",
 ]
 
 
-def _startup_patches(job_config: JobConfig) -> list[Patch]:
+def __getattr__(name: str):
+    if name == "torchtitan":
+        return importlib.import_module("flame.compat.torchtitan")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _startup_patches(job_config: "JobConfig") -> list[Patch]:
+    from flame import device
+    from flame.compat import torchtitan
+
     patches = [torchtitan.checkpoints_with_manifests]
     if not device.CUDA:
         patches.append(torchtitan.cpu_without_accelerator)
@@ -46,15 +60,19 @@ def _startup_patches(job_config: JobConfig) -> list[Patch]:
     return patches
 
 
-def check(job_config: JobConfig) -> None:
+def check(job_config: "JobConfig") -> None:
     """Refuse (ConfigError) a torchtitan or triton that the changes this job needs at startup do not fit."""
+    from flame.compat import torchtitan
+
     torchtitan.check_private_names()
     for patch in _startup_patches(job_config):
         patch.check()
 
 
-def apply(job_config: JobConfig) -> None:
+def apply(job_config: "JobConfig") -> None:
     """Check, then apply the changes this job's processes need at startup (each once)."""
+    from flame.compat import torchtitan
+
     torchtitan.check_private_names()
     for patch in _startup_patches(job_config):
         patch()

@@ -20,14 +20,16 @@ What the guard refuses, and what it only reports:
 import functools
 import importlib
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from torchtitan.tools.logging import logger
-
 from flame.errors import ConfigError
+
+# torchtitan's logger (the root logger), without importing torchtitan: loading an export needs none of it
+logger = logging.getLogger()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ The attention is plugged into
 - fla's softmax-attention layers (``transformer``, ``samba``, hybrids), which call
   flash-attn's ``flash_attn_func``/``flash_attn_varlen_func``: flame provides both (and, for
   fla's ``moba``, flash-attn's internal varlen forward/backward: flame.models.flash_attn_internals);
-  flame.compat.fla puts them where fla looks for flash-attn's.
+  flame.compat.fla puts them where fla looks for flash-attn's. Outside a training batch
+  (``generate``, scoring an export: no ``flame.batch_context`` active) they run SDPA on rows
+  or on each segment, with flash-attn's alignment of queries after cached keys, in any dtype.
 
 Kernels need the longest document as a Python int, and the dense/flex masks are best built
 once per batch: both come from the batch being computed (flame.batch_context), so that
@@ -38,6 +40,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.nn.attention.varlen import varlen_attn
 
 from flame.batch_context import BatchContext, documents_of
+from flame.batch_context import current as current_batch
 
 BACKENDS = ("auto", "varlen", "flex", "sdpa")
 HF_ATTENTION = "flame"
@@ -223,15 +226,22 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported,
 ):
-    # fla calls this for self-attention only: cu_seqlens_k describes the same documents
     _check_flash_call(causal, dropout_p, window_size, unsupported)
     window = None if window_size[0] < 0 else window_size[0] + 1
+    if current_batch() is None:  # inference: padded batches, and queries after cached keys (generate)
+        same = cu_seqlens_q is cu_seqlens_k or q.shape[0] == k.shape[0] and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        if not (same and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+            return segment_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window)
+    # training: self-attention, cu_seqlens_k describes the same documents
     batch = documents_of(cu_seqlens_q)
     return document_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale=softmax_scale, window=window, batch=batch)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported):
     _check_flash_call(causal, dropout_p, window_size, unsupported)
+    if current_batch() is None:  # inference: SDPA's own kernels, any dtype and device, keys cached or not
+        window = None if window_size[0] < 0 else window_size[0] + 1
+        return aligned_attention(q, k, v, softmax_scale, window)
     rows, length = q.shape[:2]
     cu_seqlens = torch.arange(0, (rows + 1) * length, length, device=q.device, dtype=torch.int32)
     flat = [t.reshape(rows * length, *t.shape[2:]) for t in (q, k, v)]
@@ -239,6 +249,40 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     # equal rows, not the batch's documents (fla's types that take rows whole)
     out = document_attention(*flat, cu_seqlens, length, scale=softmax_scale, window=window, rows=rows)
     return out.view(rows, length, *out.shape[1:])
+
+
+def aligned_attention(query, key, value, scale=None, window=None):
+    """Causal attention of ``[B, Lq, Hq, D]`` queries, the last Lq positions of ``[B, Lk, Hkv, D]`` keys/values.
+
+    flash-attn's alignment: with a cache, generation's new queries come after every cached key.
+    """
+    length_q, length_k = query.shape[1], key.shape[1]
+    mask = None
+    if length_q != length_k or window is not None:
+        positions_q = torch.arange(length_k - length_q, length_k, device=query.device)[:, None]
+        positions_k = torch.arange(length_k, device=query.device)[None, :]
+        mask = positions_k <= positions_q
+        if window is not None:
+            mask = mask & (positions_q - positions_k < window)
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+        scale=scale, enable_gqa=key.shape[2] != query.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def segment_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scale=None, window=None):
+    """``aligned_attention`` within each segment: ``[Tq, Hq, D]`` queries, ``[Tk, Hkv, D]`` keys/values.
+
+    For inference (one SDPA call per segment, the segment bounds read on the host): a padded
+    batch unpadded, or, in generation, each sequence's new queries after its cached keys.
+    """
+    out = query.new_zeros(*query.shape[:2], value.shape[-1])
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
+        if q1 > q0:
+            out[q0:q1] = aligned_attention(query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], scale, window)[0]
+    return out
 
 
 def _check_flash_call(causal, dropout_p, window_size, unsupported):

@@ -72,6 +72,18 @@ def ensure_model_type(model_type: str) -> None:
         import_fla()
 
 
+def register_all() -> None:
+    """Make every model type flame trains load and run through transformers' Auto classes (``flame.register``).
+
+    custom_models/ registered (importing flame.models did it), flame's attention in transformers'
+    registry, and fla with flame's changes where fla is installed: its softmax-attention layers
+    then build and run on flame's attention instead of refusing to build without flash-attn.
+    """
+    compat.transformers.attention_implementation(attention.HF_ATTENTION, attention.hf_document_attention)
+    if importlib.util.find_spec("fla") is not None:
+        import_fla()
+
+
 def meta_model(config: PretrainedConfig) -> nn.Module:
     """The model ``config`` describes, on the meta device: its modules, weight names and shapes, no memory.
 

@@ -1,11 +1,13 @@
 """Export a flame DCP checkpoint as a Hugging Face model (safetensors, config, tokenizer).
 
     python -m flame.utils.convert_dcp_to_hf --path exp/run [--step N] [--config cfg.json]
-        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--sample "def main("]
+        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--export_as llama] [--sample "def main("]
 
 By default everything comes from the run itself (<path>/job_config.json): the model config,
-the tokenizer, the checkpoint folder and checkpoint.export_dtype; --step defaults to the
-latest complete checkpoint, which must match its manifest (flame.manifest). The export is
+the tokenizer, the checkpoint folder, checkpoint.export_dtype and checkpoint.export_as; --step
+defaults to the latest complete checkpoint, which must match its manifest (flame.manifest).
+``--export_as llama`` writes fla's transformer under llama's architecture (flame.utils.llama_export).
+The export holds a model card, README.md (flame.utils.model_card). The export is
 written next to its destination (``.hf-<host>-<pid>-*``) and swapped in only when complete, so
 an earlier export is never left half-overwritten; the next export removes what a killed one left
 there (exports of one folder do not run at once: train.sh's runs hold the dump folder).
@@ -32,6 +34,7 @@ from flame.dump_folder import pid_alive
 from flame.errors import ConfigError
 from flame.models import load_model_config
 from flame.models.registry import meta_model
+from flame.utils import llama_export, model_card
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,7 +93,8 @@ def remove_stale_staging(out: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str) -> None:
+def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str, card: str | None = None) -> None:
+    """Write ``model`` (in ``dtype``), its tokenizer, a generation config and ``card`` (README.md) to ``out``, whole or not at all."""
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     remove_stale_staging(out)
@@ -105,6 +109,9 @@ def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str) 
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         ).save_pretrained(staging)
+        if card is not None:
+            with open(os.path.join(staging, "README.md"), "w") as f:
+                f.write(card)
         _make_readable(staging)
         if os.path.exists(out):
             previous = staging + ".previous"
@@ -148,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output directory (default: <path>/hf)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's checkpoint.export_dtype)")
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--export-as", "--export_as", choices=llama_export.FORMATS,
+                        help="native: the model's own architecture; llama: fla's transformer as LlamaForCausalLM "
+                             "(default: the run's checkpoint.export_as)")
     parser.add_argument("--sample", metavar="PROMPT", help="after exporting, load the model and print a continuation")
     args = parser.parse_args(argv)
 
@@ -166,15 +176,23 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"no complete checkpoint{named} in {folder}; complete steps: {steps}")
         dtype = DTYPES[args.dtype or run.get("checkpoint", {}).get("export_dtype", "float32")]
         out = args.out or os.path.join(args.path, "hf")
+        export_as = args.export_as or run.get("checkpoint", {}).get("export_as", "native")
 
         config = load_model_config(config_path)
+        if export_as == "llama":  # before reading any weight
+            llama_export.check(config, "--export_as llama")
         tokenizer = load_tokenizer(tokenizer_path)
         model = load_hf_model_from_dcp(os.path.join(folder, f"step-{step}"), config)
-        export(model, tokenizer, out, dtype, args.max_shard_size)
+        if export_as == "llama":
+            model = llama_export.as_llama(model)
+        card = model_card.render(args.path, step, model, config, run, exported_as=export_as if export_as != "native" else None,
+                                 dtype=str(dtype).removeprefix("torch."))
+        export(model, tokenizer, out, dtype, args.max_shard_size, card)
     except ConfigError as error:
         print(f"convert_dcp_to_hf: error: {error}", file=sys.stderr)
         return 2
-    print(f"exported step {step} of {args.path} to {out} ({str(dtype).removeprefix('torch.')})")
+    as_llama = " as llama" if export_as == "llama" else ""
+    print(f"exported step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')})")
     if args.sample is not None:
         print(f"sample from {out}:\n{sample(out, args.sample)}")
     return 0
