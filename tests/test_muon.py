@@ -8,13 +8,20 @@ iteration (relative 1e-4 here).
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from flame.components.nsys import NsysWindow
-from flame.components.optimizer import Muon, newton_schulz, split_parameters
+from flame.components.optimizer import (
+    Muon,
+    build_lr_schedulers,
+    build_optimizers,
+    newton_schulz,
+    split_parameters,
+)
 from flame.models import load_model_config
 from flame.models.registry import meta_model
 from tests.conftest import (
@@ -81,6 +88,34 @@ def test_muon_takes_the_decoder_blocks_linear_weights_and_adamw_the_rest(tmp_pat
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= {names[id(p)] for p in adamw}
     assert ("lm_head.weight" in names.values()) != tied  # tied: the embedding itself
     assert ("model.layers.1.self_attn.q_proj.bias" in names.values()) == (model_type == "qwen2")
+
+
+def test_each_model_parts_schedule_keeps_its_own_lrs_when_a_checkpoint_loads():
+    # pipeline stages: one with a bias (an AdamW group and a Muon group), one with matrices only
+    def part(bias: bool) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8, bias=bias)])
+        return module
+
+    optimizer = SimpleNamespace(name="Muon", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                                implementation="for-loop", muon_lr=2e-2, muon_momentum=0.95, muon_weight_decay=None,
+                                muon_nesterov=True, muon_ns_steps=5, muon_adjust_lr="match_rms_adamw")
+    schedule = SimpleNamespace(warmup_steps=2, total_steps=None, decay_ratio=None, decay_type="linear",
+                               min_lr_factor=0.0)
+
+    def build():
+        optimizers = build_optimizers([part(True), part(False)], optimizer, None)
+        return optimizers, build_lr_schedulers(optimizers, schedule, 10)
+
+    trained, schedulers = build()
+    for _ in range(3):
+        schedulers.step()
+    resumed, loaded = build()
+    loaded.load_state_dict(schedulers.state_dict())  # torchtitan saves the first part's schedule only
+    loaded.step()
+    schedulers.step()
+    assert [[g["lr"] for g in o.param_groups] for o in resumed] == [[g["lr"] for g in o.param_groups] for o in trained]
+    assert [g["lr"] for g in resumed.optimizers[1].param_groups] == [pytest.approx(2e-2 * 6 / 8)]  # Muon's lr
 
 
 def test_nsys_window_is_a_no_op_on_cpu():

@@ -219,9 +219,12 @@ class OwnBaseLRSchedulers(LRSchedulersContainer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         for scheduler in self.schedulers:
-            base_lrs = scheduler.base_lrs
-            scheduler.load_state_dict(copy.deepcopy(state_dict))
+            base_lrs, state = scheduler.base_lrs, copy.deepcopy(state_dict)
+            state["lr_lambdas"] = state["lr_lambdas"][: len(base_lrs)]  # one per group, all the same schedule
+            scheduler.load_state_dict(state)
             scheduler.base_lrs = base_lrs
+            if len(scheduler._last_lr) != len(base_lrs):  # the lrs it would have set at the loaded step
+                scheduler._last_lr = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, base_lrs)]
 
 
 def build_lr_schedulers(optimizers: OptimizersContainer, lr_scheduler_config, training_steps: int) -> LRSchedulersContainer:
