@@ -224,19 +224,20 @@ class Trainer(TorchtitanTrainer):
             )
             losses.append(loss.detach())
 
-        with self.nsys.range("optimizer"):
-            grad_norm = dist_utils.clip_grad_norm_(
-                [p for model in self.model_parts for p in model.parameters()],
-                self.job_config.training.max_norm,
-                foreach=True,
-                pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
-            )
-            step_loss = torch.stack(losses).sum()
-            if self._update_is_sound(step_loss, grad_norm):
-                self.consecutive_skips = 0
-                self.checkpointer.maybe_wait_for_staging()
-                self.optimizers.step()
-            self.lr_schedulers.step()
+        self.nsys.push("optimizer")  # to the schedule's step, with the clipping and the update
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for model in self.model_parts for p in model.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
+        )
+        step_loss = torch.stack(losses).sum()
+        if self._update_is_sound(step_loss, grad_norm):
+            self.consecutive_skips = 0
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+        self.lr_schedulers.step()
+        self.nsys.pop()
 
         # The logged loss is the mean over the steps since the last log line (a smooth curve
         # even when logging every N steps); accumulated on device, so no sync per step.

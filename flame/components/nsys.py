@@ -47,6 +47,15 @@ class NsysWindow:
         """An NVTX range named ``name`` while the window is enabled, else nothing."""
         return torch.cuda.nvtx.range(name) if self.enabled else contextlib.nullcontext()
 
+    def push(self, name: str) -> None:
+        """Open an NVTX range named ``name`` (closed by ``pop``) while the window is enabled."""
+        if self.enabled:
+            torch.cuda.nvtx.range_push(name)
+
+    def pop(self) -> None:
+        if self.enabled:
+            torch.cuda.nvtx.range_pop()
+
     def close(self) -> None:
         """Stop the capture (after the window's last step, or when training ends inside the window)."""
         if self.capturing:
