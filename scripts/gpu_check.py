@@ -188,9 +188,9 @@ SUITES = {
         steps=10, tokens=32768, timeout=500, seeded=True,
     ),
     "muon": Suite(
-        "one GPU: AdamW against Muon (--optimizer.name Muon, AdamW on embeddings, head and norms) from one seed on "
-        "the same tokens: loss curves side by side, Muon's step-time overhead, the step where Muon reaches AdamW's "
-        "last loss",
+        "one GPU: AdamW against Muon (--optimizer.name Muon, AdamW on embeddings, head and norms) from the same "
+        "initial weights (one GPU draws them alike from the seed) on the same tokens: loss curves side by side, "
+        "Muon's step-time overhead, the step where Muon reaches AdamW's last loss",
         report="curves",
         per_config=(
             Run("adamw", 1, ("--optimizer.lr", "1e-3")),
@@ -201,7 +201,7 @@ SUITES = {
                "--metrics.log_freq", "10", "--lr_scheduler.warmup_steps", "20", "--training.num_workers", "4",
                *NO_CHECKPOINT),
         configs=("configs/transformer_340M.json",),
-        steps=120, tokens=65536, timeout=240, seeded=True, baseline="adamw",
+        steps=120, tokens=65536, timeout=240, baseline="adamw",
     ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
