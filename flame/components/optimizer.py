@@ -17,21 +17,23 @@ torch.optim.Muon's ``adjust_lr_fn`` rules.
 
 Sharded weights (FSDP, HSDP, TP, and FSDP x TP: DTensors): Newton-Schulz must see the whole
 matrix (orthogonalizing each shard alone is another update). Each step gathers every Muon
-matrix's update in bf16 (one all-gather per matrix over all the mesh's dimensions: as many
-bytes as FSDP's bf16 all-gather of those weights in a forward), orthogonalizes the whole
-matrix on every rank, and keeps the rank's own shard; momentum stays sharded. So every rank
+matrix's update in bf16 (one all-gather over the mesh per stack of same-shape, same-layout
+matrices: as many bytes as FSDP's bf16 all-gather of those weights in a forward), orthogonalizes
+the whole matrices on every rank, and keeps the rank's own shards; momentum stays sharded. So every rank
 does the full Newton-Schulz FLOPs of one GPU, about ``5 * (4 m^2 n + 2 m^3)`` per m x n matrix
 (m <= n): they do not shrink as ranks are added. Pipeline stages each hold their own matrices:
 nothing is gathered across stages.
 """
 
 import copy
-import math
 from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import (
+    _StridedShard,  # FSDP x TP's layout (torch 2.11-2.13)
+)
 from torch.optim import AdamW, Optimizer
 from torch.optim._muon import (
     _adjust_lr,  # torch.optim.Muon's own scale rules (the same in torch 2.11-2.13)
@@ -46,9 +48,9 @@ from torchtitan.tools.logging import logger
 
 from flame.models.registry import decoder_layers
 
-# Newton-Schulz runs on stacks of same-shape matrices (one batched matmul per stack instead of one
-# per matrix: a 24-layer model has ~170 matrices but ~4 shapes); a stack holds at most this many
-# elements, which bounds the step's extra memory (bf16, a few copies) on large models.
+# Newton-Schulz runs on stacks of matrices of one shape and layout (one gather and one batched matmul
+# per stack instead of per matrix: a 24-layer model has ~170 matrices but a few shapes); a stack holds
+# at most this many elements, which bounds the step's extra memory (bf16, a few copies, two stacks).
 STACK_ELEMENTS = 1 << 27
 
 
@@ -74,22 +76,43 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _whole(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The whole matrix of this rank's ``update`` (laid out like ``param``), in bf16: gathered if sharded."""
-    update = update.bfloat16()
-    if not isinstance(param, DTensor):
-        return update
-    sharded = DTensor.from_local(update, param.device_mesh, param.placements, run_check=False,
-                                 shape=param.shape, stride=param.stride())
+def _layout(param: torch.Tensor) -> tuple:
+    """What matrices must share to be gathered as one stack: shape, and mesh and placements if sharded."""
+    if isinstance(param, DTensor):
+        return tuple(param.shape), param.device_mesh, tuple(param.placements)
+    return (tuple(param.shape),)
+
+
+def _stacked(placement: Placement) -> Placement:
+    """The placement of a stack of matrices (one dimension in front) whose matrices are each placed so."""
+    if isinstance(placement, _StridedShard):  # FSDP over TP shards of the same dimension
+        return _StridedShard(placement.dim + 1, split_factor=placement.split_factor)
+    if isinstance(placement, Shard):
+        return Shard(placement.dim + 1)
+    return placement
+
+
+def _gather(updates: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The whole matrices of this rank's shards ``updates`` (each laid out like ``like``), stacked, in bf16.
+
+    Sharded: one all-gather over the mesh for the stack; it returns before the data arrives (DTensor's
+    collectives are asynchronous), so the next stack's gather overlaps this one's iteration.
+    """
+    stack = torch.stack([update.bfloat16() for update in updates])
+    if not isinstance(like, DTensor):
+        return stack
+    sharded = DTensor.from_local(stack, like.device_mesh, [_stacked(p) for p in like.placements], run_check=False,
+                                 shape=(len(updates), *like.shape), stride=(like.numel(), *like.stride()))
     return sharded.full_tensor()
 
 
-def _own_shard(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole``, laid out like ``param`` (a local slice: no communication)."""
-    if not isinstance(param, DTensor):
-        return whole
-    replicated = DTensor.from_local(whole, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False)
-    return replicated.redistribute(param.device_mesh, param.placements).to_local()
+def _own_shards(stack: torch.Tensor, like: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's part of each whole matrix of ``stack``, laid out like ``like`` (a local slice: no communication)."""
+    if isinstance(like, DTensor):
+        mesh = like.device_mesh
+        replicated = DTensor.from_local(stack, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        stack = replicated.redistribute(mesh, [_stacked(p) for p in like.placements]).to_local()
+    return list(stack.unbind(0))
 
 
 class Muon(torch.optim.Muon):
@@ -117,20 +140,21 @@ class Muon(torch.optim.Muon):
         momentum, lr = group["momentum"], group["lr"]
         torch._foreach_lerp_(buffers, grads, 1 - momentum)
         updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
-        by_shape = defaultdict(list)
+        stacks = defaultdict(list)
         for i, param in enumerate(params):
-            by_shape[tuple(param.shape)].append(i)
-        for shape, indices in by_shape.items():
-            per_stack = max(1, STACK_ELEMENTS // math.prod(shape))
-            for start in range(0, len(indices), per_stack):
-                chunk = indices[start : start + per_stack]
-                # every gather is issued before the first is waited for (DTensor's collectives are async)
-                whole = [_whole(updates[i], params[i]) for i in chunk]
-                ortho = newton_schulz(torch.stack(whole), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                local = [_local(params[i]) for i in chunk]
-                torch._foreach_mul_(local, 1 - lr * group["weight_decay"])
-                shards = [_own_shard(o, params[i]) for o, i in zip(ortho.unbind(0), chunk)]
-                torch._foreach_add_(local, shards, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+            stacks[_layout(param)].append(i)
+        chunks = [indices[start : start + size] for indices in stacks.values()
+                  for size in [max(1, STACK_ELEMENTS // params[indices[0]].numel())]
+                  for start in range(0, len(indices), size)]
+        gathered = _gather([updates[i] for i in chunks[0]], params[chunks[0][0]])
+        for k, chunk in enumerate(chunks):
+            whole, like = gathered, params[chunk[0]]
+            if k + 1 < len(chunks):  # the next stack's gather runs during this one's iteration
+                gathered = _gather([updates[i] for i in chunks[k + 1]], params[chunks[k + 1][0]])
+            ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            local = [_local(params[i]) for i in chunk]
+            torch._foreach_mul_(local, 1 - lr * group["weight_decay"])
+            torch._foreach_add_(local, _own_shards(ortho, like), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], like.shape))
 
 
 class MuonWithAdamW(Optimizer):
