@@ -130,6 +130,20 @@ class Parallelism:
 
 @dataclass
 class Optimizer:
+    name: str = "AdamW"
+    """AdamW, Adam, or Muon: Muon for the weights of the decoder blocks' linear layers, AdamW (optimizer.lr, betas, eps, weight_decay) for embeddings, the head, norms and biases (README: Muon)"""
+    muon_lr: float | None = None
+    """Muon: the lr of the hidden matrices, scaled per matrix by muon_adjust_lr and by the LR schedule (default: optimizer.lr)"""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon: the step of an A x B matrix. match_rms_adamw: lr * 0.2 * sqrt(max(A, B)), an update of AdamW's RMS, so AdamW's lr serves; original: lr * sqrt(max(1, A / B)), with an lr near 0.02"""
+    muon_momentum: float = 0.95
+    """Muon: momentum of the gradient, in [0, 1)"""
+    muon_nesterov: bool = True
+    """Muon: orthogonalize the Nesterov look-ahead (gradient + momentum) rather than the momentum itself"""
+    muon_weight_decay: float | None = None
+    """Muon: decoupled weight decay of the hidden matrices, times the unscaled lr (default: optimizer.weight_decay)"""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations that orthogonalize each update (1-99)"""
     scheduler: str | None = None
     """Alias of lr_scheduler.decay_type (linear, sqrt or cosine). wsd is refused: use lr_scheduler.decay_ratio"""
     min_lr_ratio: float | None = None
@@ -142,6 +156,14 @@ class Optimizer:
 class LRScheduler:
     lr_min: float | None = None
     """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * lr_min"""
+
+
+@dataclass
+class Profiling:
+    nsys_start_step: int | None = None
+    """Nsight Systems window: cudaProfilerStart before this step (>= 1), for `nsys profile --capture-range=cudaProfilerApi`; NVTX ranges mark every step's data, forward, backward and optimizer. No-op on CPU (README: Profile a window with Nsight Systems)"""
+    nsys_stop_step: int | None = None
+    """Nsight Systems window: cudaProfilerStop before this step (> nsys_start_step): steps start..stop-1 are captured"""
 
 
 @dataclass
@@ -206,6 +228,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     experimental: Experimental = field(default_factory=Experimental)

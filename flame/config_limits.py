@@ -9,7 +9,7 @@ from typing import Any
 
 from flame.errors import ConfigError
 
-OPTIMIZERS = ("Adam", "AdamW")  # the names torchtitan's build_optimizers knows
+OPTIMIZERS = ("Adam", "AdamW", "Muon")  # torchtitan's build_optimizers knows Adam and AdamW; Muon is flame's
 
 
 def _number(flag: str, value: float, low: float, high: float = math.inf, *, high_open: bool = False,
@@ -25,7 +25,13 @@ def check(config: Any, given: dict[str, int]) -> None:
     """Refuse what torch, torchtitan or flame's trainer cannot run; ``given``: the dotted names the TOML and CLI set."""
     if not config.job.dump_folder.strip():
         raise ConfigError("--job.dump_folder is empty; give the folder for this run's checkpoints and logs (e.g. exp/run)")
-    _check_optimizer(config.optimizer)
+    _check_optimizer(config.optimizer, given)
+    if config.optimizer.name == "Muon" and config.training.enable_cpu_offload:
+        raise ConfigError(
+            "--optimizer.name Muon does not combine with --training.enable_cpu_offload: Muon gathers and orthogonalizes "
+            "whole matrices on the GPU, and offloaded weights and gradients live on the CPU; leave offload off, or use AdamW"
+        )
+    _check_nsys_window(config.profiling)
     _check_lr_scheduler(config.lr_scheduler)
     t = config.training
     if math.isnan(t.max_norm):
@@ -42,9 +48,20 @@ def check(config: Any, given: dict[str, int]) -> None:
     _check_skipping(t, given)
 
 
-def _check_optimizer(o: Any) -> None:
+def _check_optimizer(o: Any, given: dict[str, int]) -> None:
     if o.name not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer.name {o.name}: flame trains with {' or '.join(OPTIMIZERS)}; choose one of them")
+        raise ConfigError(f"--optimizer.name {o.name}: flame trains with {', '.join(OPTIMIZERS)}; choose one of them")
+    if o.name != "Muon":
+        if muon := sorted(name for name in given if name.startswith("optimizer.muon_")):
+            raise ConfigError(f"--{muon[0]} sets the Muon optimizer, but --optimizer.name is {o.name}: add "
+                              "--optimizer.name Muon, or drop the muon_ settings")
+    else:
+        if o.muon_lr is not None:
+            _number("--optimizer.muon_lr", o.muon_lr, 0)
+        _number("--optimizer.muon_momentum", o.muon_momentum, 0, 1, high_open=True)
+        if o.muon_weight_decay is not None:
+            _number("--optimizer.muon_weight_decay", o.muon_weight_decay, 0)
+        _number("--optimizer.muon_ns_steps", o.muon_ns_steps, 1, 99, meaning=" (Newton-Schulz iterations; 5 is usual)")
     _number("--optimizer.lr", o.lr, 0)  # 0 is a use: a step that loads and saves the weights unchanged
     _number("--optimizer.beta1", o.beta1, 0, 1, high_open=True)
     _number("--optimizer.beta2", o.beta2, 0, 1, high_open=True)
@@ -85,3 +102,17 @@ def _check_skipping(t: Any, given: dict[str, int]) -> None:
             "--training.max_skipped_steps limits skipped updates, and none are skipped: add --training.skip_nan_inf "
             "or --training.spike_sigma, or drop --training.max_skipped_steps"
         )
+
+
+def _check_nsys_window(p: Any) -> None:
+    """--profiling.nsys_start_step / nsys_stop_step: both or neither, 1 <= start < stop."""
+    start, stop = p.nsys_start_step, p.nsys_stop_step
+    if start is None and stop is None:
+        return
+    if start is None or stop is None:
+        missing = "nsys_start_step" if start is None else "nsys_stop_step"
+        raise ConfigError(f"--profiling.{missing} is missing: an Nsight Systems window needs both ends, e.g. "
+                          "--profiling.nsys_start_step 10 --profiling.nsys_stop_step 13 (steps 10-12)")
+    if not 1 <= start < stop:
+        raise ConfigError(f"--profiling.nsys_start_step {start} and nsys_stop_step {stop}: the window captures steps "
+                          "start..stop-1, so give 1 <= start < stop")

@@ -1,8 +1,8 @@
 """flame's Trainer: torchtitan's Trainer with the few hooks an HF/fla causal LM needs.
 
 torchtitan builds everything from the "flame" TrainSpec registered below (HF model from a
-config JSON, generic FSDP/AC/compile, flame's data loader, loss and metrics). flame
-overrides:
+config JSON, generic FSDP/AC/compile, flame's data loader, loss, metrics, and optimizers with
+Muon among them: flame.components.optimizer). flame overrides:
 - ``forward_backward_step``: the model gets the inputs its family understands (under context
   parallelism, this rank's share of the tokens: flame.distributed.context_parallel), and runs
   forward and backward inside its batch's context (flame.batch_context: documents, targets,
@@ -13,7 +13,8 @@ overrides:
   to start: numbers the attempt and records its job config (flame.dump_folder);
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), the loss-spike policy (flame.components.spikes), richer metrics
-  (per-source data counts among them);
+  (per-source data counts among them); the Nsight Systems window and NVTX ranges
+  (flame.components.nsys);
 - ``state_dict``: the train state also counts skipped steps and holds the spike window.
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
@@ -26,8 +27,6 @@ import numpy as np
 import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.train_spec import (
     TrainSpec,
@@ -42,6 +41,8 @@ from flame.batch_context import BatchContext
 from flame.checkpoints import complete_steps
 from flame.components.loss import LossHead, build_loss
 from flame.components.metrics import build_metrics_processor
+from flame.components.nsys import NsysWindow
+from flame.components.optimizer import build_lr_schedulers, build_optimizers
 from flame.components.spikes import SpikeWindow
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
@@ -88,6 +89,7 @@ class Trainer(TorchtitanTrainer):
         self.data_exhausted = False
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
+        self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
         super().__init__(job_config)
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
@@ -113,10 +115,11 @@ class Trainer(TorchtitanTrainer):
             context_parallel=layout,
         )
         with self.train_context(), batch_context.computing(batch):
-            with self.maybe_enable_amp:
+            with self.maybe_enable_amp, self.nsys.range("forward"):
                 # the output (all logits, unless fused) is freed before the backward
                 loss = self.loss_fn(model(inputs, **kwargs), labels) / global_valid_tokens
-            loss.backward()
+            with self.nsys.range("backward"):
+                loss.backward()
         return loss
 
     def _pipeline_forward_backward(self, step: BatchContext, input_dict, labels) -> torch.Tensor:
@@ -125,7 +128,7 @@ class Trainer(TorchtitanTrainer):
         # divides by the step's global target count (flame.distributed.pipeline.TokenNormalizedLoss).
         losses = [] if self.pp_has_last_stage else None
         inputs = (input_dict["input"],) if self.pp_has_first_stage else ()
-        with self.train_context(), batch_context.computing(step):
+        with self.train_context(), batch_context.computing(step), self.nsys.range("forward_backward"):
             self.pp_schedule.step(
                 *inputs,
                 position_ids=input_dict["position_ids"],
@@ -140,6 +143,7 @@ class Trainer(TorchtitanTrainer):
 
     def train(self) -> None:
         super().train()
+        self.nsys.close()  # the run ended inside the window
         if self.data_exhausted:  # the loop stopped inside a step it counted but did not take
             self.step -= 1
             self.checkpointer.save(self.step, last_step=True)
@@ -191,6 +195,10 @@ class Trainer(TorchtitanTrainer):
         return microbatches, local_valid_tokens, counts[0].float()
 
     def train_step(self, data_iterator) -> None:
+        with self.nsys.step(self.step):
+            self._train_step(data_iterator)
+
+    def _train_step(self, data_iterator) -> None:
         if self.metrics_processor.step_last_log is None:  # first step of this process (maybe resumed)
             self.metrics_processor.step_last_log = self.step - 1
         self.optimizers.zero_grad()
@@ -198,7 +206,8 @@ class Trainer(TorchtitanTrainer):
         # Randomness (e.g. dropout) is a function of (seed, step): a resumed run draws the same.
         torch.manual_seed((self.job_config.debug.seed or 0) * 1_000_003 + self.step)
 
-        microbatches, local_valid_tokens, global_valid_tokens = self._next_microbatches(data_iterator)
+        with self.nsys.range("data"):
+            microbatches, local_valid_tokens, global_valid_tokens = self._next_microbatches(data_iterator)
 
         losses = []
         # pipeline stages find each microbatch's documents in its position ids, read on the CPU
@@ -215,6 +224,7 @@ class Trainer(TorchtitanTrainer):
             )
             losses.append(loss.detach())
 
+        self.nsys.push("optimizer")  # to the schedule's step, with the clipping and the update
         grad_norm = dist_utils.clip_grad_norm_(
             [p for model in self.model_parts for p in model.parameters()],
             self.job_config.training.max_norm,
@@ -227,6 +237,7 @@ class Trainer(TorchtitanTrainer):
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
         self.lr_schedulers.step()
+        self.nsys.pop()
 
         # The logged loss is the mean over the steps since the last log line (a smooth curve
         # even when logging every N steps); accumulated on device, so no sync per step.

@@ -187,6 +187,22 @@ SUITES = {
         configs=tiny("llama", "transformer", "kda"),
         steps=10, tokens=32768, timeout=500, seeded=True,
     ),
+    "muon": Suite(
+        "one GPU: AdamW against Muon (--optimizer.name Muon, AdamW on embeddings, head and norms) from the same "
+        "initial weights (one GPU draws them alike from the seed) on the same tokens: loss curves side by side, "
+        "Muon's step-time overhead, the step where Muon reaches AdamW's last loss",
+        report="curves",
+        per_config=(
+            Run("adamw", 1, ("--optimizer.lr", "1e-3")),
+            # match_rms_adamw scales Muon's updates to AdamW's RMS: the same lr for both groups
+            Run("muon", 1, ("--optimizer.name", "Muon", "--optimizer.lr", "1e-3")),
+        ),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "10", "--lr_scheduler.warmup_steps", "20", "--training.num_workers", "4",
+               *NO_CHECKPOINT),
+        configs=("configs/transformer_340M.json",),
+        steps=120, tokens=65536, timeout=240, baseline="adamw",
+    ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",

@@ -117,6 +117,25 @@ def test_the_runs_table_compares_each_run_with_its_reference(tmp_path):
     assert "needs 2 GPUs" in table[3]
 
 
+def test_the_curves_table_sets_losses_side_by_side_with_the_step_time_against_the_baseline(tmp_path):
+    def run(item, run_losses, tps):
+        name = f"transformer_340M-{item}"
+        (tmp_path / name).mkdir()
+        rows = [{"step": 10 * (i + 1), "loss_metrics/global_avg_loss": loss, "throughput(tps)": tps}
+                for i, loss in enumerate(run_losses)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        step = Step("muon", item, name, [], config="configs/transformer_340M.json", train=True,
+                    common=["--training.seq_len", "65536"])
+        return Result(step, 0, 1.0)
+
+    results = [run("adamw", [8.0, 6.0, 5.0, 4.5], 100_000.0), run("muon", [7.8, 5.5, 4.5, 4.2], 96_000.0)]
+    table = reports.curves(results, tmp_path, baseline="adamw")
+    assert table[0] == "transformer_340M: loss per logged step (65,536 tokens per step)"
+    assert table[1].split() == ["step", "adamw", "muon"] and table[3].split() == ["20", "6.0000", "5.5000"]
+    assert table[-1] == ("  muon: 96,000 tok/s, step time +4.2% vs adamw; reaches adamw's last loss 4.5000 at step 30 "
+                         "(of 40)")
+
+
 def test_a_command_shows_the_lines_its_pattern_picks(tmp_path):
     (tmp_path / "job.log").write_text("noise\nstep  1/300  loss 8.37\nmore\nsample from exp:\ndef f():\n  pass\nend\n")
     step = Step("default", "job", "job", ["bash", "train.sh"], show=r"step +1/300", show_block="^sample from")

@@ -274,4 +274,38 @@ def peers(results: list[Result], work: Path, baseline: str | None = None) -> lis
     return shown + [f"  {note}" for note in notes]
 
 
-REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers}
+def curves(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """Per config, the runs' loss curves side by side (every logged step), then per run: tokens/s and
+    step time against the baseline run (second half of the steps), and the first step at which
+    its loss is at or below the baseline's last (the same loss in fewer tokens when earlier)."""
+    shown = []
+    for config in dict.fromkeys(r.step.config for r in results if r.step.train):
+        done = [r for r in results if r.step.config == config and r.step.train]
+        rows = {r.step.item: metrics(work, r.step.name) for r in done}
+        curves_ = {item: losses(found) for item, found in rows.items() if found}
+        base = curves_.get(baseline)
+        tokens = tokens_per_step(done[0].step)
+        shown.append(f"{Path(config).stem}: loss per logged step ({tokens:,} tokens per step)" if tokens
+                     else f"{Path(config).stem}: loss per logged step")
+        shown.append(f"  {'step':>6s} " + " ".join(f"{item:>10s}" for item in curves_))
+        for step in sorted(set().union(*curves_.values())) if curves_ else []:
+            shown.append(f"  {step:6d} " + " ".join(f"{curve[step]:10.4f}" if step in curve else f"{'-':>10s}"
+                                                   for curve in curves_.values()))
+        base_tps = late_mean(rows[baseline], "throughput(tps)") if base else NAN
+        for result in done:
+            item, curve = result.step.item, curves_.get(result.step.item)
+            if not curve:
+                shown.append(f"  {item}: {outcome(result)}; no metrics")
+                continue
+            tps = late_mean(rows[item], "throughput(tps)")
+            line = f"  {item}: {tps:,.0f} tok/s"
+            if base and item != baseline:
+                target = base[max(base)]
+                reached = next((step for step in sorted(curve) if curve[step] <= target), None)
+                line += (f", step time {100 * (base_tps / tps - 1):+.1f}% vs {baseline}; reaches {baseline}'s last loss "
+                         f"{target:.4f} at step {reached if reached else 'never'} (of {max(base)})")
+            shown.append(line + ("" if result.status == 0 else f" ({outcome(result)})"))
+    return shown
+
+
+REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers, "curves": curves}
