@@ -13,7 +13,8 @@ overrides:
   to start: numbers the attempt and records its job config (flame.dump_folder);
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), the loss-spike policy (flame.components.spikes), richer metrics
-  (per-source data counts among them);
+  (per-source data counts among them); under LoRA, the first step checks that every adapter
+  got a gradient (flame.models.lora);
 - ``state_dict``: the train state also counts skipped steps and holds the spike window.
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
@@ -50,7 +51,7 @@ from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.dump_folder import ATTEMPTS, next_attempt, record_attempt
 from flame.errors import UpdatesFailingError
-from flame.models import AnyFlavor, build_model, model_inputs
+from flame.models import AnyFlavor, build_model, lora, model_inputs
 
 
 def register_flame_train_spec() -> None:
@@ -86,6 +87,7 @@ class Trainer(TorchtitanTrainer):
         t = job_config.training
         self.spikes = SpikeWindow(t.spike_sigma, t.spike_window, t.spike_min_steps)
         self.data_exhausted = False
+        self.adapters_unchecked = job_config.lora.rank is not None  # until the first backward (lora.check_gradients)
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
         super().__init__(job_config)
@@ -214,6 +216,9 @@ class Trainer(TorchtitanTrainer):
                 input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens
             )
             losses.append(loss.detach())
+        if self.adapters_unchecked:
+            lora.check_gradients(self.model_parts, self.device)
+            self.adapters_unchecked = False
 
         grad_norm = dist_utils.clip_grad_norm_(
             [p for model in self.model_parts for p in model.parameters()],
