@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 from flame import manifest
 from flame.errors import ConfigError
 from flame.manifest import Defect, complete_steps
+from flame.models import lora
 from flame.models.registry import meta_model
 
 
@@ -132,7 +133,12 @@ def check_checkpoint_fits_model(job_config, model_config: PretrainedConfig, path
     model or has another shape (it unpickles DCP's .metadata: call it only on a verified step)."""
     if path is None:
         return
-    problems = weight_mismatches(FileSystemReader(path).read_metadata(), meta_model(model_config).state_dict())
+    model = meta_model(model_config)
+    checkpoint = job_config.checkpoint
+    model_only = os.path.basename(path) == "step-0" or (path == checkpoint.initial_load_path and checkpoint.initial_load_model_only)
+    if (adapters := lora.LoraSettings.of(job_config.lora)) is not None and not model_only:
+        lora.add_adapters(model, adapters)  # a resume reads the adapters too (a model-only load: the base alone)
+    problems = weight_mismatches(FileSystemReader(path).read_metadata(), lora.checkpoint_weights(model))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(

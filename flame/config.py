@@ -215,6 +215,20 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Lora:
+    rank: int | None = None
+    """LoRA fine-tuning: train adapters of this rank on --lora.targets while the model's own weights stay frozen (PEFT's LoRA layers). Unset = train every weight"""
+    alpha: float = 16.0
+    """LoRA: an adapter adds (alpha / rank) x B(A(x)) to its layer's output"""
+    dropout: float = 0.0
+    """LoRA: dropout on each adapter's input (PEFT's lora_dropout)"""
+    targets: str = "all-linear"
+    """LoRA: comma list of the linear layers that get adapters, each a module name or its last parts (q_proj,v_proj: those of every block); all-linear = every linear layer but the output head"""
+    export: Literal["adapter", "merged"] = "adapter"
+    """LoRA: what the HF export writes: adapter (PEFT's adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained) or merged (a plain model with the adapters added into its weights)"""
+
+
+@dataclass
 class Debug:
     seed: int | None = 42
     """Seed for weight init, data order and dropout (same seed, same run)"""
@@ -234,6 +248,7 @@ class JobConfig:
     experimental: Experimental = field(default_factory=Experimental)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    lora: Lora = field(default_factory=Lora)
     debug: Debug = field(default_factory=Debug)
 
 

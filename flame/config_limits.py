@@ -46,6 +46,7 @@ def check(config: Any, given: dict[str, int]) -> None:
         if loader.prefetch_factor is not None and loader.prefetch_factor < 1:
             raise ConfigError(f"--training.prefetch_factor must be >= 1 (batches per worker), got {loader.prefetch_factor}")
     _check_skipping(t, given)
+    _check_lora(config, given)
 
 
 def _check_optimizer(o: Any, given: dict[str, int]) -> None:
@@ -116,3 +117,27 @@ def _check_nsys_window(p: Any) -> None:
     if not 1 <= start < stop:
         raise ConfigError(f"--profiling.nsys_start_step {start} and nsys_stop_step {stop}: the window captures steps "
                           "start..stop-1, so give 1 <= start < stop")
+def _check_lora(config: Any, given: dict[str, int]) -> None:
+    """LoRA's settings, and the layouts its adapters run under (flame.models.lora)."""
+    lora = config.lora
+    if lora.rank is None:
+        if others := sorted(name for name in given if name.startswith("lora.") and name != "lora.rank"):
+            raise ConfigError(f"--{others[0]} sets up LoRA, which is off: add --lora.rank (e.g. 16), or drop --{others[0]}")
+        return
+    if lora.rank <= 0:
+        raise ConfigError(f"--lora.rank must be a positive number of adapter dimensions (e.g. 16), got {lora.rank}")
+    if not math.isfinite(lora.alpha) or lora.alpha <= 0:
+        raise ConfigError(f"--lora.alpha must be a positive number (adapters are scaled by alpha / rank), got {lora.alpha}")
+    _number("--lora.dropout", lora.dropout, 0, 1, high_open=True)
+    entries = [entry.strip() for entry in lora.targets.split(",")]
+    if not all(entries) or ("all-linear" in entries and len(entries) > 1):
+        raise ConfigError(
+            f"--lora.targets {lora.targets!r}: give module names (q_proj,v_proj), or all-linear alone"
+        )
+    # PEFT's adapter layers wrap the Linear modules that flame's tensor-parallel plans shard
+    if config.parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"--lora.rank with --parallelism.tensor_parallel_degree {config.parallelism.tensor_parallel_degree}: "
+            "LoRA's adapter layers take no tensor-parallel plan; shard with FSDP instead "
+            "(--parallelism.data_parallel_shard_degree), which LoRA runs under"
+        )

@@ -24,6 +24,7 @@ from flame.distributed.context_parallel import check_context_parallel
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
 from flame.errors import ConfigError
+from flame.models import lora
 from flame.models.builder import load_model_config
 from flame.models.inputs import keeps_rows_whole
 from flame.models.registry import meta_model
@@ -158,6 +159,8 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
         check_mamba3_kernels(config)
     if support.documents is Documents.ATTENTION:
         check_attention_settings(config)
+    if (adapters := lora.LoraSettings.of(job_config.lora)) is not None:
+        lora.resolve_targets(meta_model(config), adapters)  # each entry names some layer
 
 
 def check_attention_settings(config: PretrainedConfig) -> None:

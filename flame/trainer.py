@@ -14,7 +14,8 @@ Muon among them: flame.components.optimizer). flame overrides:
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
   check (skip or stop), the loss-spike policy (flame.components.spikes), richer metrics
   (per-source data counts among them); the Nsight Systems window and NVTX ranges
-  (flame.components.nsys);
+  (flame.components.nsys); under LoRA, the first step checks that every adapter got a
+  gradient (flame.models.lora);
 - ``state_dict``: the train state also counts skipped steps and holds the spike window.
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
@@ -51,7 +52,7 @@ from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.dump_folder import ATTEMPTS, next_attempt, record_attempt
 from flame.errors import UpdatesFailingError
-from flame.models import AnyFlavor, build_model, model_inputs
+from flame.models import AnyFlavor, build_model, lora, model_inputs
 
 
 def register_flame_train_spec() -> None:
@@ -87,6 +88,7 @@ class Trainer(TorchtitanTrainer):
         t = job_config.training
         self.spikes = SpikeWindow(t.spike_sigma, t.spike_window, t.spike_min_steps)
         self.data_exhausted = False
+        self.adapters_unchecked = job_config.lora.rank is not None  # until the first backward (lora.check_gradients)
         self._loss_window: torch.Tensor | None = None
         self._window_steps = 0
         self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
@@ -223,6 +225,9 @@ class Trainer(TorchtitanTrainer):
                 input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens
             )
             losses.append(loss.detach())
+        if self.adapters_unchecked:
+            lora.check_gradients(self.model_parts, self.device)
+            self.adapters_unchecked = False
 
         self.nsys.push("optimizer")  # to the schedule's step, with the clipping and the update
         grad_norm = dist_utils.clip_grad_norm_(

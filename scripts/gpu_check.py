@@ -203,6 +203,21 @@ SUITES = {
         configs=("configs/transformer_340M.json",),
         steps=120, tokens=65536, timeout=240, baseline="adamw",
     ),
+    "lora": Suite(
+        "LoRA (rank 16 on every linear layer) against full training on one GPU, both from one seed checkpoint as "
+        "the base: tokens/s, MFU and peak memory (1B); and a tiny fla model with adapters, whose first step checks "
+        "that every adapter gets a gradient",
+        report="runs",
+        per_config=(
+            Run("full", 1, only=("transformer_1B",)),
+            Run("lora", 1, ("--lora.rank", "16", "--lora.alpha", "32")),
+        ),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", *NO_CHECKPOINT),
+        configs=("configs/transformer_1B.json", "configs/tiny/gla.json"),
+        steps=20, tokens=16384, timeout=400, seeded=True, baseline="full",
+    ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",

@@ -8,7 +8,10 @@ What it adds (flame.manifest holds the manifest itself):
   share): a damaged or incomplete latest step is set aside (``step-N.damaged``) and the newest
   intact one loads; a step named explicitly (``--checkpoint.load_step``,
   ``--checkpoint.initial_load_path``) that fails the check stops the run in one line;
-- steps are folders named exactly ``step-N``: set-aside ones are neither loaded nor purged.
+- steps are folders named exactly ``step-N``: set-aside ones are neither loaded nor purged;
+- a model with LoRA adapters is saved under the names flame.models.lora gives (the base weights
+  under the plain model's), and a model-only load (step 0, --checkpoint.initial_load_path)
+  reads its base weights alone: the adapters keep their init.
 """
 
 import os
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from flame import manifest
@@ -29,6 +32,7 @@ from flame.checkpoints import (
     unrecorded_checkpoint_error,
 )
 from flame.errors import ConfigError
+from flame.models import lora
 
 # How long rank 0 waits for the other ranks' hashes of a step: longer than hashing a rank's
 # files takes (and than a shared filesystem takes to show one node's file to another), and it
@@ -100,6 +104,15 @@ class FlameCheckpointManager(CheckpointManager):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorder = ManifestRecorder() if self.enable and not self.load_only else None
+        model_parts = self.states[MODEL].model
+        if any(lora.adapted_modules(part) for part in model_parts):
+            self.states[MODEL] = lora.AdapterCheckpoint(model_parts)
+
+    def _states_to_load(self, model_only: bool) -> dict[str, Any]:
+        if model_only and isinstance(self.states[MODEL], lora.AdapterCheckpoint):
+            logger.info("LoRA: a model-only load reads the base weights; the adapters start from their init")
+            return self.states[MODEL].base_state_dict()
+        return super()._states_to_load(model_only)
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
                  to_hf: bool = False):

@@ -114,14 +114,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, chunk_loss_and_grad):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        # a frozen head (LoRA) needs no weight gradient: neither its matmul nor its fp32 buffer
+        train_head = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if train_head else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
             h, t = hidden[start : start + CHUNK_TOKENS], targets[start : start + CHUNK_TOKENS]
             loss, grad_logits = chunk_loss_and_grad(F.linear(h, weight, bias), t)
             total += loss
             grad_hidden[start : start + CHUNK_TOKENS] = grad_logits @ weight
-            grad_weight += (grad_logits.T @ h).float()
+            if grad_weight is not None:
+                grad_weight += (grad_logits.T @ h).float()
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -132,8 +135,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
+        grad_weight = (grad_weight * grad_output).to(weight_dtype) if grad_weight is not None else None
         grad_bias = (grad_bias * grad_output).to(bias_dtype) if grad_bias is not None else None
-        return grad_hidden * grad_output.to(grad_hidden.dtype), (grad_weight * grad_output).to(weight_dtype), grad_bias, None, None
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight, grad_bias, None, None
 
 
 def linear_cross_entropy_sum(

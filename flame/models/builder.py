@@ -31,10 +31,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from flame import device
 from flame.components.loss import use_fused_cross_entropy
 from flame.errors import ConfigError, gist
-from flame.models import attention
+from flame.models import attention, lora
 from flame.models.flops import model_flops
 from flame.models.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
+from flame.models.lora import LoraSettings
 from flame.models.registry import ensure_model_type, fla_model_types
 from flame.models.support import Documents, support_for
 
@@ -104,6 +105,7 @@ class TorchtitanInit:
     """Mixin giving an HF model torchtitan's ``init_weights(buffer_device)``."""
 
     init_seed: int | None = None  # the job's seed (debug.seed): each trainable class is made for one
+    adapters: LoraSettings | None = None  # the LoRA adapters the model carries (a full copy needs them too)
     holds_part_of_model = False  # a pipeline stage does (flame.distributed.pipeline)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -118,6 +120,8 @@ class TorchtitanInit:
         # then scatter it into this model's shards: every layout starts from the same weights.
         with torch.device("meta"):
             twin = self._hf_class(self.config)
+            if self.adapters is not None:
+                lora.add_adapters(twin, self.adapters)
         twin.to_empty(device="cpu")
         # from the job's seed, as a single process draws it (torchtitan seeds pipeline ranks apart)
         with torch.random.fork_rng(devices=[]):
@@ -141,11 +145,12 @@ def _reinitialize(model: nn.Module) -> None:
     hf_class = getattr(type(model), "_hf_class", type(model))
     with torch.no_grad():
         hf_class.init_weights(model)
+        lora.reset_adapters(model)  # HF's init gave their Linears its own
 
 
 @functools.cache
-def _trainable_class(hf_class: type, init_seed: int | None) -> type:
-    attributes = {"__module__": hf_class.__module__, "_hf_class": hf_class, "init_seed": init_seed}
+def _trainable_class(hf_class: type, init_seed: int | None, adapters: LoraSettings | None) -> type:
+    attributes = {"__module__": hf_class.__module__, "_hf_class": hf_class, "init_seed": init_seed, "adapters": adapters}
     return type(hf_class.__name__, (TorchtitanInit, hf_class), attributes)
 
 
@@ -160,11 +165,13 @@ class FlameModelArgs(BaseModelArgs):
     fused_cross_entropy_required: bool = False
     fused_kernels: bool = True
     seed: int | None = None
+    lora: LoraSettings | None = None
 
     def update_from_config(self, job_config, **kwargs) -> None:
         self.config_path = job_config.model.config
         self.context_len = job_config.training.context_len
         self.seed = job_config.debug.seed
+        self.lora = LoraSettings.of(job_config.lora)
         config = load_model_config(self.config_path)  # checked by the Trainer (flame.preflight)
         self._config = config
         self.hf_config = config.to_diff_dict()
@@ -182,6 +189,8 @@ class FlameModelArgs(BaseModelArgs):
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameters, and FLOPs per token for documents of context_len (the trainer counts real ones)."""
         unique = {id(p): p.numel() for p in model.parameters()}
+        if self.lora is not None:
+            logger.info(lora.describe(model, self.lora))
         self.flops = model_flops(model)
         return sum(unique.values()), self.flops.flops_per_token(self.context_len)
 
@@ -193,7 +202,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
 
     HF models get flame's document-masked attention; a model that cannot take a registered
     attention function keeps its own (with a warning: documents may see each other). Their RMS
-    norms, SiLU-gated MLPs and rotary embeddings get fused kernels (flame.models.fused).
+    norms, SiLU-gated MLPs and rotary embeddings get fused kernels (flame.models.fused). With
+    --lora.rank, PEFT's LoRA adapters go on last, and everything else is frozen (flame.models.lora).
     """
     config = model_args.config
     try:
@@ -202,7 +212,7 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
         raise ConfigError(f"cannot build a causal LM from {model_args.config_path}: {error}") from None
     # torchtitan's init_weights(buffer_device) on HF's model: a subclass of the model's own class
     # (same name, so exports say e.g. LlamaForCausalLM), swapped in on the built instance
-    model.__class__ = _trainable_class(type(model), model_args.seed)
+    model.__class__ = _trainable_class(type(model), model_args.seed, model_args.lora)
     if model_args.fused_kernels and not is_fla_config(config):  # fla's models have theirs
         logger.info(use_fused_kernels(model).describe())
     if model_args.fused_cross_entropy:
@@ -214,6 +224,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
                     f"--training.fused_cross_entropy on: {type(model).__name__} cannot use it ({reason}); set it to off"
                 ) from None
             logger.info(f"Fused cross entropy off: {reason}")
+    if model_args.lora is not None:  # last: the adapters wrap the Linears as the fused kernels left them
+        lora.add_adapters(model, model_args.lora)
     return model
 
 

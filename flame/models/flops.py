@@ -6,6 +6,11 @@
 
 - Matmul parameters: weights of Linear and Conv1d modules (and HF's Conv1D); embedding
   lookups are not matmuls; a tied lm_head is one parameter, counted once.
+- Frozen weights (LoRA's base model, flame.models.lora) get no weight gradient: 4 x instead
+  of 6 x (forward and the gradient passed on to the adapters below). Leading blocks below
+  every trained parameter (adapters on later blocks only) run no backward at all: their
+  weights count 2 x, their token mixing a third of its term. (The first adapted block's own
+  inputs need no gradient either; that the count ignores, under 1/layers of the frozen term.)
 - Softmax attention (HF decoders' attention layers; the fla layers the model types' records
   name, flame.models.support): a query attends to itself and the earlier keys of its
   document (or of its sliding window). Under varlen the pairs are counted from the real
@@ -29,13 +34,25 @@ from flame.models.support import softmax_attention_layers
 CHUNK_SIZE = 64
 
 
-def matmul_parameters(model: nn.Module) -> int:
-    """Parameters of Linear/Conv1d-style modules, each parameter counted once."""
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv1d)) or type(module).__name__ == "Conv1D":
-            seen[id(module.weight)] = module.weight.numel()
-    return sum(seen.values())
+def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The weights of Linear/Conv1d-style modules, each counted once (by id)."""
+    return {
+        id(module.weight): module.weight for module in model.modules()
+        if isinstance(module, (nn.Linear, nn.Conv1d)) or type(module).__name__ == "Conv1D"
+    }
+
+
+def untrained_prefix(model: nn.Module) -> int:
+    """Leading decoder blocks that no gradient reaches: neither they nor the embeddings hold a trained parameter."""
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and any(p.requires_grad for p in embeddings.parameters()):
+        return 0
+    count = 0
+    for block in decoder_layers(model):
+        if any(p.requires_grad for p in block.parameters()):
+            break
+        count += 1
+    return count
 
 
 def causal_pairs(length: int, window: int | None) -> int:
@@ -51,6 +68,8 @@ class ModelFlops:
     attention_widths: dict = field(default_factory=dict)  # window (None = full) -> sum of heads x head_dim
     uncounted: list = field(default_factory=list)  # token mixers without a term
     matmul_params: int = 0
+    frozen_matmul_params: int = 0  # of matmul_params: no weight gradient (LoRA's base model)
+    matmul_flops: int = 0  # per token
 
     def attention_flops(self, document_lengths) -> float:
         """Softmax-attention FLOPs (forward + backward) of documents of these lengths."""
@@ -68,9 +87,11 @@ class ModelFlops:
 
     def describe(self) -> str:
         parts = ["6 x matmul params"]
+        if self.frozen_matmul_params:
+            parts = ["6 x trained and 4 x frozen matmul params (2 x below every trained one)"]
         if self.attention_widths:
             parts.append("causal softmax attention over each batch's real documents")
-        if self.dense_per_token > 6 * self.matmul_params:
+        if self.dense_per_token > self.matmul_flops:
             parts.append("linear-attention/SSM state terms")
         text = " + ".join(parts)
         if self.uncounted:
@@ -79,25 +100,34 @@ class ModelFlops:
 
 
 def model_flops(model: nn.Module) -> ModelFlops:
-    params = matmul_parameters(model)
-    flops = ModelFlops(dense_per_token=6 * params, matmul_params=params)
+    weights = _matmul_weights(model)
+    blocks = decoder_layers(model)
+    prefix = untrained_prefix(model)
+    # the weights of blocks no gradient reaches: forward only
+    below = {id(p) for block in list(blocks)[:prefix] for p in block.parameters()}
+    matmul = sum((2 if key in below else 6 if w.requires_grad else 4) * w.numel() for key, w in weights.items())
+    flops = ModelFlops(
+        dense_per_token=matmul, matmul_params=sum(w.numel() for w in weights.values()),
+        frozen_matmul_params=sum(w.numel() for w in weights.values() if not w.requires_grad), matmul_flops=matmul,
+    )
     config = model.config
     if not is_fla_config(config):
-        _add_hf_attention(flops, config)
+        _add_hf_attention(flops, config, prefix)
         return flops
     quadratic = softmax_attention_layers()  # fla layers whose cost grows with the square of the document length
-    for block in decoder_layers(model):
+    for index, block in enumerate(blocks):
         for mixer in block.children():
             if type(mixer).__module__.startswith("fla.layers."):
-                _add_fla_mixer(flops, mixer, quadratic)
+                _add_fla_mixer(flops, mixer, quadratic, 1 / 3 if index < prefix else 1)
     return flops
 
 
-def _add_attention(flops: ModelFlops, window: int | None, width: int) -> None:
+def _add_attention(flops: ModelFlops, window: int | None, width: float) -> None:
     flops.attention_widths[window] = flops.attention_widths.get(window, 0) + width
 
 
-def _add_hf_attention(flops: ModelFlops, config) -> None:
+def _add_hf_attention(flops: ModelFlops, config, untrained: int) -> None:
+    """The attention term of HF decoder layers; the first ``untrained`` run forward only (a third of it)."""
     heads = getattr(config, "num_attention_heads", None)
     layers = getattr(config, "num_hidden_layers", None)
     if not heads or not layers:
@@ -105,28 +135,30 @@ def _add_hf_attention(flops: ModelFlops, config) -> None:
         return
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * layers
-    for layer_type in layer_types:
+    for index, layer_type in enumerate(layer_types):
+        width = heads * head_dim / 3 if index < untrained else heads * head_dim
         if layer_type == "full_attention":
-            _add_attention(flops, None, heads * head_dim)
+            _add_attention(flops, None, width)
         elif layer_type == "sliding_attention":
-            _add_attention(flops, config.sliding_window, heads * head_dim)
+            _add_attention(flops, config.sliding_window, width)
         else:
             flops.uncounted.append(f"{config.model_type} {layer_type} layers")
 
 
-def _add_fla_mixer(flops: ModelFlops, mixer: nn.Module, quadratic: set[str]) -> None:
+def _add_fla_mixer(flops: ModelFlops, mixer: nn.Module, quadratic: set[str], share: float) -> None:
+    """An fla layer's token-mixing term, ``share`` of it (a third: the layer runs no backward)."""
     name = type(mixer).__name__
     heads = getattr(mixer, "num_heads", None)
     if name in quadratic:
         head_dim = getattr(mixer, "head_dim", None) or mixer.head_k_dim
-        _add_attention(flops, getattr(mixer, "window_size", None), heads * head_dim)
+        _add_attention(flops, getattr(mixer, "window_size", None), heads * head_dim * share)
         return
     state = _state_shape(mixer, heads)
     if state is None:
         flops.uncounted.append(name)
         return
     heads, key_dim, value_dim = state
-    flops.dense_per_token += 3 * heads * (4 * key_dim * value_dim + CHUNK_SIZE * (key_dim + value_dim))
+    flops.dense_per_token += round(3 * share * heads * (4 * key_dim * value_dim + CHUNK_SIZE * (key_dim + value_dim)))
 
 
 def _state_shape(mixer: nn.Module, heads: int | None) -> tuple[int, int, int] | None:

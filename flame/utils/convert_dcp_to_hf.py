@@ -1,7 +1,8 @@
 """Export a flame DCP checkpoint as a Hugging Face model (safetensors, config, tokenizer).
 
     python -m flame.utils.convert_dcp_to_hf --path exp/run [--step N] [--config cfg.json]
-        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--export_as llama] [--sample "def main("]
+        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--export_as llama] [--lora-export merged]
+        [--sample "def main("]
 
 By default everything comes from the run itself (<path>/job_config.json): the model config,
 the tokenizer, the checkpoint folder, checkpoint.export_dtype and checkpoint.export_as; --step
@@ -11,6 +12,12 @@ The export holds a model card, README.md (flame.utils.model_card). The export is
 written next to its destination (``.hf-<host>-<pid>-*``) and swapped in only when complete, so
 an earlier export is never left half-overwritten; the next export removes what a killed one left
 there (exports of one folder do not run at once: train.sh's runs hold the dump folder).
+
+A LoRA run (--lora.rank, flame.models.lora) exports as its lora.export says (--lora-export
+overrides it): ``adapter`` writes PEFT's adapter_config.json and adapter_model.safetensors (with
+the tokenizer), whose base_model_name_or_path is the run's model.config directory, for
+``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)``; ``merged`` writes
+the plain model with the adapters added into its weights.
 """
 
 import argparse
@@ -21,6 +28,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,7 +40,7 @@ from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.tokenizer import load_tokenizer
 from flame.dump_folder import pid_alive
 from flame.errors import ConfigError
-from flame.models import load_model_config
+from flame.models import load_model_config, lora
 from flame.models.registry import meta_model
 from flame.utils import llama_export, model_card
 
@@ -102,7 +110,12 @@ def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str, 
     try:
         model.to(dtype)
         model.config.dtype = dtype
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        if hasattr(model, "peft_config"):  # a LoRA adapter, in PEFT's format
+            with warnings.catch_warnings():  # that its base holds no config: the export's note says so
+                warnings.simplefilter("ignore")
+                model.save_pretrained(staging)
+        else:
+            model.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(staging)
         GenerationConfig(
             bos_token_id=tokenizer.bos_token_id,
@@ -138,7 +151,7 @@ def sample(out: str, prompt: str, max_new_tokens: int = 48) -> str:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # an adapter: over its base model
     inputs = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(0)
     generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7, top_k=40)
@@ -158,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-as", "--export_as", choices=llama_export.FORMATS,
                         help="native: the model's own architecture; llama: fla's transformer as LlamaForCausalLM "
                              "(default: the run's checkpoint.export_as)")
+    parser.add_argument("--lora-export", choices=("adapter", "merged"), help="a LoRA run's export (default: the run's lora.export)")
     parser.add_argument("--sample", metavar="PROMPT", help="after exporting, load the model and print a continuation")
     args = parser.parse_args(argv)
 
@@ -178,11 +192,27 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or os.path.join(args.path, "hf")
         export_as = args.export_as or run.get("checkpoint", {}).get("export_as", "native")
 
+        adapters = lora.LoraSettings.of(run.get("lora") or {})
+        if args.lora_export and adapters is None:
+            raise ConfigError(f"--lora-export: {args.path} is no LoRA run (its job config sets no lora.rank); drop --lora-export")
+        merge = (args.lora_export or run.get("lora", {}).get("export")) == "merged"
+        base_model = lora.base_model_path(config_path)
+        if adapters is not None and not merge and args.sample is not None and not lora.holds_weights(base_model):
+            raise ConfigError(
+                f"--sample loads the adapter over its base model {base_model}, which holds no weights; export the merged "
+                "model (--lora-export merged) to sample from it"
+            )
         config = load_model_config(config_path)
         if export_as == "llama":  # before reading any weight
             llama_export.check(config, "--export_as llama")
+            if adapters is not None and not merge:
+                raise ConfigError("--export_as llama renames a whole model, not a LoRA adapter: add --lora-export merged")
         tokenizer = load_tokenizer(tokenizer_path)
-        model = load_hf_model_from_dcp(os.path.join(folder, f"step-{step}"), config)
+        checkpoint = os.path.join(folder, f"step-{step}")
+        model = load_hf_model_from_dcp(checkpoint, config)
+        if adapters is not None:
+            model = lora.load_adapters(model, adapters, checkpoint, base_model)
+            model = model.merge_and_unload() if merge else model
         if export_as == "llama":
             model = llama_export.as_llama(model)
         card = model_card.render(args.path, step, model, config, run, exported_as=export_as if export_as != "native" else None,
@@ -191,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"convert_dcp_to_hf: error: {error}", file=sys.stderr)
         return 2
+    what = "the LoRA adapter of " if adapters is not None and not merge else ""
     as_llama = " as llama" if export_as == "llama" else ""
-    print(f"exported step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')})")
+    print(f"exported {what}step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')})")
+    if what and not lora.holds_weights(base_model):
+        print(f"note: its base model {base_model} holds no weights (they are in the checkpoint): export the merged "
+              "model (--lora-export merged) for a model that loads on its own")
     if args.sample is not None:
         print(f"sample from {out}:\n{sample(out, args.sample)}")
     return 0
