@@ -218,6 +218,20 @@ SUITES = {
         configs=("configs/transformer_1B.json", "configs/tiny/gla.json"),
         steps=20, tokens=16384, timeout=400, seeded=True, baseline="full",
     ),
+    "sft": Suite(
+        "one GPU: supervised fine-tuning, 340M, on the shipped chat sample (assistant-only targets, one "
+        "conversation per document) mixed half and half with the builtin text corpus: the loss falls, tokens/s, "
+        "MFU and peak memory",
+        report="runs",
+        per_config=(Run("sft", 1),),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--training.dataset", "tests/data/chat.jsonl,builtin:python-stdlib", "--training.data_format",
+               "sft,text", "--training.data_probs", "0.5,0.5", "--metrics.log_freq", "5",
+               "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4", "--training.num_workers", "4",
+               *NO_CHECKPOINT),
+        configs=("configs/transformer_340M.json",),
+        steps=60, tokens=16384, timeout=240,
+    ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",
