@@ -18,7 +18,8 @@ from datasets import Dataset
 
 from flame import launch
 from flame.data.streams import MapStream
-from tests.conftest import TOKENIZER, base_args, check, losses, metrics, torchrun
+from flame.run_record import metrics
+from tests.conftest import TOKENIZER, base_args, check, torchrun
 
 # one LR schedule of 4 steps, also for a run stopped at step 2 and resumed
 STEPS = ["--lr_scheduler.total_steps=4", "--checkpoint.interval=2", "--training.batch_size=4"]
@@ -79,9 +80,13 @@ def held_out_job(dump: Path, model: str, corpus: str):
     return torchrun(args)
 
 
+def losses(dump: Path) -> dict[int, float]:
+    return {step: row["loss_metrics/global_avg_loss"] for step, row in metrics(str(dump)).items()}
+
+
 def validation(dump: Path) -> dict[int, dict]:
     return {step: {k: v for k, v in row.items() if k.startswith("validation/")}
-            for step, row in metrics(dump).items() if "validation/loss" in row}
+            for step, row in metrics(str(dump)).items() if "validation/loss" in row}
 
 
 @pytest.mark.background_runs(held_out=held_out_job)
@@ -108,9 +113,11 @@ def test_validation_numbers_equal_a_hand_computation_over_the_held_out_documents
     assert sorted(got) == [2]  # after the last step
     logged = got[2]
     assert logged["validation/tokens"] == targets == HELD_OUT * (HELD_OUT_TOKENS - 1)
-    assert math.isclose(logged["validation/loss"], nats / targets, rel_tol=1e-5)
-    assert math.isclose(logged["validation/ppl"], math.exp(nats / targets), rel_tol=1e-5)
-    assert math.isclose(logged["validation/bpb"], nats / math.log(2) / text_bytes, rel_tol=1e-5)
+    # fp32 rounding (flame's fused RMS norm and packed rows against HF's code, one document at a time):
+    # a single target masked wrong or counted twice would move the mean by ~1e-2
+    assert math.isclose(logged["validation/loss"], nats / targets, rel_tol=2e-5)
+    assert math.isclose(logged["validation/ppl"], math.exp(logged["validation/loss"]), rel_tol=1e-12)
+    assert math.isclose(logged["validation/bpb"], nats / math.log(2) / text_bytes, rel_tol=2e-5)
     assert logged["validation/time_s"] > 0
 
 
@@ -132,7 +139,7 @@ def test_held_out_documents_never_train_and_the_rest_of_the_stream_is_unchanged(
 def test_training_losses_are_the_same_with_and_without_validation(background_runs, validated):
     plain = check(background_runs["plain"].result) and background_runs["plain"].dump
     assert losses(validated) == losses(plain)  # exactly: validation changes nothing in training
-    grad_norms = [{s: row["grad_norm"] for s, row in metrics(dump).items() if "grad_norm" in row} for dump in (validated, plain)]
+    grad_norms = [{s: row["grad_norm"] for s, row in metrics(str(dump)).items()} for dump in (validated, plain)]
     assert grad_norms[0] == grad_norms[1] and len(grad_norms[0]) == 4
     got = validation(validated)
     assert sorted(got) == [2, 4] and not validation(plain)
