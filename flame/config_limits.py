@@ -47,6 +47,7 @@ def check(config: Any, given: dict[str, int]) -> None:
             raise ConfigError(f"--training.prefetch_factor must be >= 1 (batches per worker), got {loader.prefetch_factor}")
     _check_skipping(t, given)
     _check_lora(config, given)
+    _check_validation(config, given)
 
 
 def _check_optimizer(o: Any, given: dict[str, int]) -> None:
@@ -141,3 +142,54 @@ def _check_lora(config: Any, given: dict[str, int]) -> None:
             "LoRA's adapter layers take no tensor-parallel plan; shard with FSDP instead "
             "(--parallelism.data_parallel_shard_degree), which LoRA runs under"
         )
+
+
+def _check_validation(config: Any, given: dict[str, int]) -> None:
+    """The validation set's settings (flame.components.validation); resolves its defaults from training's."""
+    v, t = config.validation, config.training
+    if not v.enable:
+        if others := sorted(name for name in given if name.startswith("validation.") and name != "validation.enable"):
+            raise ConfigError(f"--{others[0]} sets up validation, which is off: add --validation.enable, or drop --{others[0]}")
+        return
+    if v.holdout_documents < 0:
+        raise ConfigError(f"--validation.holdout_documents must be >= 0 (documents per training source), got {v.holdout_documents}")
+    if bool(v.dataset.strip()) == bool(v.holdout_documents):
+        both = "both --validation.dataset and" if v.holdout_documents else "neither --validation.dataset nor"
+        raise ConfigError(
+            f"--validation.enable with {both} --validation.holdout_documents: give one, a validation dataset or the "
+            "number of documents to hold out of each training source"
+        )
+    if v.holdout_documents and t.streaming:
+        raise ConfigError(
+            "--validation.holdout_documents holds out the first documents of map-style sources, and --training.streaming "
+            "streams them: give a separate --validation.dataset, or drop --training.streaming"
+        )
+    if v.freq < 1:
+        raise ConfigError(f"--validation.freq must be >= 1 (steps between evaluations), got {v.freq}")
+    if v.steps < 1 and v.steps != -1:
+        raise ConfigError(f"--validation.steps must be >= 1 (batches per source) or -1 (all), got {v.steps}")
+    v.local_batch_size = t.local_batch_size if v.local_batch_size is None else v.local_batch_size
+    v.seq_len = t.seq_len if v.seq_len is None else v.seq_len
+    for name in ("local_batch_size", "seq_len"):
+        if getattr(v, name) < 1:
+            raise ConfigError(f"--validation.{name} must be >= 1, got {getattr(v, name)}")
+    p = config.parallelism
+    if p.pipeline_parallel_degree > 1 and (v.local_batch_size, v.seq_len) != (t.local_batch_size, t.seq_len):
+        raise ConfigError(
+            "--validation.local_batch_size and seq_len: pipeline stages take the shapes of training's batches; "
+            "leave them at training's (unset) under --parallelism.pipeline_parallel_degree"
+        )
+    datasets = [entry.strip() for entry in v.dataset.split(",")] if v.dataset.strip() else []
+    for name in ("dataset_name", "dataset_split", "data_dir", "data_files", "data_format"):
+        value = getattr(v, name)
+        entries = value.split(",") if value is not None and f"validation.{name}" in given else []
+        if entries and (not datasets or len(entries) not in (1, len(datasets))):
+            raise ConfigError(
+                f"--validation.{name} has {len(entries)} entries for {len(datasets)} validation datasets: give one "
+                "entry per dataset (empty entries allowed) or a single one for all"
+            )
+    formats = {entry.strip() or "text" for entry in v.data_format.split(",")}
+    if formats - {"text", "sft"}:
+        raise ConfigError(f"--validation.data_format {v.data_format}: give text or sft per validation dataset")
+    if "sft" in formats and not t.document_mask:
+        raise ConfigError("--validation.data_format sft keeps each conversation a document of its own: drop --training.no-document_mask")

@@ -20,6 +20,7 @@ from flame.checkpoints import check_checkpoint, check_checkpoint_fits_model
 from flame.config_manager import fsdp_enabled
 from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
+from flame.data.validation import validation_plan
 from flame.distributed.context_parallel import check_context_parallel
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
@@ -42,7 +43,10 @@ def check_job(job_config) -> None:
     check_dump_folder(job_config.job.dump_folder)
     model_config = check_model(job_config)
     check_checkpoint_fits_model(job_config, model_config, check_checkpoint(job_config))
-    DataPlan.from_config(job_config, load_tokenizer(job_config.model.tokenizer_path))
+    tokenizer = load_tokenizer(job_config.model.tokenizer_path)
+    DataPlan.from_config(job_config, tokenizer)
+    if job_config.validation.enable:
+        validation_plan(job_config, tokenizer)  # its datasets exist, have the columns, hold documents
 
 
 def check_dump_folder(folder: str) -> None:

@@ -2,13 +2,15 @@
 
 torchtitan builds everything from the "flame" TrainSpec registered below (HF model from a
 config JSON, generic FSDP/AC/compile, flame's data loader, loss, metrics, and optimizers with
-Muon among them: flame.components.optimizer). flame overrides:
+Muon among them: flame.components.optimizer; the validator: flame.components.validation,
+which torchtitan's loop calls after each step's checkpoint). flame overrides:
 - ``forward_backward_step``: the model gets the inputs its family understands (under context
   parallelism, this rank's share of the tokens: flame.distributed.context_parallel), and runs
   forward and backward inside its batch's context (flame.batch_context: documents, targets,
   loss normalization); under pipeline parallelism the schedule gets each stage's document
   and label inputs;
-- ``train``: a final checkpoint when the data ran out, keep_latest_k also after the final save;
+- ``train``: a final checkpoint (and evaluation, with --validation.enable) when the data ran out,
+  keep_latest_k also after the final save;
 - ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
   to start: numbers the attempt and records its job config (flame.dump_folder);
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
@@ -40,11 +42,12 @@ from torchtitan.train import Trainer as TorchtitanTrainer
 from flame import batch_context, compat, preflight
 from flame.batch_context import BatchContext
 from flame.checkpoints import complete_steps
-from flame.components.loss import LossHead, build_loss
+from flame.components.loss import build_loss
 from flame.components.metrics import build_metrics_processor
 from flame.components.nsys import NsysWindow
 from flame.components.optimizer import build_lr_schedulers, build_optimizers
 from flame.components.spikes import SpikeWindow
+from flame.components.validation import build_validator
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 from flame.distributed.context_parallel import ContextParallel
@@ -52,7 +55,8 @@ from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.dump_folder import ATTEMPTS, next_attempt, record_attempt
 from flame.errors import UpdatesFailingError
-from flame.models import AnyFlavor, build_model, lora, model_inputs
+from flame.models import AnyFlavor, build_model, lora
+from flame.models.inputs import batch_inputs
 
 
 def register_flame_train_spec() -> None:
@@ -74,6 +78,7 @@ def register_flame_train_spec() -> None:
             build_tokenizer_fn=lambda job_config: load_tokenizer(job_config.model.tokenizer_path),
             build_loss_fn=build_loss,
             build_metrics_processor_fn=build_metrics_processor,
+            build_validator_fn=build_validator,
         ),
     )
 
@@ -105,17 +110,7 @@ class Trainer(TorchtitanTrainer):
         if self.parallel_dims.pp_enabled:
             return self._pipeline_forward_backward(step, input_dict, labels)
         model = self.model_parts[0]
-        layout = None
-        if self.context_parallel is not None:  # this rank's share of the batch's tokens
-            input_dict, labels, layout = self.context_parallel.shard(input_dict, labels)
-        inputs, labels, kwargs = model_inputs(model, input_dict, labels)
-        fused_loss = isinstance(model.get_output_embeddings(), LossHead)  # the head returns the loss (fused CE)
-        batch = step.replace(
-            cu_seqlens=input_dict["cu_seqlens"],
-            max_seqlen=input_dict["max_seqlen"],
-            targets=labels if fused_loss else None,
-            context_parallel=layout,
-        )
+        inputs, labels, kwargs, batch = batch_inputs(model, input_dict, labels, step, self.context_parallel)
         with self.train_context(), batch_context.computing(batch):
             with self.maybe_enable_amp, self.nsys.range("forward"):
                 # the output (all logits, unless fused) is freed before the backward
@@ -149,6 +144,8 @@ class Trainer(TorchtitanTrainer):
         if self.data_exhausted:  # the loop stopped inside a step it counted but did not take
             self.step -= 1
             self.checkpointer.save(self.step, last_step=True)
+            if self.job_config.validation.enable:  # the last step taken is the run's last: evaluated like one
+                self.validator.validate(self.model_parts, self.step)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
             compat.torchtitan.purge_stale_checkpoints(self.checkpointer)
 

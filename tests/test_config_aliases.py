@@ -189,7 +189,7 @@ def test_memory_estimation_is_refused(job_toml, monkeypatch, flag):
         parse(job_toml, monkeypatch, flag)
 
 
-@pytest.mark.parametrize("args", [["--validation.freq", "5"], ["--quantize.linear.float8.emulate"],
+@pytest.mark.parametrize("args", [["--validation.dataset_path", "v.jsonl"], ["--quantize.linear.float8.emulate"],
                                   ["--fault_tolerance.replica_id", "1"], ["--debug.moe_force_load_balance"],
                                   ["--parallelism.pipeline_parallel_schedule_csv", "s.csv"]])
 def test_a_torchtitan_field_flame_ignores_is_refused(job_toml, monkeypatch, args):

@@ -55,6 +55,7 @@ class DataPlan:
     seed: int
     shards: int  # 0: decided at the first start (default_shards) or taken from the checkpoint
     pad_id: int  # pads a row where the next conversation does not fit
+    holdout: int = 0  # the first documents of every source: the validation set, never trained on
 
     @classmethod
     def from_config(cls, job_config, tokenizer) -> "DataPlan":
@@ -73,6 +74,14 @@ class DataPlan:
                 encoder = None
                 columns.append(document_column(dataset, spec, training.text_column))
             encoders.append(encoder)
+        validation = job_config.validation
+        holdout = validation.holdout_documents if validation.enable else 0
+        for spec, dataset in zip(specs, datasets):
+            if holdout and len(dataset) <= holdout:
+                raise ConfigError(
+                    f"--validation.holdout_documents {holdout} would hold out all {len(dataset)} documents of {spec.path}, "
+                    "leaving none to train on: hold out fewer"
+                )
         probabilities = [float(p) for p in split_list(training.data_probs)] or [1.0] * len(specs)
         if training.data_probs is not None and abs(sum(probabilities) - 1) > 1e-6:
             logger.warning(f"--training.data_probs {training.data_probs} sum to {sum(probabilities):g}; normalizing")
@@ -97,11 +106,12 @@ class DataPlan:
             seed=job_config.debug.seed or 0,
             shards=training.data_shards,
             pad_id=padding_token(tokenizer, delimiters),
+            holdout=holdout,
         )
 
     def default_shards(self, readers: int) -> int:
         """max(64, readers), but no more than the smallest map-style source has documents."""
-        sizes = [len(dataset) for dataset in self.datasets if not self.streaming]
+        sizes = [len(dataset) - self.holdout for dataset in self.datasets if not self.streaming]
         return max(readers, min([DEFAULT_SHARDS, *sizes]))
 
     def source_names(self) -> list[str]:
@@ -126,22 +136,7 @@ class DataShard:
     """Logical shard ``shard`` of ``shards``: rows from its share of every source."""
 
     def __init__(self, plan: DataPlan, shard: int, shards: int):
-        sources = []
-        for index, (dataset, column, spec, pretokenized, encoder) in enumerate(
-            zip(plan.datasets, plan.columns, plan.specs, plan.pretokenized, plan.encoders)
-        ):
-            if plan.streaming:
-                stream = IterStream(dataset, column, shard, shards, spec.path, stop_at_end=plan.stop_at_end)
-            else:
-                stream = MapStream(dataset, column, shard, shards, plan.seed, spec.path, stop_at_end=plan.stop_at_end)
-            shuffled = plan.streaming and plan.shuffle_buffer > 0
-            window = max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ
-            shuffle_seed = (plan.seed, shard, index) if shuffled else None
-            if encoder is not None:
-                sources.append(ChatSource(stream, encoder, window, shuffle_seed))
-            else:
-                tokenize = None if pretokenized else plan.tokenize
-                sources.append(TokenizedSource(stream, tokenize, plan.delimiters, window, shuffle_seed))
+        sources = [document_source(plan, index, shard, shards) for index in range(len(plan.specs))]
         mixer = DocumentMixer(sources, plan.probabilities, np.random.SeedSequence([plan.seed, shard]), plan.mix_unit)
         self.packer = Packer(mixer, plan.seq_len, plan.context_len, plan.document_mask, plan.pad_id)
         self.rows = (
@@ -158,6 +153,23 @@ class DataShard:
 
     def load_state_dict(self, state: dict) -> None:
         self.rows.load_state_dict(state)
+
+
+def document_source(plan: DataPlan, index: int, shard: int, shards: int) -> TokenizedSource:
+    """Source ``index``'s documents in shard ``shard`` of ``shards``, tokenized and delimited (or encoded, SFT)."""
+    dataset, column, spec = plan.datasets[index], plan.columns[index], plan.specs[index]
+    if plan.streaming:
+        stream = IterStream(dataset, column, shard, shards, spec.path, stop_at_end=plan.stop_at_end)
+    else:
+        stream = MapStream(dataset, column, shard, shards, plan.seed, spec.path, stop_at_end=plan.stop_at_end,
+                           holdout=plan.holdout)
+    shuffled = plan.streaming and plan.shuffle_buffer > 0
+    window = max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ
+    shuffle_seed = (plan.seed, shard, index) if shuffled else None
+    if plan.encoders[index] is not None:
+        return ChatSource(stream, plan.encoders[index], window, shuffle_seed)
+    tokenize = None if plan.pretokenized[index] else plan.tokenize
+    return TokenizedSource(stream, tokenize, plan.delimiters, window, shuffle_seed)
 
 
 def shards_of_reader(reader: int, readers: int, shards: int) -> list[int]:

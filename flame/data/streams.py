@@ -31,19 +31,23 @@ class MapStream:
     """A map-style dataset in a seeded per-epoch permutation, every n-th document for this consumer.
 
     ``column`` names the documents' column, or a tuple of columns to read records (dicts) of them.
+    The first ``holdout`` documents (the validation set, --validation.holdout_documents) are left
+    out of the permutation after it is dealt, so that every other document keeps its place in the
+    stream of a run without them.
     """
 
     def __init__(
         self, dataset: Dataset, column: str | tuple[str, ...], consumer: int, consumers: int, seed: int, name: str,
-        stop_at_end: bool = False,
+        stop_at_end: bool = False, holdout: int = 0,
     ):
         self.dataset = dataset.select_columns([column] if isinstance(column, str) else list(column))
         self.column, self.consumer, self.consumers, self.seed, self.name = column, consumer, consumers, seed, name
-        self.stop_at_end = stop_at_end
-        if len(self.dataset) < consumers:
+        self.stop_at_end, self.holdout = stop_at_end, holdout
+        if len(self.dataset) - holdout < consumers:
+            held = f" ({holdout} held out for validation)" if holdout else ""
             raise ConfigError(
-                f"dataset {name} has {len(self.dataset)} documents, fewer than the {consumers} data shards: "
-                "lower --training.data_shards (at the start of a run) or use a larger dataset"
+                f"dataset {name} has {len(self.dataset) - holdout} documents to train on{held}, fewer than the "
+                f"{consumers} data shards: lower --training.data_shards (at the start of a run) or use a larger dataset"
             )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
@@ -51,8 +55,13 @@ class MapStream:
 
     def _share(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.dataset))
-            self._order, self._order_epoch = order[self.consumer :: self.consumers], self.epoch
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.dataset))[self.consumer :: self.consumers]
+            self._order, self._order_epoch = order[order >= self.holdout], self.epoch
+            if not len(self._order):
+                raise ConfigError(
+                    f"dataset {self.name}: data shard {self.consumer} holds only documents held out for validation; "
+                    "lower --validation.holdout_documents or --training.data_shards"
+                )
         return self._order
 
     def read(self, count: int) -> list:

@@ -286,9 +286,16 @@ class ContextParallel:
                 "which context parallelism needs"
             )
         balancer = job_config.parallelism.context_parallel_load_balancer
-        mesh = parallel_dims.get_mesh("cp")
-        logger.info(f"Context parallel over {mesh.size()} ranks ({balancer or 'contiguous'} layout)")
-        return cls(mesh, balanced=balancer is not None)
+        logger.info(f"Context parallel over {parallel_dims.get_mesh('cp').size()} ranks ({balancer or 'contiguous'} layout)")
+        return cls.of_run(parallel_dims, job_config)
+
+    @classmethod
+    def of_run(cls, parallel_dims, job_config) -> "ContextParallel | None":
+        """The sharding of this run's batches (None without context parallelism); ``build`` readies the model too."""
+        if not parallel_dims.cp_enabled:
+            return None
+        balanced = job_config.parallelism.context_parallel_load_balancer is not None
+        return cls(parallel_dims.get_mesh("cp"), balanced=balanced)
 
     def shard(self, batch: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor, BatchLayout]:
         """This rank's part of the batch, and its layout (for the batch's context: flame.batch_context).

@@ -14,6 +14,8 @@ A batch holds rows of packed documents: ``position_ids`` restart at every docume
 import torch
 from torch import nn
 
+from flame.batch_context import BatchContext
+from flame.components.loss import LossHead
 from flame.models import attention
 from flame.models.support import Documents, support_for
 
@@ -75,3 +77,24 @@ def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[t
     if flattens_rows(model):
         return batch["input"].reshape(1, -1), labels.reshape(1, -1), kwargs
     return batch["input"], labels, kwargs
+
+
+def batch_inputs(
+    model: nn.Module, batch: dict, labels: torch.Tensor, step: BatchContext, context_parallel=None
+) -> tuple[torch.Tensor, torch.Tensor, dict, BatchContext]:
+    """(input ids, labels, keyword inputs, the batch's context) for one batch through a whole (not pipelined) model.
+
+    Under context parallelism (a flame.distributed.context_parallel.ContextParallel), this rank's
+    share of the tokens; the context (within ``step``'s) holds the batch's documents and, for a
+    fused loss head, its targets. Training and validation compute their batches alike.
+    """
+    layout = None
+    if context_parallel is not None:
+        batch, labels, layout = context_parallel.shard(batch, labels)
+    inputs, labels, kwargs = model_inputs(model, batch, labels)
+    fused_loss = isinstance(model.get_output_embeddings(), LossHead)  # the head returns the loss (fused CE)
+    context = step.replace(
+        cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"], targets=labels if fused_loss else None,
+        context_parallel=layout,
+    )
+    return inputs, labels, kwargs, context
