@@ -17,6 +17,8 @@ from typing import NamedTuple, TypeVar
 
 import pytest
 
+from flame import run_record
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"  # programs tests run in processes of their own; each says how
 TOKENIZER = "builtin:python-stdlib-bpe"
@@ -212,11 +214,10 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def metrics(dump: Path) -> dict[int, dict]:
-    """step -> logged metrics, from <dump>/metrics.jsonl: of a step logged by several attempts (a resume
-    logs the steps after its checkpoint again), the latest attempt's record."""
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    rows.sort(key=lambda row: row.get("attempt") or 0)  # stable: within an attempt, later lines win
-    return {row["step"]: row for row in sorted(rows, key=lambda row: row["step"])}
+    """step -> logged metrics, from <dump>/metrics.jsonl, read as flame's own readers read it: a step's
+    lines (training, validation, eval scores; several attempts after a resume) merged, the latest
+    attempt's values winning."""
+    return run_record.metrics(str(dump))
 
 
 def assert_same_curve(got: dict, expected: dict, rel: float = 1e-4, steps=None) -> None:

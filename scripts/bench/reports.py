@@ -4,6 +4,7 @@ import json
 import re
 from pathlib import Path
 
+from flame import run_record
 from scripts.bench.plan import BLOCK_LINES
 from scripts.bench.runs import Result
 
@@ -53,13 +54,9 @@ def lines(results: list[Result], work: Path, baseline: str | None = None) -> lis
 
 
 def metrics(work: Path, name: str) -> dict[int, dict] | None:
-    path = work / name / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # of a step logged by several attempts (a resume logs the steps after its checkpoint again), the latest's
-    rows.sort(key=lambda row: (row["step"], row.get("attempt") or 0))  # stable: later lines of an attempt win
-    return {row["step"]: row for row in rows} or None
+    """step -> what the run logged (its lines merged as flame.run_record merges them), None without a log."""
+    path = work / name
+    return run_record.metrics(str(path)) or None if (path / run_record.METRICS_FILE).is_file() else None
 
 
 def late_mean(rows: dict[int, dict], key: str) -> float:
