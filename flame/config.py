@@ -229,6 +229,24 @@ class Lora:
 
 
 @dataclass
+class Eval:
+    tasks: str = ""
+    """lm-eval tasks scored during training (comma list, e.g. piqa,hellaswag): each saved checkpoint of an evaluation step goes to python -m flame.eval in the background (README: Evaluate)"""
+    interval: int = 0
+    """Steps between evaluations, a multiple of checkpoint.interval. 0 = every checkpoint step"""
+    include_path: str | None = None
+    """Folder of your own lm-eval task YAML files (lm-eval's --include_path; configs/eval/ holds an example)"""
+    limit: float | None = None
+    """At most this many examples per task (a fraction of them when < 1): lm-eval's --limit, for quick checks"""
+    batch_size: int = 8
+    """lm-eval's --batch_size (model types that do not honour padding score one sequence at a time)"""
+    num_fewshot: int | None = None
+    """lm-eval's --num_fewshot (default: each task's own)"""
+    device: str = "auto"
+    """Where the evaluations run: auto = rank 0's device (on a GPU they share it, and its memory, with training), or e.g. cpu"""
+
+
+@dataclass
 class Debug:
     seed: int | None = 42
     """Seed for weight init, data order and dropout (same seed, same run)"""
@@ -249,6 +267,7 @@ class JobConfig:
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     lora: Lora = field(default_factory=Lora)
+    eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
 
 

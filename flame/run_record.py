@@ -97,12 +97,13 @@ _SCORE_FILTER = re.compile(r",none$")
 
 
 def results_scores(results: Any) -> dict[str, float]:
-    """{"task/metric": score} of the "results" of an lm-eval results file, standard errors left out
+    """{"task/metric": score} of the "results" of an lm-eval results file, standard errors and counts left out
     ("acc,none" -> "acc": the default filter goes unnamed)."""
     scores = {}
     for task, values in (results.items() if isinstance(results, dict) else ()):
         for metric, value in (values.items() if isinstance(values, dict) else ()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and "_stderr" not in metric:
+            if (isinstance(value, (int, float)) and not isinstance(value, bool) and "_stderr" not in metric
+                    and metric != "sample_len"):  # how many examples were scored, not a score
                 scores[f"{task}/{_SCORE_FILTER.sub('', metric).replace(',', ' ')}"] = float(value)
     return scores
 

@@ -10,6 +10,7 @@ means there; --model_args may set dtype and HFLM's scoring options, not a model 
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from flame.errors import ConfigError, gist
@@ -98,6 +99,10 @@ def evaluate(args: argparse.Namespace, cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flame.supervise import PARENT_PID, die_with_parent
+
+    if os.environ.get(PARENT_PID):  # started by a training rank (flame.components.evaluation): it ends with it
+        die_with_parent(signal.SIGTERM)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as lm-eval's command line: no fork warnings
     try:
