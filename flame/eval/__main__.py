@@ -46,6 +46,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
         raise ConfigError("-M and --config are lm-eval's ways to pick a model; flame.eval scores --model: drop them")
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
+    args.device = options.device  # lm-eval's config defaults it to cuda; flame.eval picks the device itself
     try:
         return args, EvaluatorConfig.from_cli(options)
     except (ValueError, TypeError) as error:
@@ -61,15 +62,15 @@ def evaluate(args: argparse.Namespace, cfg) -> int:
     from flame.eval import model, report, tasks
 
     rank, world, default_device = device.evaluation_process()
-    if world > 1 and cfg.device:
-        raise ConfigError(f"--device {cfg.device}: under torchrun every process scores on its own GPU; drop --device")
+    if world > 1 and args.device:
+        raise ConfigError(f"--device {args.device}: under torchrun every process scores on its own GPU; drop --device")
     flame.register()
     source = model.resolve(args.model, args.step)
     model.check_model_args(cfg.model_args)
     hflm_args = {key: value for key, value in cfg.model_args.items() if key != "dtype"}
     manager, built = tasks.load(cfg.tasks, cfg.include_path, cfg.metadata)  # before the model: data problems fail fast
     folder = report.output_folder(source, cfg.output_path)
-    on = torch.device(cfg.device) if cfg.device else default_device
+    on = torch.device(args.device) if args.device else default_device
     network, tokenizer = model.load(source, cfg.model_args.get("dtype", "auto"), on)
     batch_size = model.batch_size_for(network, cfg.batch_size)
     lm = model.FlameLM(network, tokenizer, rank, world, batch_size=batch_size, max_batch_size=cfg.max_batch_size, **hflm_args)

@@ -79,7 +79,11 @@ def load(source: Source, dtype: str, device: torch.device) -> tuple[torch.nn.Mod
 def _load_step(source: Source, dtype: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     from flame.data.tokenizer import load_tokenizer
     from flame.models import load_model_config, lora
-    from flame.utils.convert_dcp_to_hf import find_step, load_hf_model_from_dcp, run_settings
+    from flame.utils.convert_dcp_to_hf import (
+        find_step,
+        load_hf_model_from_dcp,
+        run_settings,
+    )
 
     run = run_settings(source.dump_folder)
     config_path, tokenizer_path = run["model"]["config"], run["model"]["tokenizer_path"]

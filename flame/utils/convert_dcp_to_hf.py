@@ -82,7 +82,9 @@ def load_hf_model_from_dcp(checkpoint: str, config, runnable: bool = False) -> t
     model = meta_model(config)
     model.to_empty(device="cpu")
     if runnable:
-        from flame.models.builder import reinitialize  # imports torchtitan: only where a model will run
+        from flame.models.builder import (
+            reinitialize,  # imports torchtitan: only where a model will run
+        )
 
         reinitialize(model)
     state_dict = model.state_dict()
