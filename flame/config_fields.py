@@ -2,7 +2,7 @@
 
 - ``merge_configs`` builds the JobConfig that torchtitan parses: its dataclasses with flame's
   (``flame.config``) merged in, so that ``-h`` shows the help of flame's fields too.
-- ``resolve_aliases`` copies each older spelling given (``flame.config.ALIASES``) onto the
+- ``resolve_aliases`` copies each older spelling given (``flame.config_spellings.ALIASES``) onto the
   torchtitan field it stands for, and refuses the spellings whose meaning is gone
   (``REFUSED_SPELLINGS``) with the one to use instead.
 - ``check_unused_fields`` refuses torchtitan fields flame does not act on
@@ -17,7 +17,7 @@ import typing
 from dataclasses import field, fields, is_dataclass, make_dataclass
 from typing import Any
 
-from flame.config import (
+from flame.config_spellings import (
     ALIAS_VALUES,
     ALIASES,
     REFUSED_SPELLINGS,

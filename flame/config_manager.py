@@ -17,6 +17,7 @@ from torchtitan.config import ConfigManager, JobConfig
 
 from flame import config as flame_config
 from flame import config_limits, device
+from flame.components import evaluation
 from flame.config_fields import (
     CLI,
     TOML,
@@ -385,5 +386,6 @@ def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
     device.check_supported(config)
     _check_fsdp_options(config, world_size)
     _check_seed_checkpoint(config, world_size)
+    evaluation.check(config)
     t = config.training
     t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps

@@ -124,3 +124,17 @@ def sharded_init_differs_from_full_init(model: torch.nn.Module) -> bool:
     if CUDA:
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def evaluation_process() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of a flame.eval process: under torchrun, in a process group of its
+    own (NCCL on CUDA, gloo on CPU) on its local GPU; alone, on the first GPU, else the CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if CUDA else torch.device("cpu")
+    if world > 1 and not torch.distributed.is_initialized():
+        if CUDA:
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if CUDA else "gloo")
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    return rank, world, device

@@ -52,6 +52,21 @@ def metrics(dump_folder: str) -> dict[int, dict[str, Any]]:
     return dict(sorted(merged.items()))
 
 
+def append_metrics(dump_folder: str, row: dict[str, Any]) -> None:
+    """Append ``row`` to <dump_folder>/metrics.jsonl as one line, in one write to a file opened for appending.
+
+    The trainer and evaluations running beside it (flame.eval) append to the same file: the
+    kernel appends each whole write at the end of the file, so lines never interleave.
+    """
+    data = (json.dumps(row) + "\n").encode()
+    fd = os.open(os.path.join(dump_folder, METRICS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        while data:  # a regular file takes a write whole; a short one would go on at the end
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
 def series(records: dict[int, dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of ``key`` where it was logged as a finite number."""
     points = [(step, row[key]) for step, row in records.items()
@@ -81,6 +96,18 @@ def tokens_at(records: dict[int, dict[str, Any]], step: int) -> float | None:
 _SCORE_FILTER = re.compile(r",none$")
 
 
+def results_scores(results: Any) -> dict[str, float]:
+    """{"task/metric": score} of the "results" of an lm-eval results file, standard errors and counts left out
+    ("acc,none" -> "acc": the default filter goes unnamed)."""
+    scores = {}
+    for task, values in (results.items() if isinstance(results, dict) else ()):
+        for metric, value in (values.items() if isinstance(values, dict) else ()):
+            if (isinstance(value, (int, float)) and not isinstance(value, bool) and "_stderr" not in metric
+                    and metric != "sample_len"):  # how many examples were scored, not a score
+                scores[f"{task}/{_SCORE_FILTER.sub('', metric).replace(',', ' ')}"] = float(value)
+    return scores
+
+
 def eval_scores(dump_folder: str, records: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, float]]:
     """step -> {"task/metric": score}: lm-eval's results files under <dump_folder>/eval/step-N/ (any depth),
     else the metrics.jsonl keys under ``eval/`` (the same scores, logged at their step). Standard errors left out."""
@@ -96,11 +123,8 @@ def eval_scores(dump_folder: str, records: dict[int, dict[str, Any]] | None = No
                     results = json.load(f).get("results")
             except (OSError, ValueError, AttributeError):
                 continue
-            for task, values in (results or {}).items():
-                for metric, value in (values.items() if isinstance(values, dict) else ()):
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and "_stderr" not in metric:
-                        name = f"{task}/{_SCORE_FILTER.sub('', metric).replace(',', ' ')}"
-                        scores.setdefault(int(match[1]), {})[name] = float(value)
+            if found := results_scores(results):
+                scores.setdefault(int(match[1]), {}).update(found)
     for step, row in (records or {}).items():
         if step not in scores:
             logged = {key[5:]: float(v) for key, v in row.items() if key.startswith("eval/")

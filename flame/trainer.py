@@ -18,7 +18,9 @@ which torchtitan's loop calls after each step's checkpoint). flame overrides:
   (per-source data counts among them); the Nsight Systems window and NVTX ranges
   (flame.components.nsys); under LoRA, the first step checks that every adapter got a
   gradient (flame.models.lora);
-- ``state_dict``: the train state also counts skipped steps and holds the spike window.
+- ``state_dict``: the train state also counts skipped steps and holds the spike window;
+- ``close``: a finished run waits for the background evaluations of its saved steps
+  (--eval.tasks, flame.components.evaluation); a failed one stops them.
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
 
@@ -42,6 +44,7 @@ from torchtitan.train import Trainer as TorchtitanTrainer
 from flame import batch_context, compat, preflight
 from flame.batch_context import BatchContext
 from flame.checkpoints import complete_steps
+from flame.components import evaluation
 from flame.components.loss import build_loss
 from flame.components.metrics import build_metrics_processor
 from flame.components.nsys import NsysWindow
@@ -103,6 +106,8 @@ class Trainer(TorchtitanTrainer):
         self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
         self.attempt: int | None = None  # numbered once the run is known to start (start_attempt)
+        self.evaluations = evaluation.build(job_config, self.checkpointer, logger)  # --eval.tasks, rank 0
+        self.finished = False
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         """This rank's loss (summed over its targets, divided by the step's global count), after its backward."""
@@ -148,6 +153,14 @@ class Trainer(TorchtitanTrainer):
                 self.validator.validate(self.model_parts, self.step)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
             compat.torchtitan.purge_stale_checkpoints(self.checkpointer)
+        self.finished = True
+
+    def close(self) -> None:
+        if getattr(self, "evaluations", None) is not None:  # a finished run waits for its last steps' scores
+            if self.finished:
+                self.checkpointer.recorder.wait()  # the last manifest, which queues the last evaluation
+            self.evaluations.close(wait=self.finished)
+        super().close()
 
     def should_continue_training(self) -> bool:
         if self.attempt is None:  # first asked right after the checkpoint loaded: the run starts

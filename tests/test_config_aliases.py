@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flame import device, launch
-from flame.config import ALIASES, REFUSED_SPELLINGS
+from flame.config_spellings import ALIASES, REFUSED_SPELLINGS
 from flame.errors import ConfigError
 from tests.conftest import ROOT, TOKENIZER, flame_env, parse_job, write_job_toml
 

@@ -17,6 +17,7 @@ What it adds (flame.manifest holds the manifest itself):
 import os
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -56,6 +57,7 @@ class ManifestRecorder:
     def __init__(self):
         self.rank, self.ranks = _rank_and_ranks()
         self.queue: queue.Queue = queue.Queue()
+        self.on_recorded: Callable[[str], None] | None = None  # rank 0: told each step whose manifest it wrote
         self.thread = threading.Thread(target=self._run, name="flame-manifests", daemon=True)
         self.thread.start()
 
@@ -92,6 +94,8 @@ class ManifestRecorder:
                 return
             files |= manifest.collect_parts(folder, range(1, self.ranks), _PARTS_TIMEOUT)
             manifest.write(folder, files)
+            if self.on_recorded is not None:  # the step is complete: it loads now (the evaluations wait for this)
+                self.on_recorded(folder)
         except Exception as error:
             if self.rank == 0:
                 raise

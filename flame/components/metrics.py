@@ -10,7 +10,6 @@ device's bf16 dense peak.
 """
 
 import datetime
-import json
 import os
 import time
 from typing import Any
@@ -24,7 +23,7 @@ from torchtitan.components.metrics import (
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from flame import compat, device
+from flame import compat, device, run_record
 
 
 def _clock(seconds: float) -> str:
@@ -41,23 +40,22 @@ def _use_offline_wandb_without_credentials() -> None:
 
 
 class JsonlLogger:
-    """Appends each logged step as one JSON line to <dump_folder>/metrics.jsonl (rank 0), with its attempt."""
+    """Appends each logged step as one JSON line to <dump_folder>/metrics.jsonl (rank 0), with its attempt.
 
-    def __init__(self, path: str):
-        self.path = path
-        self.file = None  # opened at the first step: a run that fails before it writes nothing
+    Each line is one append (run_record.append_metrics): evaluations running beside the trainer
+    (flame.components.evaluation) add their lines to the same file.
+    """
+
+    def __init__(self, dump_folder: str):
+        self.dump_folder = dump_folder  # the file is created at the first step: a run that fails before it writes nothing
         self.attempt: int | None = None  # set by the trainer as the run starts
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        if self.file is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self.file = open(self.path, "a")
-        self.file.write(json.dumps({"step": step, "attempt": self.attempt, **metrics}) + "\n")
-        self.file.flush()
+        os.makedirs(self.dump_folder, exist_ok=True)
+        run_record.append_metrics(self.dump_folder, {"step": step, "attempt": self.attempt, **metrics})
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        pass
 
 
 class FlameMetricsProcessor(MetricsProcessor):
@@ -69,7 +67,7 @@ class FlameMetricsProcessor(MetricsProcessor):
         self.logger.add_logger(compat.torchtitan.build_metric_logger(job_config, parallel_dims, tag))
         self.jsonl = None
         if torch.distributed.get_rank() == 0:
-            self.jsonl = JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl"))
+            self.jsonl = JsonlLogger(job_config.job.dump_folder)
             self.logger.add_logger(self.jsonl)
         self.parallel_dims = parallel_dims
         self.job_config = job_config

@@ -113,7 +113,7 @@ class TorchtitanInit:
         if device.sharded_init_differs_from_full_init(self) or self.holds_part_of_model:
             self._init_from_full_copy()
         else:
-            _reinitialize(self)
+            reinitialize(self)
 
     def _init_from_full_copy(self) -> None:
         # Initialize an unsharded twin with the same RNG stream a single process would use,
@@ -127,7 +127,7 @@ class TorchtitanInit:
         with torch.random.fork_rng(devices=[]):
             if self.init_seed is not None:
                 torch.manual_seed(self.init_seed)
-            _reinitialize(twin)
+            reinitialize(twin)
         own = dict(self.named_buffers())
         set_model_state_dict(self, twin.state_dict(), options=StateDictOptions(full_state_dict=True, strict=False))
         for name, buffer in twin.named_buffers():
@@ -135,7 +135,8 @@ class TorchtitanInit:
                 own[name].copy_(buffer)
 
 
-def _reinitialize(model: nn.Module) -> None:
+def reinitialize(model: nn.Module) -> None:
+    """Run the model's own HF initialization on its weights and non-persistent buffers (after ``to_empty``)."""
     # HF skips modules/tensors flagged as initialized; weights materialized by to_empty are not.
     for module in model.modules():
         module.__dict__.pop("_is_hf_initialized", None)

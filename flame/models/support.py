@@ -84,6 +84,14 @@ class ModelSupport:
         """How messages name it: fla's types as "fla's <type>"."""
         return f"fla's {self.model_type}" if self.library == "fla" else self.model_type
 
+    @property
+    def honours_padding(self) -> bool:
+        """Whether its models give each sequence of a padded batch (an attention mask) the results it
+        gets alone. fla's layers unpad a masked batch into cu_seqlens, which the ROWS_WHOLE types
+        ignore or refuse; transformers' models and flame's custom ones honour the mask. flame.eval
+        scores the other types one sequence at a time."""
+        return self.documents is not Documents.ROWS_WHOLE
+
     def package(self, module: str) -> Package:
         """Its package imported as ``module``."""
         return next(package for package in self.packages if package.module == module)

@@ -56,15 +56,37 @@ def run_settings(path: str) -> dict:
         return json.load(f)
 
 
-def load_hf_model_from_dcp(checkpoint: str, config) -> torch.nn.Module:
-    """An HF model (fp32, CPU) holding the weights of a DCP checkpoint, once its files match its manifest."""
+def find_step(path: str, run: dict, step: int = -1, checkpoint_folder: str | None = None) -> tuple[str, int]:
+    """(the checkpoint folder of ``step`` in the dump folder ``path``, the step); -1: the latest complete one."""
+    folder = os.path.join(path, checkpoint_folder or run.get("checkpoint", {}).get("folder", "checkpoint"))
+    steps = complete_steps(folder)
+    step = steps[-1] if step == -1 and steps else step
+    # a step folder named explicitly is checked as it loads, which says what it lacks
+    if step not in steps and not (step != -1 and os.path.isdir(os.path.join(folder, f"step-{step}"))):
+        named = f" for step {step}" if step != -1 else ""
+        raise ConfigError(f"no complete checkpoint{named} in {folder}; complete steps: {steps}")
+    return os.path.join(folder, f"step-{step}"), step
+
+
+def load_hf_model_from_dcp(checkpoint: str, config, runnable: bool = False) -> torch.nn.Module:
+    """An HF model (fp32, CPU) holding the weights of a DCP checkpoint, once its files match its manifest.
+
+    ``runnable``: also set what a checkpoint does not hold, the non-persistent buffers (rotary
+    frequencies, ...), as the model's HF initialization does; an export writes only what it holds.
+    """
     if found := manifest.defect(checkpoint):
         raise ConfigError(
-            f"checkpoint {checkpoint} is {found.kind}: {found.problem}; export an intact step (--step), or, for a step "
+            f"checkpoint {checkpoint} is {found.kind}: {found.problem}; use an intact step (--step), or, for a step "
             f"from elsewhere that you trust, record its manifest: python -m flame.manifest {checkpoint}"
         )
     model = meta_model(config)
     model.to_empty(device="cpu")
+    if runnable:
+        from flame.models.builder import (
+            reinitialize,  # imports torchtitan: only where a model will run
+        )
+
+        reinitialize(model)
     state_dict = model.state_dict()
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
     problems = weight_mismatches(metadata, state_dict)
@@ -181,13 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_path = args.tokenizer or run.get("model", {}).get("tokenizer_path")
         if not config_path or not tokenizer_path:
             raise ConfigError(f"{args.path} has no {RUN_CONFIG_FILE}: pass --config and --tokenizer")
-        folder = os.path.join(args.path, args.checkpoint_folder or run.get("checkpoint", {}).get("folder", "checkpoint"))
-        steps = complete_steps(folder)
-        step = steps[-1] if args.step == -1 and steps else args.step
-        # a step folder named explicitly is checked below, which says what it lacks
-        if step not in steps and not (step != -1 and os.path.isdir(os.path.join(folder, f"step-{step}"))):
-            named = f" for step {step}" if step != -1 else ""
-            raise ConfigError(f"no complete checkpoint{named} in {folder}; complete steps: {steps}")
+        checkpoint, step = find_step(args.path, run, args.step, args.checkpoint_folder)
         dtype = DTYPES[args.dtype or run.get("checkpoint", {}).get("export_dtype", "float32")]
         out = args.out or os.path.join(args.path, "hf")
         export_as = args.export_as or run.get("checkpoint", {}).get("export_as", "native")
@@ -208,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             if adapters is not None and not merge:
                 raise ConfigError("--export_as llama renames a whole model, not a LoRA adapter: add --lora-export merged")
         tokenizer = load_tokenizer(tokenizer_path)
-        checkpoint = os.path.join(folder, f"step-{step}")
         model = load_hf_model_from_dcp(checkpoint, config)
         if adapters is not None:
             model = lora.load_adapters(model, adapters, checkpoint, base_model)
