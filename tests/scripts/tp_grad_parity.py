@@ -130,7 +130,7 @@ def build(config, fused: bool, torch_kernels: bool = True) -> torch.nn.Module:
 
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
     model = AutoModelForCausalLM.from_config(config, **options)
-    model.__class__ = _trainable_class(type(model), None)
+    model.__class__ = _trainable_class(type(model), None, None)  # no init seed, no LoRA adapters
     if not is_fla_config(config):  # as flame builds HF models (fla's kernels on CUDA)
         use_fused_kernels(model)
     if fused:
