@@ -29,9 +29,11 @@ class Model:
     name: str = "flame"
     """Train spec name; flame registers 'flame' (HF/fla causal LMs built from model.config)"""
     config: str = ""
-    """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json)"""
+    """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json). Defaults to model.init_from"""
+    init_from: str | None = None
+    """Start from a Hugging Face model's weights: its folder (config.json + *.safetensors) or a hub name in the local HF cache. Model only (optimizer, schedule and data start fresh); not applied once the dump folder holds a checkpoint, from which the run resumes (README: Hugging Face export and import)"""
     tokenizer_path: str | None = None
-    """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory when that holds a tokenizer"""
+    """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory (model.init_from's) when that holds a tokenizer"""
     attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     """Document-masked softmax attention: varlen (torch's flash kernel, CUDA), flex (FlexAttention, CUDA), sdpa (dense mask; reference, CPU). auto = varlen on CUDA, sdpa on CPU"""
     fused_kernels: bool = True
@@ -369,8 +371,8 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "training.dataset_path": "use --training.dataset (paths are accepted there)",
     "training.global_batch_size": "use --training.batch_size and --training.gradient_accumulation_steps",
     "checkpoint.initial_load_in_hf": (
-        "convert the HF model first (python -m flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint "
-        "<dump_folder>/checkpoint/step-0), then train in that dump folder"
+        "start from the HF model with --model.init_from <hf dir> (or convert it first: python -m "
+        "flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint <dump_folder>/checkpoint/step-0)"
     ),
     "checkpoint.initial_load_in_hf_quantized": "flame loads no quantized HF weights; convert a bf16/fp32 HF model",
     "checkpoint.last_save_in_hf": "train.sh exports the last checkpoint to <dump_folder>/hf itself",

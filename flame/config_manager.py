@@ -165,6 +165,13 @@ def split_list(value: str | None) -> list[str]:
 
 def _check_model(config: JobConfig) -> None:
     model = config.model
+    if model.init_from is not None:  # its folder, found once (offline), is the model config's default
+        # imported here: it imports transformers, which only the jobs that use it need to parse
+        from flame.models import init_from
+
+        init_from.check_other_starts(config.checkpoint)
+        model.init_from = init_from.resolve(resolve_path(model.init_from))
+        model.config = model.config or model.init_from
     if not model.config:
         raise ConfigError(
             "no model given: set --model.config to an HF config.json or a directory holding one "
