@@ -26,18 +26,20 @@ from tests.conftest import (
     torchrun,
     two_at_a_time,
 )
+from tests.test_export import convert
 
 EXAMPLE_CONFIG = ROOT / "custom_models" / "example_lm" / "config_tiny.json"
 LOSS = "loss_metrics/global_avg_loss"
 
 
-def run_args(dump: Path, steps: int, batch_size: int, *flags: str) -> list[str]:
+def run_args(dump: Path, steps: int, batch_size: int, *flags: str, checkpoints: bool = True) -> list[str]:
     """4 rows of 64 tokens per step (``batch_size`` 4 in one process, 2 on each of 2 FSDP ranks); no model flags."""
     # causal attention over whole rows (no document mask), which the HF model computes alike
     return [
         "--training.dataset=builtin:python-stdlib", "--training.seq_len=64", f"--training.batch_size={batch_size}",
         "--training.no-document_mask", f"--training.steps={steps}", "--optimizer.lr=3e-3", "--lr_scheduler.warmup_steps=2",
-        "--metrics.log_freq=1", "--checkpoint.enable", "--checkpoint.interval=2", f"--job.dump_folder={dump}", *flags,
+        "--metrics.log_freq=1", f"--job.dump_folder={dump}", *flags,
+        *(["--checkpoint.enable", "--checkpoint.interval=2"] if checkpoints else []),
     ]
 
 
@@ -64,7 +66,7 @@ def hf_loss(out: Path) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> SimpleNamespace:
     """4 steps of the llama in one process (against the HF model's own step-1 loss), then a resume from its
-    step 2; 2 steps of the llama with LoRA under FSDP 2; 1 step of the example model."""
+    step 2; 2 steps of the llama with LoRA under FSDP 2; 1 step of the example model, without checkpoints."""
     root = tmp_path_factory.mktemp("init_from")
     hf = save_hf_models(root)
     parity = str(SCRIPTS / "init_from_parity.py")
@@ -80,7 +82,8 @@ def runs(tmp_path_factory) -> SimpleNamespace:
     def fsdp_then_example():
         fsdp_result = check(torchrun([f"--model.init_from={hf.llama}", *run_args(fsdp, 2, 2, "--lora.rank=4")], nproc=2))
         check(torchrun([str(root / "example.json"), f"--model.init_from={hf.example}",
-                        f"--model.tokenizer_path={TOKENIZER}", *run_args(example, 1, 4)], module=parity))
+                        f"--model.tokenizer_path={TOKENIZER}", *run_args(example, 1, 4, checkpoints=False)],
+                       module=parity))
         return fsdp_result
 
     resumed_result, fsdp_result = two_at_a_time(single_then_resumed, fsdp_then_example)
@@ -98,13 +101,17 @@ def test_the_first_step_computes_the_hf_models_own_loss(runs):
     assert single[4][LOSS] < single[1][LOSS]  # and it trains from there
 
 
-def test_fsdp_with_lora_starts_from_the_hf_weights(runs):
+def test_fsdp_with_lora_starts_from_the_hf_weights(runs, tmp_path):
     # LoRA's adapters start as zero updates, so FSDP's step 1 computes the HF model's loss as well
     fsdp = metrics(runs.fsdp)
     assert sorted(fsdp) == [1, 2]
     assert fsdp[1][LOSS] == pytest.approx(runs.single_hf_loss, rel=1e-5)
     assert "LoRA: a model-only load reads the base weights" in runs.fsdp_log
     assert "--model.init_from: loading the weights of" in runs.fsdp_log
+    # the exported adapter names the weights it was trained over
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(runs.fsdp), "--out", str(tmp_path / "adapter"))
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert settings["base_model_name_or_path"] == str(runs.hf.llama)
 
 
 def test_a_resumed_run_reads_its_own_checkpoint_not_init_from(runs):
@@ -176,3 +183,13 @@ def test_a_tied_model_needs_one_name_of_its_tied_weights_stored():
     extra = stored | {"model.layers.9.mlp.up_proj.weight": [176, 64]}
     assert init_from.mismatches(model, extra) == ["the model has no model.layers.9.mlp.up_proj.weight"]
     assert init_from.mismatches(model, {}) [0] == "it has no model.embed_tokens.weight"
+
+
+def test_an_fla_model_folder_fits_its_own_config(tmp_path):
+    from flame.models import init_from, load_model_config
+    from flame.models.registry import meta_model
+
+    config = load_model_config(str(ROOT / "configs" / "tiny" / "gla.json"))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gla")
+    folder = init_from.resolve(str(tmp_path / "gla"))
+    init_from.check_fits(folder, folder, meta_model(load_model_config(folder)))  # fla's names are its files' names
