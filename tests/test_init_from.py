@@ -140,6 +140,8 @@ def _config(folder: Path, **changes) -> str:
         ("missing", "--model.init_from {missing} does not exist; give a Hugging Face model folder"),
         ("hub", "--model.init_from flame-tests/not-a-cached-model is neither a folder nor a hub name in the local HF cache"),
         ("no_weights", "--model.init_from {empty} holds no .safetensors weights"),
+        ("adapter", "--model.init_from {adapter} holds a LoRA adapter, not a whole model; give its base model"),
+        ("cut_short", "--model.init_from {cut_short}: cannot read its safetensors files"),
         ("untied", "does not fit --model.config {untied}: it has no lm_head.weight; drop --model.config"),
         ("shapes", "model.layers.0.mlp.gate_proj.weight is [128, 64] there, [96, 64] in the model"),
         ("model_type", "holds a llama model, but --model.config {example} is flame_example_lm; drop --model.config"),
@@ -150,12 +152,21 @@ def test_bad_init_from_is_a_one_line_error_that_writes_nothing(tmp_path, capsys,
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((hf_llama / "config.json").read_text())
+    adapter, cut_short = tmp_path / "adapter", tmp_path / "cut_short"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    shutil.copytree(hf_llama, cut_short)
+    with open(cut_short / "model.safetensors", "r+b") as f:
+        f.truncate(1000)  # a copy that stopped early
     paths = {"missing": str(tmp_path / "missing"), "empty": str(empty), "example": str(EXAMPLE_CONFIG),
+             "adapter": str(adapter), "cut_short": str(cut_short),
              "untied": _config(hf_llama, tie_word_embeddings=False), "shapes": _config(hf_llama, intermediate_size=96)}
     flags = {
         "missing": [f"--model.init_from={paths['missing']}"],
         "hub": ["--model.init_from=flame-tests/not-a-cached-model"],
         "no_weights": [f"--model.init_from={empty}"],
+        "adapter": [f"--model.init_from={adapter}"],
+        "cut_short": [f"--model.init_from={cut_short}"],
         "untied": [f"--model.init_from={hf_llama}", f"--model.config={paths['untied']}"],
         "shapes": [f"--model.init_from={hf_llama}", f"--model.config={paths['shapes']}"],
         "model_type": [f"--model.init_from={hf_llama}", f"--model.config={EXAMPLE_CONFIG}"],

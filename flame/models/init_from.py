@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from flame.errors import ConfigError
+from flame.errors import ConfigError, gist
 
 FLAG = "--model.init_from"
 SAFETENSORS = ".safetensors"
@@ -61,6 +61,11 @@ def resolve(location: str) -> str:
         raise ConfigError(f"{FLAG} {location} does not exist; give a Hugging Face model folder (config.json + *.safetensors)")
     if not os.path.isdir(folder):
         raise ConfigError(f"{FLAG} {location} is a file; give the Hugging Face model's folder (config.json + *.safetensors)")
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")) and not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ConfigError(
+            f"{FLAG} {location} holds a LoRA adapter, not a whole model; give its base model, or export the run merged "
+            "(python -m flame.utils.convert_dcp_to_hf --lora-export merged)"
+        )
     if not _weight_files(folder):
         bin_only = any(name.endswith(".bin") for name in os.listdir(folder))
         fix = ("it holds PyTorch .bin weights only: load it with transformers and save_pretrained it, which writes safetensors"
@@ -84,7 +89,10 @@ def _weight_files(folder: str) -> list[str]:
 
 def stored_shapes(folder: str) -> dict[str, list[int]]:
     """Every weight in the folder's safetensors files and its shape (from the headers only)."""
-    metadata = HuggingFaceStorageReader(folder).read_metadata()
+    try:
+        metadata = HuggingFaceStorageReader(folder).read_metadata()
+    except Exception as error:  # safetensors' own errors, a file cut short among them
+        raise ConfigError(f"{FLAG} {folder}: cannot read its safetensors files ({gist(error)}); save the model again") from None
     return {name: list(item.size) for name, item in metadata.state_dict_metadata.items()}
 
 
@@ -93,8 +101,11 @@ def model_type(folder: str) -> str | None:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("model_type")
+    try:
+        with open(path) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ConfigError(f"{FLAG} {folder}: cannot read its config.json ({gist(error)}); fix it or save the model again") from None
 
 
 def _tied_names(model: nn.Module) -> dict[str, set[str]]:
