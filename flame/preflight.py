@@ -68,7 +68,7 @@ def check_dump_folder(folder: str) -> None:
 def check_model(job_config) -> PretrainedConfig:
     """The job's model config, after checking that it fits the tokenizer, the options and the layout."""
     model_config = load_model_config(job_config.model.config)
-    if job_config.model.init_from is not None:  # checked on a resume too: the command names these weights
+    if job_config.model.init_from:  # checked on a resume too: the command names these weights
         init_from.check_fits(job_config.model.init_from, job_config.model.config, meta_model(model_config))
     check_vocabulary(model_config, job_config.model.tokenizer_path)
     check_model_options(model_config, job_config)

@@ -23,8 +23,10 @@ from tests.conftest import (
     assert_same_curve,
     check,
     metrics,
+    parse_job,
     torchrun,
     two_at_a_time,
+    write_job_toml,
 )
 from tests.test_export import convert
 
@@ -55,7 +57,7 @@ def save_hf_models(root: Path) -> SimpleNamespace:
     llama.to(torch.bfloat16).save_pretrained(root / "llama")
     load_tokenizer(TOKENIZER).save_pretrained(root / "llama")  # the tokenizer defaults to the folder's
     example = AutoModelForCausalLM.from_config(load_model_config(str(EXAMPLE_CONFIG)))
-    example.save_pretrained(root / "example")
+    example.save_pretrained(root / "example", max_shard_size="400KB")  # sharded: several safetensors files
     return SimpleNamespace(llama=root / "llama", example=root / "example")
 
 
@@ -96,6 +98,7 @@ def runs(tmp_path_factory) -> SimpleNamespace:
 def test_the_first_step_computes_the_hf_models_own_loss(runs):
     # bfloat16 files, tied embeddings, rotary frequencies (non-persistent buffers): all as transformers loads them
     assert metrics(runs.single)[1][LOSS] == pytest.approx(runs.single_hf_loss, rel=1e-5)
+    assert len(list(runs.hf.example.glob("*.safetensors"))) > 1  # read from several files
     assert metrics(runs.example)[1][LOSS] == pytest.approx(runs.example_hf_loss, rel=1e-5)
     single = metrics(runs.single)
     assert single[4][LOSS] < single[1][LOSS]  # and it trains from there
@@ -204,3 +207,12 @@ def test_an_fla_model_folder_fits_its_own_config(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gla")
     folder = init_from.resolve(str(tmp_path / "gla"))
     init_from.check_fits(folder, folder, meta_model(load_model_config(folder)))  # fla's names are its files' names
+
+
+def test_init_from_on_the_command_line_replaces_the_job_files_model(tmp_path, monkeypatch, hf_llama, tiny_model):
+    # a job TOML's model config and tokenizer are its template's; a --model.config on the command line stays
+    toml = write_job_toml(tmp_path / "job.toml", tiny_model, "seq_len = 64")
+    job = parse_job(monkeypatch, 1, f"--job.config_file={toml}", f"--model.init_from={hf_llama}")
+    assert (job.model.config, job.model.tokenizer_path) == (str(hf_llama), str(hf_llama))
+    job = parse_job(monkeypatch, 1, f"--job.config_file={toml}", f"--model.init_from={hf_llama}", f"--model.config={tiny_model}")
+    assert (job.model.config, job.model.tokenizer_path) == (tiny_model, str(hf_llama))

@@ -144,7 +144,7 @@ class FlameCheckpointManager(CheckpointManager):
                 if found := self._defect(self.initial_load_path):
                     raise ConfigError(unrecorded_checkpoint_error("--checkpoint.initial_load_path", self.initial_load_path, found))
         loaded = super().load(step)
-        if self.init_from is None:
+        if not self.init_from:
             return loaded
         if loaded:  # (--checkpoint.initial_load_path is refused beside init_from: a step of this run loaded)
             logger.info(f"{init_from.FLAG} {self.init_from} is not applied: this run resumes from its own checkpoint in {self.folder}")

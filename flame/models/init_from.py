@@ -4,7 +4,7 @@
 
 - Where: the folder is found once, offline, while the job config is parsed (``resolve``; a hub
   name is looked up in the local cache only, nothing is downloaded), and --model.config and
-  --model.tokenizer_path default to it.
+  --model.tokenizer_path default to it (``default_model_files``).
 - Fit: before any process group or weight exists, the weights' names and shapes (read from the
   safetensors headers: no tensor is read) are compared with the model the config builds
   (``check_fits``): missing, unexpected or differently shaped weights, or a folder holding
@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from flame.data.tokenizer import TOKENIZER_FILES
 from flame.errors import ConfigError, gist
 
 FLAG = "--model.init_from"
@@ -68,8 +69,12 @@ def resolve(location: str) -> str:
         )
     if not _weight_files(folder):
         bin_only = any(name.endswith(".bin") for name in os.listdir(folder))
-        fix = ("it holds PyTorch .bin weights only: load it with transformers and save_pretrained it, which writes safetensors"
-               if bin_only else "give a folder that save_pretrained wrote (config.json + *.safetensors)")
+        if bin_only:
+            fix = "it holds PyTorch .bin weights only: load it with transformers and save_pretrained it, which writes safetensors"
+        elif folder != location:  # a hub name whose weights the cache lacks
+            fix = f"download them first (hf download {location})"
+        else:
+            fix = "give a folder that save_pretrained wrote (config.json + *.safetensors)"
         raise ConfigError(f"{FLAG} {location} holds no {SAFETENSORS} weights; {fix}")
     return folder
 
@@ -80,6 +85,21 @@ def check_other_starts(checkpoint) -> None:
                         (checkpoint.create_seed_checkpoint, "--checkpoint.create_seed_checkpoint")):
         if given:
             raise ConfigError(f"{FLAG} and {flag} both give the run its starting weights: drop one of them")
+
+
+def default_model_files(model, given: dict[str, int]) -> None:
+    """model.config and model.tokenizer_path from the init_from folder, unless given where init_from is or later.
+
+    ``given``: where each setting came from (flame.config_fields: TOML < CLI). A job TOML's model
+    config and tokenizer describe its template's model, so ``--model.init_from`` on the command
+    line replaces them; a ``--model.config`` on the command line stays (and must fit the weights).
+    """
+    level = given.get("model.init_from", 0)
+    if given.get("model.config", 0) < level or not model.config:
+        model.config = model.init_from
+    holds_tokenizer = any(os.path.isfile(os.path.join(model.init_from, name)) for name in TOKENIZER_FILES)
+    if holds_tokenizer and (given.get("model.tokenizer_path", 0) < level or model.tokenizer_path is None):
+        model.tokenizer_path = model.init_from
 
 
 def _weight_files(folder: str) -> list[str]:
