@@ -23,9 +23,11 @@ class Model:
     name: str = "flame"
     """Train spec name; flame registers 'flame' (HF/fla causal LMs built from model.config)"""
     config: str = ""
-    """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json)"""
+    """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json). Defaults to model.init_from"""
+    init_from: str | None = None
+    """Start from a Hugging Face model's weights: its folder (config.json + *.safetensors) or a hub name in the local HF cache. Model only (optimizer, schedule and data start fresh); not applied once the dump folder holds a checkpoint, from which the run resumes (README: Hugging Face export and import)"""
     tokenizer_path: str | None = None
-    """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory when that holds a tokenizer"""
+    """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory (model.init_from's) when that holds a tokenizer"""
     attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     """Document-masked softmax attention: varlen (torch's flash kernel, CUDA), flex (FlexAttention, CUDA), sdpa (dense mask; reference, CPU). auto = varlen on CUDA, sdpa on CPU"""
     fused_kernels: bool = True

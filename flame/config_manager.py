@@ -164,8 +164,15 @@ def split_list(value: str | None) -> list[str]:
     return [] if value is None else [item.strip() for item in value.split(",")]
 
 
-def _check_model(config: JobConfig) -> None:
+def _check_model(config: JobConfig, given: dict[str, int]) -> None:
     model = config.model
+    if model.init_from:  # its folder, found once (offline), gives the model config and tokenizer
+        # imported here: it imports transformers, which only the jobs that use it need to parse
+        from flame.models import init_from
+
+        init_from.check_other_starts(config.checkpoint)
+        model.init_from = init_from.resolve(resolve_path(model.init_from))
+        init_from.default_model_files(model, given)
     if not model.config:
         raise ConfigError(
             "no model given: set --model.config to an HF config.json or a directory holding one "
@@ -379,7 +386,7 @@ def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
     resolve_aliases(config, given)
     if config.model.name != "flame":
         raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
-    _check_model(config)
+    _check_model(config, given)
     _check_training(config)
     config_limits.check(config, given)
     dp = data_parallel_degree(config, world_size)

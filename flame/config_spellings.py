@@ -99,8 +99,8 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "training.dataset_path": "use --training.dataset (paths are accepted there)",
     "training.global_batch_size": "use --training.batch_size and --training.gradient_accumulation_steps",
     "checkpoint.initial_load_in_hf": (
-        "convert the HF model first (python -m flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint "
-        "<dump_folder>/checkpoint/step-0), then train in that dump folder"
+        "start from the HF model with --model.init_from <hf dir> (or convert it first: python -m "
+        "flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint <dump_folder>/checkpoint/step-0)"
     ),
     "checkpoint.initial_load_in_hf_quantized": "flame loads no quantized HF weights; convert a bf16/fp32 HF model",
     "checkpoint.last_save_in_hf": "train.sh exports the last checkpoint to <dump_folder>/hf itself",

@@ -25,7 +25,7 @@ from flame.distributed.context_parallel import check_context_parallel
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
 from flame.errors import ConfigError
-from flame.models import lora
+from flame.models import init_from, lora
 from flame.models.builder import load_model_config
 from flame.models.inputs import keeps_rows_whole
 from flame.models.registry import meta_model
@@ -68,6 +68,8 @@ def check_dump_folder(folder: str) -> None:
 def check_model(job_config) -> PretrainedConfig:
     """The job's model config, after checking that it fits the tokenizer, the options and the layout."""
     model_config = load_model_config(job_config.model.config)
+    if job_config.model.init_from:  # checked on a resume too: the command names these weights
+        init_from.check_fits(job_config.model.init_from, job_config.model.config, meta_model(model_config))
     check_vocabulary(model_config, job_config.model.tokenizer_path)
     check_model_options(model_config, job_config)
     return model_config

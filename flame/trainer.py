@@ -101,6 +101,7 @@ class Trainer(TorchtitanTrainer):
         self._window_steps = 0
         self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
         super().__init__(job_config)
+        self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops

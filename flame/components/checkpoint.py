@@ -17,6 +17,7 @@ What it adds (flame.manifest holds the manifest itself):
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -33,7 +34,7 @@ from flame.checkpoints import (
     unrecorded_checkpoint_error,
 )
 from flame.errors import ConfigError
-from flame.models import lora
+from flame.models import init_from, lora
 
 # How long rank 0 waits for the other ranks' hashes of a step: longer than hashing a rank's
 # files takes (and than a shared filesystem takes to show one node's file to another), and it
@@ -111,6 +112,11 @@ class FlameCheckpointManager(CheckpointManager):
         model_parts = self.states[MODEL].model
         if any(lora.adapted_modules(part) for part in model_parts):
             self.states[MODEL] = lora.AdapterCheckpoint(model_parts)
+        self.init_from: str | None = None
+
+    def start_from(self, folder: str | None) -> None:
+        """Load the weights of the Hugging Face model in ``folder`` (--model.init_from) when no checkpoint loads."""
+        self.init_from = folder
 
     def _states_to_load(self, model_only: bool) -> dict[str, Any]:
         if model_only and isinstance(self.states[MODEL], lora.AdapterCheckpoint):
@@ -141,7 +147,20 @@ class FlameCheckpointManager(CheckpointManager):
             elif self.initial_load_path:
                 if found := self._defect(self.initial_load_path):
                     raise ConfigError(unrecorded_checkpoint_error("--checkpoint.initial_load_path", self.initial_load_path, found))
-        return super().load(step)
+        loaded = super().load(step)
+        if not self.init_from:
+            return loaded
+        if loaded:  # (--checkpoint.initial_load_path is refused beside init_from: a step of this run loaded)
+            logger.info(f"{init_from.FLAG} {self.init_from} is not applied: this run resumes from its own checkpoint in {self.folder}")
+            return loaded
+        logger.info(f"{init_from.FLAG}: loading the weights of {self.init_from} (model only)")
+        begin = time.monotonic()
+        # the model's weights under the names the files use (with LoRA, the base weights alone)
+        states = self._states_to_load(model_only=True)
+        init_from.load(self.init_from, states)
+        self.states[MODEL].load_state_dict(states)  # as torchtitan's dcp_load does after its dcp.load
+        logger.info(f"{init_from.FLAG}: loaded in {time.monotonic() - begin:.2f} seconds")
+        return True
 
     def _find_load_step(self, folder: str = "") -> int:
         steps = manifest.complete_steps(folder or self.folder)

@@ -10,8 +10,8 @@
   reduce-scatters only the gradients that exist; the gradient clip sees only those.
 - Init: after the model's own init, which also reaches the adapters' Linears, every adapter
   gets PEFT's init again (``reset_adapters``: A kaiming-uniform, B zero, so training starts
-  from the base model's function). A model-only load (the step-0 checkpoint that
-  convert_hf_to_dcp writes, or --checkpoint.initial_load_path) loads the base weights alone
+  from the base model's function). A model-only load (--model.init_from, the step-0 checkpoint
+  that convert_hf_to_dcp writes, or --checkpoint.initial_load_path) loads the base weights alone
   (flame.components.checkpoint), so the adapters start from that init on top of them.
 - Checkpoints: every checkpoint holds the frozen base weights (it is self-contained: the export
   and a resume read nothing else) under the plain model's names, and the adapters under the
@@ -233,7 +233,8 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def base_model_path(config_path: str) -> str:
-    """What an adapter names as its base model: the model.config directory (a config.json's folder)."""
+    """What an adapter names as its base model: the folder ``config_path`` names (a config.json's folder), the
+    run's --model.init_from or else its --model.config."""
     path = os.path.abspath(config_path)
     return os.path.dirname(path) if os.path.basename(path) == "config.json" else path
 

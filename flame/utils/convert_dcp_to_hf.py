@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.lora_export and adapters is None:
             raise ConfigError(f"--lora-export: {args.path} is no LoRA run (its job config sets no lora.rank); drop --lora-export")
         merge = (args.lora_export or run.get("lora", {}).get("export")) == "merged"
-        base_model = lora.base_model_path(config_path)
+        # the weights the adapters were trained over: the run's --model.init_from, else its model config's folder
+        base_model = lora.base_model_path(run.get("model", {}).get("init_from") or config_path)
         if adapters is not None and not merge and args.sample is not None and not lora.holds_weights(base_model):
             raise ConfigError(
                 f"--sample loads the adapter over its base model {base_model}, which holds no weights; export the merged "

@@ -1,5 +1,9 @@
 """Write a Hugging Face model's weights as a flame step-0 checkpoint (continual pretraining).
 
+The one-command way is ``--model.init_from <hf dir>`` (flame.models.init_from), which reads the
+safetensors into the run's shards; this converter is the explicit alternative, and loads through
+transformers' own ``from_pretrained`` (``.bin`` files, renamed keys).
+
     python -m flame.utils.convert_hf_to_dcp --model <hf dir or hub name> --checkpoint exp/run/checkpoint/step-0
 
 A run whose dump folder holds this step-0 checkpoint starts from these weights (model only:
