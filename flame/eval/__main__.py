@@ -93,8 +93,9 @@ def evaluate(args: argparse.Namespace, cfg) -> int:
     if results is None:  # a process other than rank 0: rank 0 aggregates and writes
         return 0
     samples = results.pop("samples", None) if cfg.log_samples else None
-    table = report.save(results, samples, writer, folder)
+    report.save(results, samples, writer)
     report.log_to_run(source, results)
+    table = report.write_table(results, folder)
     print(f"flame.eval: {source.label}: results in {os.path.dirname(table)}")
     return 0
 

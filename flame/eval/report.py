@@ -38,11 +38,16 @@ def tracker(folder: str, hub_args: dict) -> EvaluationTracker:
     return EvaluationTracker(**{**hub_args, "output_path": folder})
 
 
-def save(results: dict, samples: dict | None, writer: EvaluationTracker, folder: str) -> str:
-    """Write lm-eval's results files and ``results.md``; the table's path."""
+def save(results: dict, samples: dict | None, writer: EvaluationTracker) -> None:
+    """Write lm-eval's results files (and samples, when logged), as its command line writes them."""
     writer.save_results_aggregated(results=results, samples=samples)
     for task in results["configs"] if samples is not None else ():
         writer.save_results_samples(task_name=task, samples=samples[task])
+
+
+def write_table(results: dict, folder: str) -> str:
+    """``results.md``: lm-eval's table of the scores (printed too); its path. Written last: the
+    scores are already in the results files and the run's logs if the table fails."""
     table = make_table(results) + (f"\n{make_table(results, 'groups')}" if "groups" in results else "")
     directory = os.path.dirname(folder) if folder.endswith(".json") else folder
     os.makedirs(directory or ".", exist_ok=True)
