@@ -51,8 +51,9 @@ def budgets(config) -> tuple[float | None, float | None]:
     if gpu is None and device.CUDA:
         import torch
 
-        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        gpu = torch.cuda.get_device_properties(local).total_memory - GPU_RESERVE_GIB * GIB
+        if count := torch.cuda.device_count():  # none visible (a launcher node without GPUs): nothing to read
+            local = int(os.environ.get("LOCAL_RANK", "0")) % count
+            gpu = torch.cuda.get_device_properties(local).total_memory - GPU_RESERVE_GIB * GIB
     host = _budget("host_budget_gib", m.host_budget_gib)
     if host is None:
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -147,7 +148,13 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
     announce = os.environ.get("RANK") == "0"  # a torchrun rank 0: the preflight and the other ranks stay quiet
     if gpu is None and not announce:
         return  # a CPU run without a budget: nothing to fit, the estimate is only shown
-    job = job_of(config, world_size)
+    try:
+        job = job_of(config, world_size)
+    except Exception as error:  # noqa: BLE001 - without a budget the estimate is only shown; it must not stop a run
+        if gpu is not None:
+            raise
+        logger.warning(f"Memory plan: no estimate for this model ({type(error).__name__}: {error}); nothing changed")
+        return
     plan = choose(job, layout_of(config), fixed_settings(config, given), gpu, host)
     if not plan.fits:
         raise ConfigError(
