@@ -1,5 +1,6 @@
 """The memory plan (--memory.plan): what it measures, what it chooses as the budget shrinks, what it keeps."""
 
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from flame.errors import ConfigError
 from flame.memory import activations
 from flame.memory.plan import (
     GIB,
+    Layout,
     activation_bytes,
     choose,
     estimate,
@@ -81,6 +83,21 @@ def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model,
     job = memory.job_of(config, 1)
     none, op, full = (activation_bytes(job, ac) for ac in ("none", "op", "full"))
     assert full < op < none
+    assert activation_bytes(job, "1") == full  # every block checkpointed
+    # the last block's backward follows its forward at once: checkpointing it alone saves nothing
+    assert activation_bytes(job, "2") == none
+    deeper = dataclasses.replace(job, activations=job.activations.scaled(4))
+    assert activation_bytes(deeper, "full") < activation_bytes(deeper, "2") < activation_bytes(deeper, "none")
+
+
+def test_fsdp_resharding_comes_after_ac_and_before_offload_unless_given(long_model, monkeypatch):
+    config = parse_job(monkeypatch, 2, *job_args(long_model, "--memory.plan=off"))
+    job = memory.job_of(config, 2)
+    gathered = Layout(reshard=False)  # as under pipeline parallelism, or fsdp_reshard_after_forward never
+    names = [name for name, _ in steps(job, gathered, set(), None)]
+    assert names[2:5] == ["full AC", "FSDP reshard after forward", "CPU offload"]
+    assert "FSDP reshard after forward" not in [name for name, _ in steps(job, gathered, {"reshard"}, None)]
+    assert gpu_bytes(estimate(job, gathered)) > gpu_bytes(estimate(job, Layout()))
 
 
 def test_plan_turns_on_ac_then_offload_then_micro_batches_as_the_budget_shrinks(long_model, monkeypatch):

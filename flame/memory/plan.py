@@ -117,26 +117,35 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
 
 def _recomputed(ac: str) -> str:
     return {"none": "kept", "full": "block inputs kept, blocks recomputed", "op": "matmul outputs kept, rest recomputed",
-            "memory_budget": "counted as kept (the compiler decides)"}.get(ac, f"every {ac} blocks recomputed")
+            "memory_budget": "counted as kept (the compiler decides)"}.get(ac, f"every {ac}th block recomputed")
 
 
 def activation_bytes(job: Job, ac: str) -> float:
-    """Bytes one row keeps for the backward under activation checkpointing ``ac``."""
+    """Bytes one row's activations peak at under activation checkpointing ``ac``.
+
+    Each block keeps something through the forward (everything; its input under full AC; its
+    input and the matmul outputs under op-level AC); its backward then needs all of its
+    activations (recomputed when checkpointed) while the blocks before it still hold what they
+    kept, and the blocks after it have freed theirs. The peak is the largest of those moments.
+    """
     profile, tokens = job.activations, job.tokens_per_row
     square = job.dense_attention
     blocks = [block.at(tokens, square) for block in profile.blocks]
     inputs = profile.block_input * tokens
-    rest = profile.rest.at(tokens, square)
     if ac in ("none", "memory_budget"):
-        return rest + sum(blocks)
-    recompute = max(blocks)  # the block being recomputed in the backward holds all of its activations
-    if ac == "full":
-        return rest + inputs * len(blocks) + recompute
-    if ac == "op":
-        kept = sum(selective.at(tokens, square) for selective in profile.selective)
-        return rest + inputs * len(blocks) + kept + recompute
-    every = int(ac)  # torchtitan checkpoints every N-th block and keeps the others whole
-    return rest + recompute + sum(inputs if index % every == 0 else block for index, block in enumerate(blocks))
+        kept = blocks
+    elif ac == "full":
+        kept = [inputs] * len(blocks)
+    elif ac == "op":
+        kept = [inputs + selective.at(tokens, square) for selective in profile.selective]
+    else:  # selective every N blocks: torchtitan checkpoints the N-th, 2N-th, ... block and keeps the others whole
+        every = int(ac)
+        kept = [inputs if (index + 1) % every == 0 else block for index, block in enumerate(blocks)]
+    before, peak = 0.0, 0.0
+    for kept_here, whole in zip(kept, blocks):
+        peak = max(peak, before + whole)
+        before += kept_here
+    return profile.rest.at(tokens, square) + max(peak, before)
 
 
 def gpu_bytes(parts: list[Part]) -> float:
