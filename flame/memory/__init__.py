@@ -20,7 +20,6 @@ from flame.memory.plan import (
     GIB,
     Job,
     Layout,
-    Plan,
     choose,
     count_params,
     dtype_bytes,
@@ -129,12 +128,6 @@ def fixed_settings(config, given: dict[str, int]) -> set[str]:
     return fixed
 
 
-def make_plan(config, world_size: int, given: dict[str, int], gpu_budget: float | None,
-              host_budget: float | None) -> Plan:
-    """The plan for ``config`` as parsed (before ``apply`` changes it) under these budgets."""
-    return choose(job_of(config, world_size), layout_of(config), fixed_settings(config, given), gpu_budget, host_budget)
-
-
 def apply(config, world_size: int, given: dict[str, int]) -> None:
     """Plan the job and set what the plan changes; refuse, in one line, a job that fits no plan."""
     m = config.memory
@@ -159,7 +152,7 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
     if not plan.fits:
         raise ConfigError(
             f"the job does not fit the {gpu / GIB:.2f} GiB GPU budget even with {plan.layout.describe()} "
-            f"(the most memory-saving plan): that needs --memory.gpu_budget_gib {math.ceil(plan.gpu_bytes / GIB * 100) / 100:.2f}; "
+            f"(the most memory-saving plan that keeps the settings given): that needs --memory.gpu_budget_gib {math.ceil(plan.gpu_bytes / GIB * 100) / 100:.2f}; "
             "use more GPUs (FSDP), a shorter --training.seq_len or fewer --training.batch_size rows"
         )
     set_layout(config, plan.start, plan.layout)
