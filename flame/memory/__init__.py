@@ -131,6 +131,9 @@ def fixed_settings(config, given: dict[str, int]) -> set[str]:
 def apply(config, world_size: int, given: dict[str, int]) -> None:
     """Plan the job and set what the plan changes; refuse, in one line, a job that fits no plan."""
     m = config.memory
+    budget_given = any(f"memory.{flag}" in given for flag in ("gpu_budget_gib", "host_budget_gib"))
+    if budget_given and "memory.plan" not in given:
+        m.plan = "auto"  # a budget says "fit the job into this": the plan is what does that
     if m.plan == "off":
         for flag in ("gpu_budget_gib", "host_budget_gib"):
             if f"memory.{flag}" in given:
