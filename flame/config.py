@@ -201,7 +201,17 @@ class Experimental:
 @dataclass
 class MemoryEstimation:
     enabled: bool = False
-    """Refused: flame has no memory estimator yet"""
+    """Refused: flame estimates memory with --memory.plan"""
+
+
+@dataclass
+class Memory:
+    plan: Literal["auto", "off"] = "off"
+    """auto: fit the job into GPU memory before it starts: estimate each part (README: Memory plan) and turn on, in this order, op-level selective AC, full AC, FSDP resharding, CPU offload, micro-batches, until it fits; settings you give are kept. off (default until the estimates are checked on GPUs) = change nothing; giving a budget turns it on"""
+    gpu_budget_gib: str = "auto"
+    """GPU memory one process may use, in GiB; auto = the GPU's memory less 1 GiB (CUDA context, NCCL). On a CPU machine auto plans nothing; a number plans as for a GPU of that size"""
+    host_budget_gib: str = "auto"
+    """Host memory one process may use for CPU offload, in GiB; auto = 90% of the available RAM, shared by the processes of a host"""
 
 
 @dataclass
@@ -292,6 +302,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     experimental: Experimental = field(default_factory=Experimental)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    memory: Memory = field(default_factory=Memory)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     lora: Lora = field(default_factory=Lora)
     validation: Validation = field(default_factory=Validation)

@@ -16,7 +16,7 @@ import tomllib
 from torchtitan.config import ConfigManager, JobConfig
 
 from flame import config as flame_config
-from flame import config_limits, device
+from flame import config_limits, device, memory
 from flame.components import evaluation
 from flame.config_fields import (
     CLI,
@@ -394,5 +394,5 @@ def finalize(config: JobConfig, world_size: int, given: dict[str, int]) -> None:
     _check_fsdp_options(config, world_size)
     _check_seed_checkpoint(config, world_size)
     evaluation.check(config)
-    t = config.training
-    t.global_batch_size = t.local_batch_size * dp * t.gradient_accumulation_steps
+    memory.apply(config, world_size, given)  # may split batch_size into micro-batches: the global batch stays
+    config.training.global_batch_size = config.training.local_batch_size * dp * config.training.gradient_accumulation_steps

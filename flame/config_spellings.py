@@ -74,8 +74,8 @@ ALIAS_VALUES: dict[str, Callable[[Any], Any]] = {
 }
 
 NO_MEMORY_ESTIMATOR = (
-    "flame has no memory estimator yet; run a few steps (--training.steps 5) and read the peak memory "
-    "(mem ... GiB) that every logged step prints"
+    "flame's memory plan (--memory.plan auto, the default) prints the estimate at the start, and every "
+    "logged step the peak memory (mem ... GiB)"
 )
 
 # older spellings whose meaning changed or is gone -> what to give instead

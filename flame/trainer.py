@@ -41,7 +41,7 @@ from torchtitan.protocols.train_spec import (
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
-from flame import batch_context, compat, preflight
+from flame import batch_context, compat, device, memory, preflight
 from flame.batch_context import BatchContext
 from flame.checkpoints import complete_steps
 from flame.components import evaluation
@@ -106,6 +106,8 @@ class Trainer(TorchtitanTrainer):
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
+        if device.CUDA and job_config.memory.plan == "auto" and torch.distributed.get_rank() == 0:
+            self.metrics_processor.planned_gib = memory.planned_gpu_gib(job_config, torch.distributed.get_world_size())
         self.attempt: int | None = None  # numbered once the run is known to start (start_attempt)
         self.evaluations = evaluation.build(job_config, self.checkpointer, logger)  # --eval.tasks, rank 0
         self.finished = False

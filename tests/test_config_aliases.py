@@ -185,7 +185,7 @@ def test_a_refused_spelling_in_a_toml_file_is_refused_too(job_toml, monkeypatch)
 
 @pytest.mark.parametrize("flag", ["--memory_estimation.enabled", "--memory_estimation.enable"])
 def test_memory_estimation_is_refused(job_toml, monkeypatch, flag):
-    with pytest.raises(ConfigError, match="flame has no memory estimator yet"):
+    with pytest.raises(ConfigError, match="flame.s memory plan .--memory.plan auto"):
         parse(job_toml, monkeypatch, flag)
 
 

@@ -149,6 +149,11 @@ def checkpoint_block(
     )
 
 
+def op_sac_save_list() -> set:
+    """The ops whose outputs torchtitan's op-level selective AC keeps (flame.memory measures what they hold)."""
+    return _OP_SAC_SAVE_LIST.resolve()
+
+
 def build_metric_logger(job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None) -> BaseLogger:
     """torchtitan's TensorBoard/W&B logger for the job (its private ``_build_metric_logger``)."""
     return _BUILD_METRIC_LOGGER.resolve()(job_config, parallel_dims, tag)

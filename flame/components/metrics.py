@@ -85,6 +85,7 @@ class FlameMetricsProcessor(MetricsProcessor):
         self.total_steps = job_config.training.steps
         self.step_last_log: int | None = None  # set by the trainer at its first step
         self.time_start = time.perf_counter()
+        self.planned_gib: float | None = None  # the memory plan's estimate, logged beside the first measured peak
 
     def describe_mfu(self) -> str:
         peak = f"{self.gpu_peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.gpu_peak_flops else "no peak on CPU"
@@ -150,6 +151,9 @@ class FlameMetricsProcessor(MetricsProcessor):
             f"{c.white}elapsed {_clock(now - self.time_start)}  ETA {_clock(eta)}"
             f"{f'  skipped {skipped}' if skipped else ''}{f' ({spikes} spikes)' if spikes else ''}{mix}{c.reset}"
         )
+        if self.planned_gib is not None:  # once: how far the plan's estimate is from what the GPU really took
+            logger.info(f"memory: measured peak {memory.max_reserved_gib:.2f} GiB reserved, planned {self.planned_gib:.2f} GiB")
+            self.planned_gib = None
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0
         self.data_loading_times.clear()

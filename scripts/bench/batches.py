@@ -33,7 +33,8 @@ def packed_batches(count: int, rows: int, seq_len: int, context_len: int = 4096,
     ``inputs`` holds ``input`` [rows, seq_len], ``position_ids``, ``cu_seqlens`` and ``max_seqlen``
     (flame.data.packing.collate_rows); labels are -100 after each document's last token.
     """
-    flags = ["--job.config_file", str(DEBUG_JOB), *data_flags(rows, seq_len, context_len), "--training.num_workers", "0"]
+    flags = ["--job.config_file", str(DEBUG_JOB), *data_flags(rows, seq_len, context_len), "--training.num_workers", "0",
+             "--memory.plan", "off"]  # batches of exactly ``rows`` rows, never split into micro-batches
     job = FlameConfigManager().parse_args(flags)
     loader = build_dataloader(1, 0, load_tokenizer(job.model.tokenizer_path), job)
     batches = []

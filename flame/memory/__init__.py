@@ -1,0 +1,188 @@
+"""flame's memory plan (--memory.plan): fit a job into its GPU budget before any process group exists.
+
+``apply`` runs in ``flame.config_manager.finalize``, in train.sh's preflight and on every rank
+alike, so every process takes the same plan and a job that cannot fit stops in one line before
+anything is built. The estimate and the choice are ``flame.memory.plan``'s; the activations are
+measured by ``flame.memory.activations``. Rank 0 logs the plan's table; the trainer logs the
+measured peak beside the estimate after the first logged step (GPU only).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from torchtitan.tools.logging import logger
+
+from flame import device
+from flame.errors import ConfigError
+from flame.memory.plan import (
+    GIB,
+    Job,
+    Layout,
+    choose,
+    count_params,
+    dtype_bytes,
+    table,
+)
+
+HOST_SHARE = 0.9  # of the available RAM: the rest for the data loaders, page cache and the OS
+GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
+
+
+def _budget(flag: str, value: str) -> float | None:
+    """An explicit budget in bytes, or None for auto."""
+    if value.strip() == "auto":
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise ConfigError(f"--memory.{flag} must be auto or a positive number of GiB, got {value!r}")
+    return gib * GIB
+
+
+def budgets(config) -> tuple[float | None, float | None]:
+    """(GPU bytes, host bytes) one process may use; GPU None on a CPU machine left at auto."""
+    m = config.memory
+    gpu = _budget("gpu_budget_gib", m.gpu_budget_gib)
+    if gpu is None and device.CUDA:
+        import torch
+
+        if count := torch.cuda.device_count():  # none visible (a launcher node without GPUs): nothing to read
+            local = int(os.environ.get("LOCAL_RANK", "0")) % count
+            gpu = torch.cuda.get_device_properties(local).total_memory - GPU_RESERVE_GIB * GIB
+    host = _budget("host_budget_gib", m.host_budget_gib)
+    if host is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        host = HOST_SHARE * _available_ram() / processes if _available_ram() else None
+    return gpu, host
+
+
+def _available_ram() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def job_of(config, world_size: int) -> Job:
+    """The job as the estimate sees it: the model built on the meta device, the layout's degrees."""
+    from flame.config_manager import (  # it imports this module
+        data_parallel_degree,
+        fsdp_enabled,
+    )
+    from flame.memory import (
+        activations,  # transformers and the models: only for jobs that plan
+    )
+    from flame.models.builder import load_model_config
+    from flame.models.registry import decoder_layers, meta_model
+
+    model_config = load_model_config(config.model.config)
+    model = meta_model(model_config)
+    params, matrices, block = count_params(model, decoder_layers(model))
+    p, t = config.parallelism, config.training
+    fsdp = fsdp_enabled(config, world_size)
+    shards = data_parallel_degree(config, world_size) // p.data_parallel_replicate_degree if fsdp else 1
+    if fsdp:
+        shards *= p.context_parallel_degree
+    dtype = device.compute_dtype(config)
+    attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
+    return Job(
+        params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
+        compute_bytes=dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
+        tokens_per_row=t.seq_len // p.context_parallel_degree,
+        weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
+        autocast_copies=not fsdp and dtype_bytes(dtype) < 4, fused_loss=device.fused_cross_entropy_enabled(
+            config, model_config.vocab_size), dense_attention=attention == "sdpa",
+        tensor_parallel=p.tensor_parallel_degree, activations=activations.measure(model_config, dtype),
+    )
+
+
+def layout_of(config) -> Layout:
+    """The settings the plan may change, as the job gives them."""
+    ac = config.activation_checkpoint
+    mode = {"selective": "op" if ac.selective_ac_option == "op" else str(ac.selective_ac_option)}.get(ac.mode, ac.mode)
+    pipelined = config.parallelism.pipeline_parallel_degree > 1
+    reshard = {"default": not pipelined, "always": True, "never": False}[config.parallelism.fsdp_reshard_after_forward]
+    return Layout(ac=mode, reshard=reshard, offload=config.training.enable_cpu_offload)
+
+
+def fixed_settings(config, given: dict[str, int]) -> set[str]:
+    """The layout's fields the job gives itself (job file or command line), which the plan keeps."""
+    fixed = set()
+    if {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"} & set(given):
+        fixed.add("ac")
+    if "parallelism.fsdp_reshard_after_forward" in given:
+        fixed.add("reshard")
+    if "training.enable_cpu_offload" in given:
+        fixed.add("offload")
+    # a pipeline schedule splits the batch itself; one varlen row cannot be split without changing the data
+    if "training.gradient_accumulation_steps" in given or config.parallelism.pipeline_parallel_degree > 1:
+        fixed.add("micro_batches")
+    return fixed
+
+
+def apply(config, world_size: int, given: dict[str, int]) -> None:
+    """Plan the job and set what the plan changes; refuse, in one line, a job that fits no plan."""
+    m = config.memory
+    budget_given = any(f"memory.{flag}" in given for flag in ("gpu_budget_gib", "host_budget_gib"))
+    if budget_given and "memory.plan" not in given:
+        m.plan = "auto"  # a budget says "fit the job into this": the plan is what does that
+    if m.plan == "off":
+        for flag in ("gpu_budget_gib", "host_budget_gib"):
+            if f"memory.{flag}" in given:
+                raise ConfigError(f"--memory.{flag} is a budget for the memory plan, and --memory.plan is off: "
+                                  "drop one of them")
+        return
+    gpu, host = budgets(config)
+    announce = os.environ.get("RANK") == "0"  # a torchrun rank 0: the preflight and the other ranks stay quiet
+    if gpu is None and not announce:
+        return  # a CPU run without a budget: nothing to fit, the estimate is only shown
+    try:
+        job = job_of(config, world_size)
+    except Exception as error:  # noqa: BLE001 - without a budget the estimate is only shown; it must not stop a run
+        if gpu is not None:
+            raise
+        logger.warning(f"Memory plan: no estimate for this model ({type(error).__name__}: {error}); nothing changed")
+        return
+    plan = choose(job, layout_of(config), fixed_settings(config, given), gpu, host)
+    if not plan.fits:
+        raise ConfigError(
+            f"the job does not fit the {gpu / GIB:.2f} GiB GPU budget even with {plan.layout.describe()} "
+            f"(the most memory-saving plan that keeps the settings given): that needs --memory.gpu_budget_gib {math.ceil(plan.gpu_bytes / GIB * 100) / 100:.2f}; "
+            "use more GPUs (FSDP), a shorter --training.seq_len or fewer --training.batch_size rows"
+        )
+    set_layout(config, plan.start, plan.layout)
+    if announce:
+        peak = "" if device.CUDA else "\nmeasured peak: not measurable on CPU (no device memory)"
+        logger.info(f"Memory plan (--memory.plan auto; README: Memory plan):\n{table(plan, job.activations.method)}{peak}")
+
+
+def set_layout(config, start: Layout, layout: Layout) -> None:
+    """Write the plan's changes into the job config (only what differs from how the job started)."""
+    if layout.ac != start.ac:
+        ac = config.activation_checkpoint
+        ac.mode, ac.selective_ac_option = ("selective", "op") if layout.ac == "op" else (layout.ac, ac.selective_ac_option)
+    if layout.reshard != start.reshard:
+        config.parallelism.fsdp_reshard_after_forward = "always"
+    if layout.offload != start.offload:
+        if not device.CUDA:
+            raise ConfigError("the memory plan needs CPU offload, which offloads GPU memory: on a CPU machine "
+                              "raise --memory.gpu_budget_gib, or leave it at auto")
+        config.training.enable_cpu_offload = True
+    if layout.micro_batches > 1:
+        config.training.local_batch_size //= layout.micro_batches
+        config.training.gradient_accumulation_steps *= layout.micro_batches
+
+
+def planned_gpu_gib(config, world_size: int) -> float:
+    """The estimate of the job as it now stands (the plan applied): the trainer logs it beside the measured peak."""
+    from flame.memory.plan import estimate, gpu_bytes
+
+    return gpu_bytes(estimate(job_of(config, world_size), layout_of(config))) / GIB

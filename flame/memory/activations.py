@@ -1,0 +1,195 @@
+"""Activation memory measured from the architecture, on the meta device.
+
+The model is built on the meta device (no memory) in the job's compute dtype, and one row runs
+forward under ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd keeps for the
+backward passes through the hook, and its storage's bytes are summed, once per storage (a view
+saved twice, or one output saved by two ops, counts once), weights left out. Forward hooks on
+each decoder block attribute what is saved between its start and its end to that block, and
+the rest (embeddings, final norm, head input) to the model around them. A dispatch mode counts,
+in the same forward, the outputs that torchtitan's op-level selective AC policy keeps (its save
+list, every second ``mm`` recomputed), so op-level AC is measured the same way.
+
+Runs at three row lengths fit ``bytes = a + b·T + c·T²`` per block exactly: ``c`` is the T x T
+attention weights that PyTorch's math SDPA path (the one meta tensors take) keeps per head;
+flash-style kernels (flame's ``varlen`` and ``flex`` attention) keep a per-row logsumexp instead,
+so the planner counts ``c`` only for ``sdpa`` attention.
+
+Not counted: kernels' temporary workspaces, the internal buffers of fla's Triton kernels,
+cuBLAS/NCCL workspaces. Models whose forward cannot run on meta tensors (fla's Triton kernels)
+get a stated formula instead (``FALLBACK_TENSORS_PER_HIDDEN``); the plan says which applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import PretrainedConfig
+
+from flame import compat
+from flame.models.registry import decoder_layers, meta_model
+
+LENGTHS = (32, 64, 128)  # three row lengths fit a + b·T + c·T² exactly; short enough for learned position tables
+# per token per block, in units of hidden_size x dtype bytes, when the forward cannot run on meta tensors:
+# about 17 hidden-sized tensors per block (q, k, v, attention output, the MLP's 4x-wide inputs and
+# products, norms' inputs), the usual count for a transformer block without its T x T weights
+FALLBACK_TENSORS_PER_HIDDEN = 17
+
+
+@dataclass(frozen=True)
+class Quadratic:
+    """``linear·T + square·T²`` bytes for one row of T tokens (the constant term is dropped)."""
+
+    linear: float = 0.0
+    square: float = 0.0
+
+    def at(self, tokens: int, with_square: bool = True) -> float:
+        return self.linear * tokens + (self.square * tokens * tokens if with_square else 0.0)
+
+    def __add__(self, other: Quadratic) -> Quadratic:
+        return Quadratic(self.linear + other.linear, self.square + other.square)
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one row keeps for the backward, per block (all blocks listed) and around the blocks."""
+
+    blocks: tuple[Quadratic, ...]  # everything a block saves (no AC)
+    selective: tuple[Quadratic, ...]  # what op-level selective AC keeps of each block
+    block_input: float  # bytes per token of a block's input: all that full AC keeps of it
+    rest: Quadratic  # embeddings, final norm, head input
+    method: str  # how it was found, for the plan's table
+
+    def scaled(self, blocks: int) -> ActivationProfile:
+        """The same blocks, ``blocks`` of them (the first ones, repeated): for tests of the scaling."""
+        take = [self.blocks[i % len(self.blocks)] for i in range(blocks)]
+        sel = [self.selective[i % len(self.selective)] for i in range(blocks)]
+        return dataclasses.replace(self, blocks=tuple(take), selective=tuple(sel))
+
+
+class _SelectiveCounter(TorchDispatchMode):
+    """Sums the output bytes of the ops torchtitan's op-level SAC policy saves, per block."""
+
+    def __init__(self, save_list: set):
+        super().__init__()
+        self.save_list = save_list
+        self.block: int | None = None
+        self.mm_count = 0
+        self.saved: dict[int, int] = {}
+
+    def start_block(self, index: int) -> None:
+        self.block, self.mm_count = index, 0  # the policy counts mms per checkpointed block
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.block is None or func not in self.save_list:
+            return out
+        if func == torch.ops.aten.mm.default:
+            self.mm_count += 1
+            if self.mm_count % 2 == 0:  # the policy recomputes every second mm
+                return out
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.saved[self.block] = self.saved.get(self.block, 0) + tensor.untyped_storage().nbytes()
+        return out
+
+
+def _saved_per_block(model: nn.Module, tokens: int, save_list: set) -> tuple[list[int], list[int], int, int]:
+    """(bytes each block saves, bytes op-level SAC keeps of each, bytes saved outside blocks, block input bytes)."""
+    layers = decoder_layers(model)
+    weights = {p.untyped_storage()._cdata for p in model.parameters()} | {
+        b.untyped_storage()._cdata for b in model.buffers()
+    }
+    seen: set[int] = set()
+    per_block = [0] * len(layers)
+    outside = 0
+    state = {"block": None, "input": 0}
+    counter = _SelectiveCounter(save_list)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal outside
+        storage = tensor.untyped_storage()
+        if storage._cdata not in weights and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            if state["block"] is None:
+                outside += storage.nbytes()
+            else:
+                per_block[state["block"]] += storage.nbytes()
+        return tensor
+
+    def enter(index: int):
+        def hook(module, args, kwargs):
+            state["block"] = index
+            counter.start_block(index)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            state["input"] = hidden.untyped_storage().nbytes()
+            counter.__enter__()  # inside blocks only: the model's mask code calls .item() under any dispatch mode
+
+        return hook
+
+    def leave(module, args, output):
+        state["block"] = None
+        counter.block = None
+        counter.__exit__(None, None, None)
+
+    handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(layers)]
+    handles += [block.register_forward_hook(leave) for block in layers]
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    selective = [counter.saved.get(i, 0) for i in range(len(layers))]
+    return per_block, selective, outside, state["input"]
+
+
+def _fit(values: list[float]) -> Quadratic:
+    """The b·T + c·T² through three measurements at LENGTHS (exact: three points, three coefficients)."""
+    (t1, t2, t3), (y1, y2, y3) = LENGTHS, values
+    # second divided difference gives c; then b from the first two points
+    c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
+    b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
+    return Quadratic(b, c)
+
+
+_PROFILES: dict[tuple, ActivationProfile] = {}
+
+
+def measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
+    """The activation profile of ``config``'s model computing in ``dtype`` (cached per config and dtype)."""
+    key = (config.to_json_string(use_diff=False), dtype)
+    if key not in _PROFILES:
+        _PROFILES[key] = _measure(config, dtype)
+    return _PROFILES[key]
+
+
+def _measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
+    model = meta_model(config).to(dtype)
+    model.train()
+    blocks = len(decoder_layers(model))
+    save_list = compat.torchtitan.op_sac_save_list()
+    try:
+        runs = [_saved_per_block(model, tokens, save_list) for tokens in LENGTHS]
+    except Exception as error:  # noqa: BLE001 - any kernel that needs real memory (Triton) lands here
+        return _formula(config, dtype, blocks, f"{type(error).__name__}")
+    per_block = tuple(_fit([run[0][i] for run in runs]) for i in range(blocks))
+    selective = tuple(_fit([run[1][i] for run in runs]) for i in range(blocks))
+    rest = _fit([run[2] for run in runs])
+    block_input = runs[-1][3] / LENGTHS[-1]
+    return ActivationProfile(per_block, selective, block_input, rest, "measured (meta-device forward, saved tensors)")
+
+
+def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str) -> ActivationProfile:
+    hidden = config.hidden_size * torch.tensor([], dtype=dtype).element_size()
+    block = Quadratic(FALLBACK_TENSORS_PER_HIDDEN * hidden)
+    # op-level SAC keeps the matmul outputs: about a third of them (an assumption, not measured)
+    selective = Quadratic(block.linear / 3 + hidden)
+    return ActivationProfile(
+        (block,) * blocks, (selective,) * blocks, hidden, Quadratic(2 * hidden),
+        f"formula ({FALLBACK_TENSORS_PER_HIDDEN} x hidden per token per block; the meta forward failed: {why})",
+    )
