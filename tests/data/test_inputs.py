@@ -105,13 +105,13 @@ def test_dataset_with_columns_but_no_rows_is_a_config_error_before_the_first_bat
 
 def test_fewer_documents_than_data_shards_is_a_config_error():
     dataset = datasets.Dataset.from_dict({"text": ["a", "b", "c"]})
-    with pytest.raises(ConfigError, match="3 documents, fewer than the 4 data shards.*--training.data_shards"):
+    with pytest.raises(ConfigError, match="3 documents to train on, fewer than the 4 data shards.*--training.data_shards"):
         MapStream(dataset, "text", 0, 4, seed=0, name="tiny")
 
 
 @pytest.mark.parametrize(
     "streaming, message",
-    [(False, "3 documents, fewer than the 4 data shards"), (True, "gives data shard 3 no documents")],
+    [(False, "3 documents to train on, fewer than the 4 data shards"), (True, "gives data shard 3 no documents")],
     ids=["map-style", "streaming"],
 )
 def test_fewer_documents_than_data_shards_is_a_config_error_before_the_first_batch(
