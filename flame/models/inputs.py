@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from flame.batch_context import BatchContext
-from flame.components.loss import LossHead
 from flame.models import attention
 from flame.models.support import Documents, support_for
 
@@ -88,6 +87,9 @@ def batch_inputs(
     share of the tokens; the context (within ``step``'s) holds the batch's documents and, for a
     fused loss head, its targets. Training and validation compute their batches alike.
     """
+    # here, not at the top: flame.models must import without torchtitan (flame.register() for exports)
+    from flame.components.loss import LossHead
+
     layout = None
     if context_parallel is not None:
         batch, labels, layout = context_parallel.shard(batch, labels)
