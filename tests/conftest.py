@@ -25,6 +25,16 @@ TOKENIZER = "builtin:python-stdlib-bpe"
 T = TypeVar("T")
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Every test leaves os.environ as it found it: flame's launcher, run in-process by some tests, sets
+    WORLD_SIZE as train.sh's preflight does, and a later in-process flame.eval would take it for torchrun's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def flame_env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
