@@ -71,6 +71,8 @@ def evaluate(args: argparse.Namespace, cfg) -> int:
     manager, built = tasks.load(cfg.tasks, cfg.include_path, cfg.metadata)  # before the model: data problems fail fast
     folder = report.output_folder(source, cfg.output_path)
     on = torch.device(args.device) if args.device else default_device
+    if on.type == "cuda":
+        kernels_keep_their_tile_choices()
     network, tokenizer = model.load(source, cfg.model_args.get("dtype", "auto"), on)
     batch_size = model.batch_size_for(network, cfg.batch_size)
     lm = model.FlameLM(network, tokenizer, rank, world, batch_size=batch_size, max_batch_size=cfg.max_batch_size, **hflm_args)
@@ -98,6 +100,20 @@ def evaluate(args: argparse.Namespace, cfg) -> int:
     table = report.write_table(results, folder)
     print(f"flame.eval: {source.label}: results in {os.path.dirname(table)}")
     return 0
+
+
+def kernels_keep_their_tile_choices() -> None:
+    """fla's kernels read their autotune choices from this machine's Triton cache, as in training (train.sh).
+
+    A Triton kernel that autotunes picks its tile sizes by timing them, so two processes can pick
+    differently and sum in another order: scores would then differ in the last digits between one
+    GPU and several, or between two runs. Cached choices (flame's shipped ones, then each new
+    shape's first winner) make every later process use the same tiles, and skip the tuning.
+    """
+    from flame import autotune
+
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    autotune.install()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,11 @@ def batch_size_for(model: torch.nn.Module, batch_size: int | str) -> int | str:
     return 1
 
 
+def bucket_length(length: int) -> int:
+    """The next power of two up to 512, then the next multiple of 512: a dozen lengths cover 0-4096."""
+    return 1 << max(length - 1, 0).bit_length() if length <= 512 else -(-length // 512) * 512
+
+
 class FlameLM(HFLM):
     """lm-eval's HF model around a model flame loaded, its requests shared over flame.eval's processes.
 
@@ -131,6 +136,22 @@ class FlameLM(HFLM):
     def __init__(self, model, tokenizer, rank: int, world_size: int, **hflm_args):
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_args)
         self._rank, self._world_size = rank, world_size
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """lm-eval's forward, on a GPU with the batch right-padded to one of a few lengths (``bucket_length``).
+
+        Most fla kernels take the sequence length as a Triton compile-time constant, and lm-eval's
+        batches come in every length, so each new length compiles every kernel again (about a
+        second a batch). The added tokens are to the right of every real one, which a causal model
+        cannot see, and their logits are cut off. On the CPU nothing compiles, so batches go as
+        lm-eval makes them.
+        """
+        length = inps.shape[1]
+        padded = min(bucket_length(length), max(self.max_length, length))
+        if inps.device.type != "cuda" or attn_mask is not None or padded == length:
+            return super()._model_call(inps, attn_mask, labels)
+        filler = inps.new_full((inps.shape[0], padded - length), self.tokenizer.pad_token_id or 0)
+        return super()._model_call(torch.cat([inps, filler], dim=1))[:, :length]
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
