@@ -232,6 +232,19 @@ SUITES = {
         configs=("configs/transformer_340M.json",),
         steps=60, tokens=16384, timeout=240,
     ),
+    "ssm": Suite(
+        "one GPU: the Mamba2 kernel tests (tests/gpu/test_mamba2_gpu.py), then 340M mamba2 (flame's forward on "
+        "fla's Triton conv and scan, documents isolated), samba and gla on one varlen row per step: the loss falls, "
+        "tokens/s, MFU and peak memory",
+        report="runs",
+        setup=(Command("mamba2_tests", (*PYTEST, "tests/gpu/test_mamba2_gpu.py")),),
+        per_config=(Run("train", 1),),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "5", "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", *NO_CHECKPOINT),
+        configs=("configs/mamba2_340M.json", "configs/gla_340M.json", "configs/samba_340M.json"),
+        steps=30, tokens=32768, timeout=400,
+    ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",

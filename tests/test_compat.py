@@ -89,16 +89,18 @@ def test_applying_flames_changes_to_fla_again_changes_nothing():
     from triton.runtime.autotuner import Autotuner
 
     registry.import_fla()
-    from fla.layers import log_linear_mamba2, mamba3, moba
+    from fla.layers import log_linear_mamba2, mamba2, mamba3, moba
     from fla.ops.deltaformer import parallel
 
     def state():
         keys = [list(kernel.keys) for kernel in vars(parallel).values() if isinstance(kernel, Autotuner)]
-        return log_linear_mamba2.chunk_log_linear_attn, moba.parallel_moba, mamba3.RMSNormGated, keys
+        return (log_linear_mamba2.chunk_log_linear_attn, moba.parallel_moba, mamba3.RMSNormGated, mamba2.Mamba2.forward,
+                keys)
 
     changed, applied = state(), guard.applied()
     compat.apply_after_fla_import(registry.FLASH_ATTN)
-    for patch in (compat.fla.level_scales_in_query_dtype, compat.fla.outside_compiled_graphs):
+    for patch in (compat.fla.level_scales_in_query_dtype, compat.fla.outside_compiled_graphs,
+                  compat.fla_mamba2.mamba2_keeps_documents_apart):
         patch()
     assert state() == changed
     assert guard.applied() == applied and len(set(applied)) == len(applied)

@@ -187,17 +187,12 @@ def _mamba2_sizes(mixer, tp: int) -> dict[str, int]:
 
 
 def _mamba2_refusal(config) -> str | None:
-    from fla.layers import mamba2
-
-    if mamba2.is_fast_path_available:
-        return ("with mamba_ssm installed, fla fuses Mamba2's norm and out_proj into one kernel that tensor "
-                "parallelism cannot split; uninstall mamba_ssm (fla then runs its PyTorch path)")
     if not config.rmsnorm:
         return "rmsnorm false: flame's plan moves the output to sequence shards at the gated norm; set rmsnorm to true"
     return None
 
 
-# Mamba2 (fla's PyTorch path, which runs when mamba_ssm is absent): x, z, dt and the scan split
+# Mamba2 (flame's forward, flame.compat.fla_mamba2, whatever is installed): x, z, dt and the scan split
 # by heads; B and C (n_groups groups shared by heads h, h + n_groups, ...) computed whole on
 # every rank, so each rank's heads (a multiple of n_groups) meet their groups. The gated norm
 # spans the heads of a group, so the scan output moves to sequence shards first (all-to-all) and

@@ -176,8 +176,9 @@ _RECORDS = (
     _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
     _fla("mamba", SSM, **_rows_whole("its Mamba layers ignore cu_seqlens"), notes=_MAMBA_SCAN),
-    _fla("mamba2", SSM, **_rows_whole("its Mamba2 layers ignore cu_seqlens"), tensor_parallel_plan="mamba2",
-         notes="tensor parallel without mamba_ssm installed and with rmsnorm true"),
+    _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
+         notes="trains on fla's Triton conv and scan (flame.compat.fla_mamba2; mamba_ssm unused); tensor parallel "
+               "with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
     _fla("mesa_net", LINEAR),
     _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",)),

@@ -1,0 +1,213 @@
+"""fla's Mamba2 layer trained through fla's own Triton kernels, its packed documents kept apart.
+
+Written for fla-core 0.6.0. Upstream, fla's ``Mamba2`` layer trains through mamba_ssm's fused
+kernel where mamba_ssm is installed (which also needs causal_conv1d's CUDA build) and passes it
+no document boundaries (``seq_idx=None``); without mamba_ssm it runs ``torch_forward``, a
+PyTorch reference that materializes chunk x chunk x heads x state tensors (out of memory at
+340M x 8K tokens on an 80 GB GPU) and also ignores ``cu_seqlens``.
+
+flame's forward computes the same function of the same parameters (fla checkpoints and flame
+exports load unchanged) with each document of a packed row on its own:
+
+    in_proj -> z | xBC | dt (fla's split) -> causal depthwise conv, restarting at each document
+    -> x | B | C -> SSD scan -> + D x -> gated RMS norm (or x silu(z)) -> out_proj
+
+The SSD scan with a scalar decay per head is simple GLA's recurrence,
+``S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = q_t S_t``, with q = C, k = B (head h reads group
+h mod n_groups, as fla's ``torch_forward`` pairs them), v = dt x, g = dt A, dt =
+clamp(softplus(dt + dt_bias), dt_limit), A = -exp(A_log). On CUDA the conv and the scan are
+fla's Triton ``causal_conv1d`` and ``chunk_simple_gla``, both taking ``cu_seqlens``; elsewhere
+(CPU tests) a chunked PyTorch scan of the same math with the same resets. Decoding with a
+cache (``generate`` after the prompt) keeps fla's own path; the prompt's states come from here.
+
+The documents arrive as the layer's ``cu_seqlens`` argument: fla's models pass their keyword
+inputs down to every layer, and flame gives fla models ``cu_seqlens`` (flame.models.inputs).
+"""
+
+import functools
+import importlib
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from flame.compat.fla import FLA
+from flame.compat.guard import Target, patch
+
+FLA_MAMBA2 = "fla.layers.mamba2"
+CHUNK = 64  # the PyTorch scan's chunk length: any length gives the same result
+
+
+@patch(
+    FLA,
+    Target(FLA, FLA_MAMBA2, "Mamba2.forward", ("self", "hidden_states", "attention_mask", "past_key_values", "use_cache")),
+    Target(FLA, FLA_MAMBA2, "get_layer_cache", ("module", "past_key_values")),
+    Target(FLA, FLA_MAMBA2, "update_layer_cache", ("module", "past_key_values")),
+    Target(FLA, "fla.modules.causal_conv1d", "causal_conv1d", ("x", "weight", "bias")),
+    Target(FLA, "fla.ops.simple_gla", "chunk_simple_gla", ("q", "k", "v", "g", "g_gamma", "scale")),
+)
+def mamba2_keeps_documents_apart() -> None:
+    """Train fla's Mamba2 layers on fla's Triton kernels, each packed document on its own (module docstring)."""
+    layer = importlib.import_module(FLA_MAMBA2)
+    layer.Mamba2.forward = forward_keeping_documents_apart(layer.Mamba2.forward)
+
+
+def forward_keeping_documents_apart(fla_forward: Callable) -> Callable:
+    """fla's ``Mamba2.forward`` with flame's prefill; decoding from a cache stays fla's."""
+    if getattr(fla_forward, "keeps_documents_apart", False):
+        return fla_forward
+
+    @functools.wraps(fla_forward)
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
+                output_attentions=False, cu_seqlens=None, **kwargs):
+        fla_layer = sys.modules[FLA_MAMBA2]
+        if hidden_states.shape[1] == 0 or fla_layer.get_layer_cache(self, past_key_values) is not None:
+            return fla_forward(self, hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
+                               cu_seqlens=cu_seqlens, **kwargs)
+        output, conv_state, ssm_state = prefill(self, hidden_states, attention_mask, cu_seqlens, use_cache)
+        fla_layer.update_layer_cache(self, past_key_values, recurrent_state=ssm_state, conv_state=conv_state,
+                                     offset=hidden_states.shape[1])
+        return output, None, past_key_values
+
+    forward.keeps_documents_apart = True
+    return forward
+
+
+def prefill(mixer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            cu_seqlens: torch.Tensor | None = None, use_cache: bool = False, kernels: bool | None = None):
+    """(output, conv states, SSM states) of fla's ``Mamba2`` layer ``mixer`` over whole sequences.
+
+    ``cu_seqlens``: the documents of a single packed row; without, each row is one sequence.
+    ``kernels``: fla's Triton conv and scan (default: on CUDA tensors) or flame's PyTorch ones.
+    The states (fla's cache layout, one per sequence) are computed with ``use_cache`` only.
+    Sizes are read from ``mixer`` when called: under tensor parallelism they are this rank's.
+    """
+    kernels = hidden_states.is_cuda if kernels is None else kernels
+    if cu_seqlens is not None and hidden_states.shape[0] != 1:
+        raise ValueError(f"Mamba2 takes cu_seqlens over one row; got {hidden_states.shape[0]} rows")
+    dtype = hidden_states.dtype
+    padding = attention_mask[:, :, None] if attention_mask is not None and attention_mask.dim() == 2 else None
+    if padding is not None:  # fla zeroes padded tokens before the projection and around the conv
+        hidden_states = (hidden_states * padding).to(dtype)
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    projected = mixer.in_proj(hidden_states)
+    inner = mixer.intermediate_size
+    d_mlp = (projected.shape[-1] - 2 * inner - 2 * groups * state - heads) // 2
+    _, _, gate, xbc, dt = projected.split([d_mlp, d_mlp, inner, mixer.conv_dim, heads], dim=-1)
+    if padding is not None:
+        xbc = (xbc * padding).to(xbc.dtype)
+    conv_state = last_inputs(xbc, mixer.conv_kernel_size, cu_seqlens) if use_cache else None
+    xbc = (conv_kernel if kernels else conv_torch)(mixer, xbc, cu_seqlens)
+    if padding is not None:
+        xbc = (xbc * padding).to(xbc.dtype)
+    x, B, C = xbc.split([inner, groups * state, groups * state], dim=-1)
+
+    dt = torch.clamp(F.softplus(dt + mixer.dt_bias), mixer.dt_limit[0], mixer.dt_limit[1]).float()
+    A = -torch.exp(mixer.A_log.float())
+    x = x.unflatten(-1, (heads, head_dim))
+    # head h reads group h mod n_groups (fla's torch_forward repeats the groups)
+    B, C = (t.unflatten(-1, (groups, state)).repeat(1, 1, heads // groups, 1) for t in (B, C))
+    v, g = x.float() * dt[..., None], dt * A
+    if kernels:
+        y, ssm_state = scan_kernel(C, B, v.to(x.dtype), g, cu_seqlens, use_cache)
+    else:
+        y, ssm_state = scan_torch(C.float(), B.float(), v, g, cu_seqlens, use_cache)
+    y = (y.float() + x.float() * mixer._get_D(expand_to_head_dim=True)).flatten(-2)
+    y = mixer.norm(y, gate) if mixer.rmsnorm else y * mixer.act(gate)
+    return mixer.out_proj(y.to(dtype)), conv_state, ssm_state
+
+
+def last_inputs(xbc: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's last ``width`` conv inputs, zeros before its start: fla's conv cache [N, channels, width]."""
+    if cu_seqlens is None:
+        return F.pad(xbc.transpose(1, 2), (width - xbc.shape[1], 0))
+    taken = cu_seqlens[1:, None].long() - width + torch.arange(width, device=xbc.device)
+    inside = (taken >= cu_seqlens[:-1, None]).to(xbc.dtype)
+    return (xbc[0, taken.clamp(min=0)] * inside[..., None]).transpose(1, 2)
+
+
+def conv_kernel(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """fla's Triton causal conv (restarting at each document), then the layer's activation."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    fused = mixer.activation in ("silu", "swish")  # the kernel's one activation
+    out, _ = causal_conv1d(x=xbc, weight=mixer.conv1d.weight.squeeze(1), bias=mixer.conv1d.bias,
+                           activation=mixer.activation if fused else None, cu_seqlens=cu_seqlens)
+    return out if fused else mixer.act(out)
+
+
+def positions(length: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, position within it) of each token of a row."""
+    index = torch.arange(length, device=device)
+    if cu_seqlens is None:
+        return torch.zeros_like(index), index
+    document = torch.searchsorted(cu_seqlens[1:].long(), index, right=True)
+    return document, index - cu_seqlens.long()[document]
+
+
+def conv_torch(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The layer's depthwise causal conv and activation in PyTorch, no input reaching across a document start."""
+    weight, length = mixer.conv1d.weight[:, 0], xbc.shape[1]  # [channels, width]; the last tap reads token t
+    width = weight.shape[-1]
+    _, position = positions(length, cu_seqlens, xbc.device)
+    out = torch.zeros_like(xbc)
+    for back in range(width):  # the input ``back`` tokens earlier, where it is in the same document
+        earlier = F.pad(xbc, (0, 0, back, 0))[:, :length] * (position >= back)[None, :, None].to(xbc.dtype)
+        out = out + earlier * weight[:, width - 1 - back]
+    if mixer.conv1d.bias is not None:
+        out = out + mixer.conv1d.bias
+    return mixer.act(out)
+
+
+def scan_kernel(q, k, v, g, cu_seqlens, final_states: bool):
+    """fla's chunked simple-GLA kernel: o_t = q_t S_t, S_t = exp(g_t) S_{t-1} + k_t v_t^T, restarting per document."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    o, states = chunk_simple_gla(q, k, v, g, scale=1.0, output_final_state=final_states, state_v_first=True,
+                                 cu_seqlens=cu_seqlens)
+    return o, states.float() if final_states else None
+
+
+def scan_torch(q, k, v, g, cu_seqlens, final_states: bool, chunk: int = CHUNK):
+    """``scan_kernel``'s recurrence in PyTorch, chunk by chunk (float32; states [N, heads, value, key]).
+
+    Within a chunk, token i reads token j <= i of its own document with weight exp(G_i - G_j)
+    (G: the chunk's running sum of g); the state entering a chunk reaches the tokens that
+    continue the document it belongs to, decayed by exp(G_i).
+    """
+    rows, length, heads, _ = k.shape
+    document, _ = positions(length, cu_seqlens, k.device)
+    pad = -length % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, chunk)) for t in (q, k, v))
+    G = F.pad(g, (0, 0, 0, pad)).unflatten(1, (-1, chunk)).cumsum(2)  # [rows, chunks, chunk, heads]
+    document = F.pad(document, (0, pad), value=-1).view(-1, chunk)  # padding: a document of its own
+    chunks = document.shape[0]
+
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    reads = (document[:, :, None] == document[:, None, :]) & causal  # [chunks, i, j]
+    decay = (G[:, :, :, None] - G[:, :, None]).masked_fill(~reads[None, ..., None], float("-inf")).exp()
+    o = torch.einsum("bcijh,bcjhp->bcihp", torch.einsum("bcihn,bcjhn->bcijh", q, k) * decay, v)
+
+    # each chunk's contribution to the state at its end (its last document's tokens), and whether the
+    # state entering it reaches that end (no document starts inside it)
+    to_end = (G[:, :, -1:] - G).exp() * (document == document[:, -1:])[None, ..., None]
+    local = torch.einsum("bcjhn,bcjhp->bchpn", to_end[..., None] * k, v)
+    before = torch.cat([document.new_full((1,), -2), document[:-1, -1]])  # the document of the token before each chunk
+    continues = (document == before[:, None]).to(G.dtype)  # [chunks, i]
+    entering, carried = [], k.new_zeros(rows, heads, v.shape[-1], k.shape[-1])
+    for c in range(chunks):
+        entering.append(carried)
+        carried = carried * G[:, c, -1].exp()[..., None, None] * continues[c, -1] + local[:, c]
+    entering = torch.stack(entering, 1)  # [rows, chunks, heads, value, key]
+    reach = G.exp() * continues[None, ..., None]
+    o = o + torch.einsum("bcih,bcihn,bchpn->bcihp", reach, q, entering)
+    o = o.flatten(1, 2)[:, :length]
+    if not final_states:
+        return o, None
+    # the state after each sequence's last token
+    ends = (cu_seqlens[1:].long() - 1) if cu_seqlens is not None else torch.tensor([length - 1], device=k.device)
+    c, i = ends // chunk, ends % chunk
+    own = torch.einsum("bmjhn,bmjhp->bmhpn", decay[:, c, i][..., None] * k[:, c], v[:, c])
+    states = own + entering[:, c] * reach[:, c, i][..., None, None]
+    return o, states.flatten(0, 1)

@@ -1,0 +1,85 @@
+"""fla's Triton conv and scan under Triton's interpreter (CPU): flame's Mamba2 kernel path = its PyTorch path.
+
+    TRITON_INTERPRET=1 python tests/scripts/mamba2_interpreted.py
+
+One tiny Mamba2 layer (float32, PyTorch norms) over a packed row of documents: output, every
+gradient and the per-document cache states of ``flame.compat.fla_mamba2.prefill`` with
+``kernels=True`` (fla's ``causal_conv1d`` and ``chunk_simple_gla``, interpreted) against
+``kernels=False``. Prints ``kernels = pytorch`` when they agree, else raises.
+
+Two gaps in Triton 3.6's interpreter are bridged here, for this process only: it turns a
+1-element array into an index with ``int()``, which NumPy 2.4 refuses; and a ``for`` loop's
+variable is a Python int, on which fla's kernels call ``.to()``. Autotuning runs the first
+config once (the interpreter has no timer; every config computes the same result).
+"""
+
+import ast
+import os
+import types
+
+import torch
+from triton.runtime import interpreter
+from triton.runtime.autotuner import Autotuner
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+
+def _patch_tensor(tensor, scope):
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+def _loop_variable_as_tensor(self, node):
+    self.generic_visit(node)
+    if isinstance(node.target, ast.Name):  # first statement of the body: i = interpreter_semantic.to_tensor(i, False)
+        to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                                  ctx=ast.Load())
+        node.body.insert(0, ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())], value=ast.Call(
+            func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()), ast.Constant(value=False)], keywords=[])))
+    return node
+
+
+_patch_lang_tensor = interpreter._patch_lang_tensor
+interpreter._patch_lang_tensor = _patch_tensor
+interpreter.ASTTransformer.visit_For = _loop_variable_as_tensor
+_prune = Autotuner.prune_configs
+Autotuner.prune_configs = lambda self, kwargs: _prune(self, kwargs)[:1]
+Autotuner.do_bench = property(lambda self: lambda call, quantiles: (call(), [0.0, 0.0, 0.0])[1])
+
+from flame.compat import fla_mamba2
+from flame.models import registry
+from tests.scripts.torch_kernels import _rms_norm_gated
+
+
+def main() -> None:
+    registry.import_fla()
+    from fla.layers.mamba2 import Mamba2
+
+    torch.manual_seed(0)
+    layer = Mamba2(num_heads=4, head_dim=8, hidden_size=16, state_size=8, expand=2, n_groups=2, layer_idx=0)
+    layer.norm.forward = types.MethodType(_rms_norm_gated, layer.norm)
+    layer.act = torch.nn.functional.silu
+    lengths = [9, 2, 30, 7]
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    hidden = torch.randn(1, sum(lengths), 16, requires_grad=True)
+    weights = torch.randn(1, sum(lengths), 16)
+    results = []
+    for kernels in (True, False):
+        layer.zero_grad()
+        hidden.grad = None
+        out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=True,
+                                                        kernels=kernels)
+        (out * weights).sum().backward()
+        grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        results.append({"output": out.detach(), "conv_state": conv_state, "ssm_state": ssm_state,
+                        "input grad": hidden.grad.clone(), **grads})
+    interpreted, pytorch = results
+    for name, want in pytorch.items():
+        error = float((interpreted[name] - want).abs().max().detach() / want.abs().max().clamp(min=1e-6))
+        print(f"{name}: {error:.2e}")
+        assert error < 1e-4, (name, error)
+    print("kernels = pytorch")
+
+
+if __name__ == "__main__":
+    main()
