@@ -168,7 +168,7 @@ def test_padded_batches_score_as_one_sequence_at_a_time(config, tmp_path):
 def test_model_types_that_ignore_padding_are_scored_one_sequence_at_a_time():
     from flame.eval.model import batch_size_for
 
-    assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="mamba")), 64) == 1  # ignores cu_seqlens
+    assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="abc")), 64) == 1  # refuses cu_seqlens
     assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="gla")), 64) == 64  # unpads by the mask
     assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="llama")), "auto") == "auto"
 
