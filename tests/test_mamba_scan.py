@@ -96,6 +96,18 @@ def test_cached_decoding_keeps_flas_path_and_refuses_packed_documents():
     torch.testing.assert_close(layer(hidden, use_cache=True)[0], layer.slow_forward(hidden)[0])
 
 
+def test_a_left_padded_batch_gives_each_sequence_its_results_alone():
+    # flame.eval batches padded sequences for the types that honour padding (their record)
+    layer = mamba_layer()
+    short, long_ = torch.randn(1, 16, 32), torch.randn(1, 21, 32)
+    padded = torch.cat([torch.cat([torch.randn(1, 5, 32), short], dim=1), long_])
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[0, :5] = 0
+    out = layer(padded, attention_mask=mask)[0]
+    torch.testing.assert_close(out[:1, 5:], layer(short)[0])
+    torch.testing.assert_close(out[1:], layer(long_)[0])
+
+
 @pytest.fixture
 def fla_on_cpu(monkeypatch):
     """PyTorch stand-ins for the Triton kernels of fla's norms, rotary embeddings and SwiGLU (CUDA only)."""
@@ -142,7 +154,7 @@ def test_a_packed_row_computes_its_documents_as_if_run_separately(fla_on_cpu, mo
     for name, grad in packed_grads.items():
         # float32 sums in another order: a tolerance scaled to each gradient
         atol = 1e-5 * max(grad.abs().max().item(), 1.0)
-        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
     row, _ = run([(ids, {})])  # without the documents the state crosses them
     assert not torch.allclose(row[:, DOCUMENTS[0]:], packed[:, DOCUMENTS[0]:], atol=1e-3)
 
