@@ -176,7 +176,7 @@ def test_gpu_batches_are_padded_to_a_dozen_lengths_up_to_4096():
 def test_model_types_that_ignore_padding_are_scored_one_sequence_at_a_time():
     from flame.eval.model import batch_size_for
 
-    assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="mamba")), 64) == 1  # ignores cu_seqlens
+    assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="abc")), 64) == 1  # refuses cu_seqlens
     assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="gla")), 64) == 64  # unpads by the mask
     assert batch_size_for(SimpleNamespace(config=SimpleNamespace(model_type="llama")), "auto") == "auto"
 

@@ -3,6 +3,7 @@
     torchtitan.py    CPU runs without an accelerator; checkpoint manifests; the private names flame uses
     transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
+    fla_mamba.py     fla's Mamba layer (mamba, samba) with flame's selective scan: fast, documents kept apart
     fla_mamba2.py    fla's Mamba2 layer on fla's Triton conv and scan, packed documents kept apart
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
     triton.py        autotuning that waits for its own stream (pipeline parallelism)
@@ -32,15 +33,15 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-from flame.compat import fla, fla_mamba2, mamba_ssm, transformers, triton
+from flame.compat import fla, fla_mamba, fla_mamba2, mamba_ssm, transformers, triton
 from flame.compat.guard import Patch, applied
 
 if TYPE_CHECKING:
     from torchtitan.config import JobConfig
 
 __all__ = [
-    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba2", "mamba_ssm", "torchtitan", "transformers",
-    "triton",
+    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "fla_mamba2", "mamba_ssm", "torchtitan",
+    "transformers", "triton",
 ]
 
 
@@ -81,8 +82,9 @@ def apply(job_config: "JobConfig") -> None:
 
 
 def apply_after_fla_import(flash_attn: fla.FlashAttn) -> None:
-    """fla's changes, and mamba_ssm's where it is installed (called by flame.models.registry.import_fla only)."""
+    """fla's changes, flame's Mamba scan, and mamba_ssm's where it is installed (by flame.models.registry.import_fla only)."""
     fla.apply(flash_attn)
+    fla_mamba.mamba_scans_documents()
     fla_mamba2.mamba2_keeps_documents_apart()
     if importlib.util.find_spec("mamba_ssm") is not None:  # without it preflight refuses mamba3
         mamba_ssm.apply()

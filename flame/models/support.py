@@ -121,9 +121,8 @@ _HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
 _MEASURED = "packed and separate documents differ (measured, docs/models.md)"
 # fla refuses the gated delta rule's Triton backward on Hopper with the pinned Triton (wrong results, fla #640)
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
-_MAMBA_SCAN = (
-    "fast only with mamba_ssm's and causal_conv1d's CUDA builds; without them fla's Mamba layers scan token by token"
-)
+# flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
+_MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
 _MAMBA_SSM = Package(
     # the Triton files suffice (flame.compat.mamba_ssm loads them): no CUDA build, no dependencies
     "mamba_ssm",
@@ -175,7 +174,7 @@ _RECORDS = (
     _fla("lightnet", LINEAR),
     _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
-    _fla("mamba", SSM, **_rows_whole("its Mamba layers ignore cu_seqlens"), notes=_MAMBA_SCAN),
+    _fla("mamba", SSM, notes=_MAMBA_SCAN),
     _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
          notes="trains on fla's Triton conv and scan (flame.compat.fla_mamba2; mamba_ssm unused); tensor parallel "
                "with rmsnorm true"),
@@ -195,8 +194,7 @@ _RECORDS = (
     _fla("rwkv6", LINEAR),
     _fla("rwkv7", LINEAR,
          compile_fails="inductor fails on an in-place op on a view returned by fla's custom autograd Function"),
-    _fla("samba", HYBRID, **_rows_whole("its Mamba layers ignore cu_seqlens"), softmax_layers=("Attention",),
-         notes=_MAMBA_SCAN),
+    _fla("samba", HYBRID, softmax_layers=("Attention",), notes=_MAMBA_SCAN),
     _fla("stickbreaking_attn", SOFTMAX, compile_fails="the compiled blocks give a NaN loss",
          softmax_layers=("StickBreakingAttention",)),
     # fla's Attention is also the softmax layer of the hybrids' attn layers
