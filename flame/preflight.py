@@ -159,6 +159,8 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
             subject = f"{support.name} with {package.option} true" if package.option else support.name
             alternative = f", or set {package.option} to false in the model config" if package.option else ""
             raise ConfigError(f"{subject} needs {package.purpose}: {package.install} (not installed here){alternative}")
+    if support.tilelang_on_hopper and device.CUDA:
+        check_tilelang_on_hopper(support)
     if job_config.checkpoint.export_as == "llama":  # the export comes after training: refuse it before
         llama_export.check(config)
     if config.model_type == "mamba3":
@@ -167,6 +169,25 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
         check_attention_settings(config)
     if (adapters := lora.LoraSettings.of(job_config.lora)) is not None:
         lora.resolve_targets(meta_model(config), adapters)  # each entry names some layer
+
+
+def check_tilelang_on_hopper(support) -> None:
+    """Refuse a type whose backward fla runs on Hopper only through TileLang, where TileLang is missing.
+
+    With Triton 3.4 to 3.7.0, fla's Triton kernel for the gated chunk backward computes wrong
+    gradients on Hopper (fla issue #640), so fla raises inside the first backward instead, after
+    the kernels compiled and autotuned for minutes; TileLang's kernel replaces it.
+    """
+    import torch
+    import triton
+    from packaging.version import Version
+
+    affected = Version("3.4") <= Version(triton.__version__) < Version("3.7.1")
+    if affected and torch.cuda.get_device_capability()[0] == 9 and importlib.util.find_spec("tilelang") is None:
+        raise ConfigError(
+            f"{support.name} trains on Hopper GPUs with Triton {triton.__version__} only through TileLang (fla runs "
+            "its backward there, Triton's computes it wrong: fla issue #640): pip install tilelang, or Triton >= 3.7.1"
+        )
 
 
 def check_attention_settings(config: PretrainedConfig) -> None:

@@ -88,7 +88,9 @@ def _chunk_summary(
         tl.store(decay_ptr + offset, decay, mask=in_d)
 
 
-@triton.jit
+# CHUNKS stays a runtime value: Triton compiles an integer argument equal to 1 as a constant, and
+# its 3.6 compiler then crashes on the backward loop that never runs (one chunk: a short sequence)
+@triton.jit(do_not_specialize=["CHUNKS"])
 def _carry(local_ptr, decay_ptr, carry_ptr, CHUNKS, DN, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
     """Forward: start[c + 1] = P[c] start[c] + local[c] from start[0] = 0 (carry has CHUNKS + 1 rows).
     Backward: out[c - 1] = local[c] + P[c] out[c] from out[CHUNKS - 1] = 0 (carry has CHUNKS rows)."""

@@ -77,6 +77,9 @@ class ModelSupport:
     packages: tuple[Package, ...] = ()
     gradient_spikes: GradientSpikes | None = None
     softmax_layers: tuple[str, ...] = ()  # its fla layer classes that compute softmax attention (quadratic FLOPs)
+    # its backward runs fla's gated chunk kernel, which fla runs on Hopper only through TileLang with
+    # the pinned Triton (Triton 3.4 to 3.7.0 computes it wrong there, fla issue #640)
+    tilelang_on_hopper: bool = False
     notes: str = ""
 
     @property
@@ -108,6 +111,8 @@ _FLA_DEFAULTS = {
 
 
 def _fla(model_type: str, family: str, **fields) -> ModelSupport:
+    if fields.get("tilelang_on_hopper"):
+        fields["notes"] = "; ".join(filter(None, (fields.get("notes"), _TILELANG_ON_HOPPER)))
     return ModelSupport(model_type, "fla", family, **{**_FLA_DEFAULTS, **fields})
 
 
@@ -119,7 +124,6 @@ SOFTMAX, SPARSE, LINEAR, SSM, HYBRID = "softmax attention", "sparse attention", 
 _ATTENTION_CP = {"context_parallel": ContextParallelism.ATTENTION}
 _HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
 _MEASURED = "packed and separate documents differ (measured, docs/models.md)"
-# fla refuses the gated delta rule's Triton backward on Hopper with the pinned Triton (wrong results, fla #640)
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
 _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
@@ -156,7 +160,7 @@ _RECORDS = (
     _fla("bitnet", SOFTMAX, softmax_layers=("BitAttention",)),
     _fla("cat", SOFTMAX, **_rows_whole("its layers refuse cu_seqlens"),
          notes="learned position table: rows of at most max_position_embeddings tokens"),
-    _fla("comba", LINEAR, notes=_TILELANG_ON_HOPPER),
+    _fla("comba", LINEAR, tilelang_on_hopper=True),
     _fla("cyclic_flow_attention", LINEAR,
          **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models.md)")),
     _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule"),
@@ -164,7 +168,7 @@ _RECORDS = (
          compile_fails="Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it"),
     _fla("forgetting_transformer", SOFTMAX, softmax_layers=("ForgettingAttention",)),
     _fla("gated_deltanet", LINEAR, tensor_parallel_plan="gated_deltanet",
-         context_parallel=ContextParallelism.FLA_KERNELS, notes=_TILELANG_ON_HOPPER),
+         context_parallel=ContextParallelism.FLA_KERNELS, tilelang_on_hopper=True),
     _fla("gated_deltaproduct", LINEAR, float32_refused_by="chunk_gated_delta_product"),
     _fla("gla", LINEAR, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES),
     _fla("gsa", LINEAR, tensor_parallel_plan="gsa"),
@@ -175,18 +179,18 @@ _RECORDS = (
     _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
     _fla("mamba", SSM, notes=_MAMBA_SCAN),
-    _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
+    _fla("mamba2", SSM, tensor_parallel_plan="mamba2", tilelang_on_hopper=True,
          notes="trains on fla's Triton conv and scan (flame.compat.fla_mamba2; mamba_ssm unused); tensor parallel "
                "with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
     _fla("mesa_net", LINEAR),
     _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",)),
     _fla("moba", SPARSE, packages=(_FLASH_MOBA,)),
-    _fla("mom", LINEAR, **_rows_whole(_MEASURED), notes=_TILELANG_ON_HOPPER),
+    _fla("mom", LINEAR, **_rows_whole(_MEASURED), tilelang_on_hopper=True),
     _fla("nsa", SPARSE, compile_fails="the compiled blocks give a NaN loss"),
     _fla("parallax", LINEAR, compile_fails="inductor fails to compile fla's parallel_parallax_fwd_kernel"),
     _fla("path_attn", SOFTMAX, softmax_layers=("PaTHAttention",)),
-    _fla("precond_gated_deltanet", LINEAR, notes=_TILELANG_ON_HOPPER),
+    _fla("precond_gated_deltanet", LINEAR, tilelang_on_hopper=True),
     _fla("precond_kda", LINEAR),
     _fla("raven", LINEAR, **_rows_whole(_MEASURED)),
     _fla("retnet", LINEAR),
@@ -201,7 +205,7 @@ _RECORDS = (
     _fla("transformer", SOFTMAX, tensor_parallel_plan="fla_transformer", softmax_layers=("Attention",),
          **_ATTENTION_CP),
     _fla("wall_transformer", SOFTMAX),
-    _fla("yoco", HYBRID, notes=_TILELANG_ON_HOPPER),
+    _fla("yoco", HYBRID, tilelang_on_hopper=True),
 )
 RECORDS: dict[str, ModelSupport] = {record.model_type: record for record in _RECORDS}
 
