@@ -39,7 +39,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = sorted(Path(builtin.resolve(builtin.PREFIX + builtin.CORPUS)).glob("*.jsonl"))
     texts = [json.loads(line)["text"] for line in corpus[0].read_text().splitlines()[: args.documents]]
-    data = args.out / "text.jsonl"
+    data = args.out / "flame_bench_text.jsonl"  # not text.jsonl, the name of configs/eval/text.jsonl
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     (args.out / "flame_bench_text.yaml").write_text(TASK.format(data=data.resolve()))
     print(f"{len(texts)} documents, {sum(map(len, texts)):,} characters: --tasks flame_bench_text --include_path {args.out}")
