@@ -131,7 +131,7 @@ def test_generation_continues_from_the_prompt_s_states():
 
 
 def test_fla_s_triton_kernels_give_the_pytorch_results_under_triton_s_interpreter():
-    """fla's causal_conv1d and chunk_simple_gla, interpreted on CPU: flame's kernel path = its PyTorch path."""
+    """fla's causal_conv1d with chunk_simple_gla or chunk_gla, interpreted on CPU: flame's kernel paths = its PyTorch path."""
     result = check(subprocess.run([sys.executable, str(SCRIPTS / "mamba2_interpreted.py")], check=False, cwd=ROOT,
                                   env={**flame_env(threads=2), "TRITON_INTERPRET": "1"}, capture_output=True,
                                   text=True, timeout=600))

@@ -207,10 +207,10 @@ def test_types_whose_hopper_backward_needs_tilelang_are_refused_without_it(monke
     monkeypatch.setattr(triton, "__version__", triton_version)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tilelang" else find_spec(name, *a))
-    support = support_for("mamba2")
+    support = support_for("gated_deltanet")
     assert support.tilelang_on_hopper and support_for("gla").tilelang_on_hopper is False
     if refused:
-        with pytest.raises(ConfigError, match="fla's mamba2 trains on Hopper GPUs with Triton 3.6.0 only through "
+        with pytest.raises(ConfigError, match="fla's gated_deltanet trains on Hopper GPUs with Triton 3.6.0 only through "
                                               "TileLang .* pip install tilelang"):
             check_tilelang_on_hopper(support)
     else:

@@ -16,7 +16,8 @@ The SSD scan with a scalar decay per head is simple GLA's recurrence,
 ``S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = q_t S_t``, with q = C, k = B (head h reads group
 h mod n_groups, as fla's ``torch_forward`` pairs them), v = dt x, g = dt A, dt =
 clamp(softplus(dt + dt_bias), dt_limit), A = -exp(A_log). On CUDA the conv and the scan are
-fla's Triton ``causal_conv1d`` and ``chunk_simple_gla``, both taking ``cu_seqlens``; elsewhere
+fla's Triton ``causal_conv1d`` and ``chunk_simple_gla`` (``chunk_gla`` where fla refuses simple
+GLA's backward: ``scan_kernel``), both taking ``cu_seqlens``; elsewhere
 (CPU tests) a chunked PyTorch scan of the same math with the same resets. Decoding with a
 cache (``generate`` after the prompt) keeps fla's own path; the prompt's states come from here.
 
@@ -46,6 +47,7 @@ CHUNK = 64  # the PyTorch scan's chunk length: any length gives the same result
     Target(FLA, FLA_MAMBA2, "update_layer_cache", ("module", "past_key_values")),
     Target(FLA, "fla.modules.causal_conv1d", "causal_conv1d", ("x", "weight", "bias")),
     Target(FLA, "fla.ops.simple_gla", "chunk_simple_gla", ("q", "k", "v", "g", "g_gamma", "scale")),
+    Target(FLA, "fla.ops.gla", "chunk_gla", ("q", "k", "v", "g", "scale")),
 )
 def mamba2_keeps_documents_apart() -> None:
     """Train fla's Mamba2 layers on fla's Triton kernels, each packed document on its own (module docstring)."""
@@ -160,12 +162,36 @@ def conv_torch(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tor
     return mixer.act(out)
 
 
-def scan_kernel(q, k, v, g, cu_seqlens, final_states: bool):
-    """fla's chunked simple-GLA kernel: o_t = q_t S_t, S_t = exp(g_t) S_{t-1} + k_t v_t^T, restarting per document."""
-    from fla.ops.simple_gla import chunk_simple_gla
+def simple_gla_backward_refused() -> bool:
+    """Whether fla refuses simple GLA's backward on this GPU: Hopper with Triton 3.4 to 3.7.0.
 
-    o, states = chunk_simple_gla(q, k, v, g, scale=1.0, output_final_state=final_states, state_v_first=True,
-                                 cu_seqlens=cu_seqlens)
+    There fla's Triton kernel for the gated chunk backward computes wrong gradients (fla issue
+    #640), and its TileLang replacement does not take simple GLA's float32 states, so the first
+    backward would raise. GLA's kernels (a decay per key) have their own backward, unaffected.
+    """
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+
+
+def scan_kernel(q, k, v, g, cu_seqlens, final_states: bool, per_key_decay: bool | None = None):
+    """fla's chunked simple-GLA kernel: o_t = q_t S_t, S_t = exp(g_t) S_{t-1} + k_t v_t^T, restarting per document.
+
+    With ``per_key_decay`` (default: where fla refuses simple GLA's backward) fla's GLA kernel runs
+    it instead, each head's decay repeated over its keys: the same recurrence, at the cost of a
+    float32 decay per key and token.
+    """
+    if simple_gla_backward_refused() if per_key_decay is None else per_key_decay:
+        from fla.ops.gla import chunk_gla
+
+        per_key = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()
+        o, states = chunk_gla(q, k, v, per_key, scale=1.0, output_final_state=final_states, state_v_first=True,
+                              cu_seqlens=cu_seqlens)
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        o, states = chunk_simple_gla(q, k, v, g, scale=1.0, output_final_state=final_states, state_v_first=True,
+                                     cu_seqlens=cu_seqlens)
     return o, states.float() if final_states else None
 
 

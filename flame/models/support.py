@@ -179,7 +179,7 @@ _RECORDS = (
     _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
     _fla("mamba", SSM, notes=_MAMBA_SCAN),
-    _fla("mamba2", SSM, tensor_parallel_plan="mamba2", tilelang_on_hopper=True,
+    _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
          notes="trains on fla's Triton conv and scan (flame.compat.fla_mamba2; mamba_ssm unused); tensor parallel "
                "with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),

@@ -64,7 +64,9 @@ def main() -> None:
     hidden = torch.randn(1, sum(lengths), 16, requires_grad=True)
     weights = torch.randn(1, sum(lengths), 16)
     results = []
-    for kernels in (True, False):
+    # fla's simple-GLA kernel, fla's GLA kernel (where fla refuses simple GLA's backward), PyTorch
+    for kernels, per_key_decay in ((True, False), (True, True), (False, False)):
+        fla_mamba2.simple_gla_backward_refused = lambda refused=per_key_decay: refused
         layer.zero_grad()
         hidden.grad = None
         out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=True,
@@ -73,11 +75,12 @@ def main() -> None:
         grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
         results.append({"output": out.detach(), "conv_state": conv_state, "ssm_state": ssm_state,
                         "input grad": hidden.grad.clone(), **grads})
-    interpreted, pytorch = results
-    for name, want in pytorch.items():
-        error = float((interpreted[name] - want).abs().max().detach() / want.abs().max().clamp(min=1e-6))
-        print(f"{name}: {error:.2e}")
-        assert error < 1e-4, (name, error)
+    *interpreted, pytorch = results
+    for kernel, got in zip(("chunk_simple_gla", "chunk_gla"), interpreted, strict=True):
+        for name, want in pytorch.items():
+            error = float((got[name] - want).abs().max().detach() / want.abs().max().clamp(min=1e-6))
+            print(f"{kernel} {name}: {error:.2e}")
+            assert error < 1e-4, (kernel, name, error)
     print("kernels = pytorch")
 
 
