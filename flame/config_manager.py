@@ -32,7 +32,6 @@ from flame.errors import ConfigError
 
 FLAME_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MODULE = "flame.config"
-RUN_CONFIG_FILE = "job_config.json"  # the parsed job config, saved in the dump folder by rank 0
 
 
 def resolve_path(path: str) -> str:

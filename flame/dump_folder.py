@@ -40,6 +40,7 @@ from typing import Any
 from flame.errors import ConfigError
 
 LOCK_FILE = ".flame.lock"
+RUN_CONFIG_FILE = "job_config.json"  # the parsed job config, saved in the dump folder by rank 0 (record_attempt)
 ATTEMPTS = "attempts"
 HEARTBEAT_S = 15.0
 STALE_S = 60.0  # four heartbeats missed: that host's run is dead (or cut off from the filesystem)
@@ -56,9 +57,6 @@ def next_attempt(dump_folder: str) -> int:
 
 def record_attempt(dump_folder: str, attempt: int, job_config: dict[str, Any]) -> None:
     """Write the job config of ``attempt``, which has started, to its own folder and as the dump folder's."""
-    # imported here: the launcher imports this module, and must not wait for torch to refuse a run
-    from flame.config_manager import RUN_CONFIG_FILE
-
     text = json.dumps(job_config, indent=2, default=str)
     folder = os.path.join(dump_folder, ATTEMPTS, str(attempt))
     os.makedirs(folder, exist_ok=True)

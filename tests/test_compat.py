@@ -130,7 +130,7 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     result = check(torchrun(base_args(tiny_model, corpus, tmp_path / "run", steps=1)))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "flame.compat" in line]
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
-    changes = ["torchtitan.checkpoints_with_manifests", *on_cpu, "transformers.attention_implementation",
+    changes = ["torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", *on_cpu, "transformers.attention_implementation",
                "transformers.fused_rotary(llama)"]
     assert len(lines) == 1
     assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")

@@ -57,6 +57,14 @@ def test_export_dtype_is_honoured(bf16_run):
     assert json.loads((dump / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_the_export_imports_no_torchtitan():
+    # torchtitan's import takes seconds, and the export that ends every train.sh run needs none of it
+    code = "import sys, flame.utils.convert_dcp_to_hf; print(sorted(m for m in sys.modules if m.startswith('torchtitan')))"
+    result = check(subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=flame_env(), capture_output=True, text=True,
+                                  timeout=300))
+    assert result.stdout.split("\n")[-2] == "[]"
+
+
 def test_hf_to_dcp_to_training_to_hf_round_trip(tmp_path, tiny_model, corpus):
     from flame.data.tokenizer import load_tokenizer
     from flame.models import load_model_config

@@ -1,6 +1,7 @@
 """flame's changes to other libraries: one seam per library, each change named, guarded, applied explicitly.
 
-    torchtitan.py    CPU runs without an accelerator; checkpoint manifests; the private names flame uses
+    torchtitan.py    CPU runs without an accelerator; checkpoint manifests; no sleep after training; the private
+                     names flame uses
     transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
     fla_mamba.py     fla's Mamba layer (mamba, samba) with flame's selective scan: fast, documents kept apart
@@ -25,19 +26,22 @@ changes nothing; the changes apply where flame calls them:
   model flame builds with fused kernels (--model.fused_kernels).
 ``describe()`` is the startup log's line of the changes applied. The guard refuses to start when
 a change's target is missing or changed, and only warns about another version (guard.py says why).
-The torchtitan seam is imported when first used: loading an export (``flame.register``) needs
-fla's and transformers' seams only, and importing torchtitan costs seconds.
+Each seam is imported when first used (``compat.fla``, ``from flame.compat import fla``): importing
+its library costs seconds (transformers' model code pulls in torch's compiler), and a process
+needs few of them: flame.launch the torchtitan seam only, loading an export (``flame.register``)
+fla's and transformers' seams.
 """
 
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-from flame.compat import fla, fla_mamba, fla_mamba2, mamba_ssm, transformers, triton
 from flame.compat.guard import Patch, applied
 
 if TYPE_CHECKING:
     from torchtitan.config import JobConfig
+
+    from flame.compat import fla
 
 __all__ = [
     "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "fla_mamba2", "mamba_ssm", "torchtitan",
@@ -45,17 +49,20 @@ __all__ = [
 ]
 
 
+_SEAMS = ("fla", "fla_mamba", "fla_mamba2", "mamba_ssm", "torchtitan", "transformers", "triton")
+
+
 def __getattr__(name: str):
-    if name == "torchtitan":
-        return importlib.import_module("flame.compat.torchtitan")
+    if name in _SEAMS:
+        return importlib.import_module(f"flame.compat.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _startup_patches(job_config: "JobConfig") -> list[Patch]:
     from flame import device
-    from flame.compat import torchtitan
+    from flame.compat import torchtitan, triton
 
-    patches = [torchtitan.checkpoints_with_manifests]
+    patches = [torchtitan.checkpoints_with_manifests, torchtitan.ends_without_sleep]
     if not device.CUDA:
         patches.append(torchtitan.cpu_without_accelerator)
     elif job_config.parallelism.pipeline_parallel_degree > 1:
@@ -81,8 +88,10 @@ def apply(job_config: "JobConfig") -> None:
         patch()
 
 
-def apply_after_fla_import(flash_attn: fla.FlashAttn) -> None:
+def apply_after_fla_import(flash_attn: "fla.FlashAttn") -> None:
     """fla's changes, flame's Mamba scan, and mamba_ssm's where it is installed (by flame.models.registry.import_fla only)."""
+    from flame.compat import fla, fla_mamba, fla_mamba2, mamba_ssm
+
     fla.apply(flash_attn)
     fla_mamba.mamba_scans_documents()
     fla_mamba2.mamba2_keeps_documents_apart()

@@ -11,6 +11,8 @@ flame.compat.apply) refuses a torchtitan that lacks one or changed its signature
 
 import contextlib
 import importlib
+import inspect
+import time
 
 import torch
 from torchtitan.components.checkpoint import CheckpointManager
@@ -99,6 +101,43 @@ def checkpoints_with_manifests() -> None:
     from flame.components.checkpoint import FlameCheckpointManager
 
     importlib.import_module(_TRAINER_CHECKPOINT_MANAGER.module).CheckpointManager = FlameCheckpointManager
+
+
+class _TimeWithoutSleep:
+    """The ``time`` module as torchtitan.train sees it after ``ends_without_sleep``: all of it but ``sleep``."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        pass
+
+
+_TRAIN_SLEEP = "time.sleep(2)"  # Trainer.train's only sleep: rank 0's, after the last step
+_TRAIN_TIME = Target(
+    TORCHTITAN, "torchtitan.train", "time",
+    holds=lambda value: value is time or isinstance(value, _TimeWithoutSleep), shape="the time module",
+)
+_TRAINER_TRAIN = Target(
+    TORCHTITAN, "torchtitan.train", "Trainer.train", ("self",),
+    holds=lambda value: inspect.getsource(value).count(_TRAIN_SLEEP) == 1,
+    shape=f"a function calling {_TRAIN_SLEEP} once",
+)
+
+
+@patch(TORCHTITAN, _TRAIN_TIME, _TRAINER_TRAIN)
+def ends_without_sleep() -> None:
+    """Let rank 0 finish training without waiting 2 s.
+
+    Upstream: ``Trainer.train`` ends, on rank 0 only, with ``time.sleep(2)`` "for other ranks to
+    complete" (the module's only sleep). Nothing waits on it: the last step's collectives and the
+    last checkpoint's save have finished on every rank, and torchrun's agent, not rank 0, hosts
+    the rendezvous store the other ranks still use. flame: torchtitan.train's ``time`` is the
+    time module without ``sleep`` (its other use, ``perf_counter``, unchanged), 2 s off every run;
+    torchtitan's log line announcing the sleep stays.
+    """
+    importlib.import_module(_TRAIN_TIME.module).time = _TimeWithoutSleep()
 
 
 # torchtitan's private names flame relies on (resolved when used, so that the guard can name a missing one)

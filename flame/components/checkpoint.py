@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+from torchtitan.components.checkpoint import MODEL, CheckpointManager, ModelWrapper
 from torchtitan.tools.logging import logger
 
 from flame import manifest
@@ -103,6 +103,23 @@ class ManifestRecorder:
             manifest.write_part(folder, self.rank, None, f"{type(error).__name__}: {error}")  # rank 0 says it
 
 
+class AdapterCheckpoint(ModelWrapper):
+    """torchtitan's ModelWrapper for a model with adapters, under the names checkpoints use (``lora.checkpoint_name``)."""
+
+    def _get_state_dict(self) -> dict[str, Any]:
+        state_dict = super()._get_state_dict()
+        self.fqns = {lora.checkpoint_name(fqn): fqn for fqn in state_dict}
+        return {lora.checkpoint_name(fqn): tensor for fqn, tensor in state_dict.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torchtitan passes the whole flattened checkpoint (optimizer, data loader...): the model's part
+        super().load_state_dict({self.fqns[name]: tensor for name, tensor in state_dict.items() if name in self.fqns})
+
+    def base_state_dict(self) -> dict[str, Any]:
+        """The frozen weights only: what a model-only load reads (the adapters keep their init)."""
+        return {name: tensor for name, tensor in self.state_dict().items() if not lora.is_adapter_weight(name)}
+
+
 class FlameCheckpointManager(CheckpointManager):
     """torchtitan's CheckpointManager that records manifests and loads only steps that match theirs."""
 
@@ -111,7 +128,7 @@ class FlameCheckpointManager(CheckpointManager):
         self.recorder = ManifestRecorder() if self.enable and not self.load_only else None
         model_parts = self.states[MODEL].model
         if any(lora.adapted_modules(part) for part in model_parts):
-            self.states[MODEL] = lora.AdapterCheckpoint(model_parts)
+            self.states[MODEL] = AdapterCheckpoint(model_parts)
         self.init_from: str | None = None
 
     def start_from(self, folder: str | None) -> None:
@@ -119,7 +136,7 @@ class FlameCheckpointManager(CheckpointManager):
         self.init_from = folder
 
     def _states_to_load(self, model_only: bool) -> dict[str, Any]:
-        if model_only and isinstance(self.states[MODEL], lora.AdapterCheckpoint):
+        if model_only and isinstance(self.states[MODEL], AdapterCheckpoint):
             logger.info("LoRA: a model-only load reads the base weights; the adapters start from their init")
             return self.states[MODEL].base_state_dict()
         return super()._states_to_load(model_only)

@@ -14,6 +14,7 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from flame.dump_folder import RUN_CONFIG_FILE
 from flame.errors import ConfigError, gist
 from flame.models.support import support_for
 
@@ -40,8 +41,6 @@ class Source:
 
 
 def is_dump_folder(path: str) -> bool:
-    from flame.config_manager import RUN_CONFIG_FILE
-
     return os.path.isfile(os.path.join(path, RUN_CONFIG_FILE))
 
 

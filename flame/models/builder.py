@@ -8,12 +8,9 @@ built model a subclass (same class name, so exports say e.g. ``LlamaForCausalLM`
 parameters and non-persistent buffers such as rotary frequencies alike.
 """
 
-import difflib
 import functools
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,81 +21,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchtitan.protocols import BaseModelArgs
 from torchtitan.tools.logging import logger
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from flame import device
 from flame.components.loss import use_fused_cross_entropy
-from flame.errors import ConfigError, gist
+from flame.errors import ConfigError
 from flame.models import attention, lora
 from flame.models.flops import model_flops
 from flame.models.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
 from flame.models.lora import LoraSettings
-from flame.models.registry import ensure_model_type, fla_model_types
+from flame.models.model_config import load_model_config
 from flame.models.support import Documents, support_for
-
-
-def load_model_config(path: str) -> PretrainedConfig:
-    """The HF config at ``path`` (a config.json or a directory holding one)."""
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(path)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read model config {path}: {gist(error)}; fix it (a JSON object with a model_type)") from None
-    except TypeError:  # transformers indexes the JSON as an object
-        raise ConfigError(f"model config {path} is not a JSON object ({{\"model_type\": ..., ...}})") from None
-    model_type = config_dict.get("model_type")
-    if model_type is None:
-        raise ConfigError(f"model config {path} has no 'model_type'; add one (e.g. \"llama\")")
-    ensure_model_type(model_type)  # imports fla for its types and unknown ones, so the list below has fla's
-    if model_type not in CONFIG_MAPPING:
-        causal_lms = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | fla_model_types()
-        close = difflib.get_close_matches(str(model_type), causal_lms, n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(  # transformers' own list holds hundreds of types, most of them no causal LM
-            f"unknown model_type '{model_type}' in {path}{hint}; custom architectures go under custom_models/. "
-            f"flame trains fla's {', '.join(sorted(fla_model_types()))} and transformers' causal LMs (llama, "
-            "qwen2, qwen3, mistral, ...)"
-        )
-    check_model_sizes(SimpleNamespace(**config_dict), path)  # some fail inside transformers (a division by 0 heads)
-    try:
-        if os.path.isdir(path):
-            config = AutoConfig.from_pretrained(path)  # as transformers loads a model directory
-        else:
-            config = CONFIG_MAPPING[model_type].from_dict(config_dict)
-    except Exception as error:  # transformers' own validation: a value of the wrong type, heads that do not fit ...
-        raise ConfigError(f"model config {path} is not a valid {model_type} config: {gist(error)}; fix it there") from None
-    check_model_sizes(config, path)  # again, with the defaults and the names the config class maps
-    return config
-
-
-# sizes that no model can have below 1, in HF's spellings and fla's
-_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_heads",
-          "num_key_value_heads", "num_kv_heads", "head_dim", "max_position_embeddings")
-
-
-def check_model_sizes(config: PretrainedConfig | SimpleNamespace, path: str) -> None:
-    """Sizes the model cannot be built or run with, which transformers and fla let through to the ranks."""
-    for name in _SIZES:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ConfigError(f"{name} is {value} in the model config {path}; it must be at least 1")
-    for heads, kv_heads in (("num_attention_heads", "num_key_value_heads"), ("num_heads", "num_kv_heads")):
-        h, kv = getattr(config, heads, None), getattr(config, kv_heads, None)
-        if isinstance(h, int) and isinstance(kv, int) and h % kv:
-            raise ConfigError(
-                f"{kv_heads} {kv} does not divide {heads} {h} in the model config {path}: each key/value head serves "
-                f"the same number of query heads, so make {kv_heads} a divisor of {h}"
-            )
-    if isinstance(config, SimpleNamespace):
-        return  # a config class may default head_dim to other than hidden_size / heads: judged once built
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and getattr(config, "head_dim", None) is None and hidden % heads:
-        raise ConfigError(
-            f"num_attention_heads {heads} does not divide hidden_size {hidden} in the model config {path}: each head "
-            f"takes hidden_size / num_attention_heads dimensions; make it a divisor of {hidden} (or set head_dim)"
-        )
 
 
 class TorchtitanInit:

@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import ModelWrapper
 from transformers.pytorch_utils import Conv1D
 
 from flame.errors import ConfigError
@@ -208,23 +207,6 @@ def checkpoint_name(name: str) -> str:
 
 def is_adapter_weight(name: str) -> bool:
     return bool(_ADAPTER_WEIGHT.search(name))
-
-
-class AdapterCheckpoint(ModelWrapper):
-    """torchtitan's ModelWrapper for a model with adapters, under the names checkpoints use (``checkpoint_name``)."""
-
-    def _get_state_dict(self) -> dict[str, Any]:
-        state_dict = super()._get_state_dict()
-        self.fqns = {checkpoint_name(fqn): fqn for fqn in state_dict}
-        return {checkpoint_name(fqn): tensor for fqn, tensor in state_dict.items()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torchtitan passes the whole flattened checkpoint (optimizer, data loader...): the model's part
-        super().load_state_dict({self.fqns[name]: tensor for name, tensor in state_dict.items() if name in self.fqns})
-
-    def base_state_dict(self) -> dict[str, Any]:
-        """The frozen weights only: what a model-only load reads (the adapters keep their init)."""
-        return {name: tensor for name, tensor in self.state_dict().items() if not is_adapter_weight(name)}
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:

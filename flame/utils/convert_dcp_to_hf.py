@@ -36,9 +36,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from flame import manifest
 from flame.checkpoints import complete_steps, weight_mismatches
-from flame.config_manager import RUN_CONFIG_FILE
 from flame.data.tokenizer import load_tokenizer
-from flame.dump_folder import pid_alive
+from flame.dump_folder import RUN_CONFIG_FILE, pid_alive
 from flame.errors import ConfigError
 from flame.models import load_model_config, lora
 from flame.models.registry import meta_model
