@@ -55,6 +55,9 @@ def shipped_choices(root: Path = SHIPPED) -> list[Path]:
 def install(cache: Path | None = None, root: Path = SHIPPED) -> int:
     """Copy the shipped choices that ``cache`` lacks into it; returns how many were copied.
 
+    GPUs of one architecture (an H100 and an H200: both sm_90) tune under the same keys, so their
+    folders can ship a choice for the same key: the first folder's (by name) is the one copied.
+
     A file appears whole or not at all (copied under a temporary name, then renamed), so ranks
     of several runs that share a cache never read half of one.
     """
