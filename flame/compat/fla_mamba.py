@@ -46,7 +46,7 @@ def mamba_mix(
         conv = importlib.import_module(_CONV.module).causal_conv1d
         x, _ = conv(x=x.contiguous(), weight=weight, bias=bias, activation="silu", cu_seqlens=cu_seqlens)
     else:
-        x = document_conv(x, weight, bias, cu_seqlens)
+        x = F.silu(document_conv(x, weight, bias, cu_seqlens))
     if mask is not None:
         x = x * mask
     dt, B, C = torch.split(layer.x_proj(x), [layer.dt_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1)

@@ -150,16 +150,10 @@ def positions(length: int, cu_seqlens: torch.Tensor | None, device: torch.device
 
 def conv_torch(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """The layer's depthwise causal conv and activation in PyTorch, no input reaching across a document start."""
-    weight, length = mixer.conv1d.weight[:, 0], xbc.shape[1]  # [channels, width]; the last tap reads token t
-    width = weight.shape[-1]
-    _, position = positions(length, cu_seqlens, xbc.device)
-    out = torch.zeros_like(xbc)
-    for back in range(width):  # the input ``back`` tokens earlier, where it is in the same document
-        earlier = F.pad(xbc, (0, 0, back, 0))[:, :length] * (position >= back)[None, :, None].to(xbc.dtype)
-        out = out + earlier * weight[:, width - 1 - back]
-    if mixer.conv1d.bias is not None:
-        out = out + mixer.conv1d.bias
-    return mixer.act(out)
+    # imported here: flame.compat imports none of flame.models
+    from flame.models.selective_scan import document_conv
+
+    return mixer.act(document_conv(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, cu_seqlens))
 
 
 def simple_gla_backward_refused() -> bool:

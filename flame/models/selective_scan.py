@@ -31,9 +31,11 @@ def document_starts(rows: int, length: int, cu_seqlens: torch.Tensor | None, dev
 def document_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
-    """silu(causal depthwise convolution) of x [rows, T, D] by weight [D, K], restarting at every document (PyTorch).
+    """Causal depthwise convolution of x [rows, T, D] by weight [D, K], restarting at every document (PyTorch).
 
-    The same as nn.Conv1d(groups=D, padding=K-1) cut to T, with no tap reaching before its document's start.
+    The same as nn.Conv1d(groups=D, padding=K-1) cut to T, with no tap reaching before its
+    document's start; the caller applies the layer's activation. The CPU path of fla's Mamba
+    and Mamba2 layers under flame (flame.compat.fla_mamba, fla_mamba2).
     """
     rows, length, channels = x.shape
     flat = x.reshape(rows * length, channels)
@@ -47,7 +49,7 @@ def document_conv(
         out = out + torch.where((position >= k)[:, None], shifted, 0) * weight[:, width - 1 - k]
     if bias is not None:
         out = out + bias
-    return F.silu(out).reshape(rows, length, channels)
+    return out.reshape(rows, length, channels)
 
 
 def reference_scan(
