@@ -172,18 +172,15 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
 
 
 def check_tilelang_on_hopper(support) -> None:
-    """Refuse a type whose backward fla runs on Hopper only through TileLang, where TileLang is missing.
+    """Refuse a type whose backward fla runs on this GPU only through TileLang, where TileLang is missing.
 
-    With Triton 3.4 to 3.7.0, fla's Triton kernel for the gated chunk backward computes wrong
-    gradients on Hopper (fla issue #640), so fla raises inside the first backward instead, after
-    the kernels compiled and autotuned for minutes; TileLang's kernel replaces it.
+    fla's Triton kernel for the gated chunk backward is refused on Hopper with Triton 3.4 to
+    3.7.0 (flame.compat.fla.gated_chunk_backward_refused), and fla would raise inside the first
+    backward, after the kernels compiled and autotuned for minutes; TileLang's kernel replaces it.
     """
-    import torch
     import triton
-    from packaging.version import Version
 
-    affected = Version("3.4") <= Version(triton.__version__) < Version("3.7.1")
-    if affected and torch.cuda.get_device_capability()[0] == 9 and importlib.util.find_spec("tilelang") is None:
+    if compat.fla.gated_chunk_backward_refused() and importlib.util.find_spec("tilelang") is None:
         raise ConfigError(
             f"{support.name} trains on Hopper GPUs with Triton {triton.__version__} only through TileLang (fla runs "
             "its backward there, Triton's computes it wrong: fla issue #640): pip install tilelang, or Triton >= 3.7.1"

@@ -33,6 +33,18 @@ class FlashAttn:
     varlen_backward: Callable  # ... and _flash_attn_varlen_backward
 
 
+def gated_chunk_backward_refused() -> bool:
+    """Whether fla refuses its Triton kernel for the gated chunk backward on this GPU.
+
+    fla's ``chunk_bwd_dqkwg`` with a gate computes wrong gradients on Hopper with Triton 3.4 to
+    3.7.0 (fla issue #640), so fla raises there unless TileLang's kernel replaces it (which it
+    does for the gated delta rule family, not for simple GLA's float32 states). fla's own flags.
+    """
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+
+
 # fla modules that import flash-attn at module level -> the name fla sets to None without it
 FLA_FLASH_ATTN_USERS = {
     "fla.layers.attn": "flash_attn_func",

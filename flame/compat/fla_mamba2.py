@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from flame.compat.fla import FLA
+from flame.compat.fla import FLA, gated_chunk_backward_refused
 from flame.compat.guard import Target, patch
 
 FLA_MAMBA2 = "fla.layers.mamba2"
@@ -156,26 +156,15 @@ def conv_torch(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tor
     return mixer.act(document_conv(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, cu_seqlens))
 
 
-def simple_gla_backward_refused() -> bool:
-    """Whether fla refuses simple GLA's backward on this GPU: Hopper with Triton 3.4 to 3.7.0.
-
-    There fla's Triton kernel for the gated chunk backward computes wrong gradients (fla issue
-    #640), and its TileLang replacement does not take simple GLA's float32 states, so the first
-    backward would raise. GLA's kernels (a decay per key) have their own backward, unaffected.
-    """
-    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-
-    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
-
-
 def scan_kernel(q, k, v, g, cu_seqlens, final_states: bool, per_key_decay: bool | None = None):
     """fla's chunked simple-GLA kernel: o_t = q_t S_t, S_t = exp(g_t) S_{t-1} + k_t v_t^T, restarting per document.
 
-    With ``per_key_decay`` (default: where fla refuses simple GLA's backward) fla's GLA kernel runs
-    it instead, each head's decay repeated over its keys: the same recurrence, at the cost of a
-    float32 decay per key and token.
+    With ``per_key_decay`` (default: where fla refuses simple GLA's backward, Hopper with Triton 3.4
+    to 3.7.0: flame.compat.fla.gated_chunk_backward_refused; TileLang does not replace it for
+    simple GLA) fla's GLA kernel runs it instead, each head's decay repeated over its keys: the
+    same recurrence, with its own backward, at the cost of a float32 decay per key and token.
     """
-    if simple_gla_backward_refused() if per_key_decay is None else per_key_decay:
+    if gated_chunk_backward_refused() if per_key_decay is None else per_key_decay:
         from fla.ops.gla import chunk_gla
 
         per_key = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()

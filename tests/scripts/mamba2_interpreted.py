@@ -66,7 +66,7 @@ def main() -> None:
     results = []
     # fla's simple-GLA kernel, fla's GLA kernel (where fla refuses simple GLA's backward), PyTorch
     for kernels, per_key_decay in ((True, False), (True, True), (False, False)):
-        fla_mamba2.simple_gla_backward_refused = lambda refused=per_key_decay: refused
+        fla_mamba2.gated_chunk_backward_refused = lambda refused=per_key_decay: refused
         layer.zero_grad()
         hidden.grad = None
         out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=True,
