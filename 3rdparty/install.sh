@@ -5,7 +5,7 @@
 #
 # - torch is installed first (FLAME_TORCH, default torch==2.13.0: the CPU build on machines
 #   that have it locally, the CUDA build from PyPI elsewhere), then 3rdparty/requirements.txt
-#   with torch held to what is installed, then flame itself (editable).
+#   with torch held to what is installed, mamba_ssm's Triton kernels, then flame itself (editable).
 # - A source checkout placed at 3rdparty/torchtitan or 3rdparty/flash-linear-attention is
 #   installed editable instead of the pinned wheel.
 # - FLAME_PYTHON=/path/to/python skips all of this and uses that interpreter as it is
@@ -54,6 +54,11 @@ fi
     esac
   done
   "${pip[@]}" -r "$requirements" -c "$constraints"
+  # mamba_ssm's Triton kernels (Mamba-2's SSD scan, Mamba-3's scans) without its CUDA extensions:
+  # a pure-Python build of seconds, with no nvcc; flame.compat.mamba_ssm imports the kernel files
+  # alone. Its declared dependencies (TileLang and others) are left out: the Triton kernels need none.
+  "${pip[@]}" setuptools wheel packaging
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "${pip[@]}" --no-build-isolation --no-deps mamba-ssm==2.3.2.post1
   for name in "${checkouts[@]}"; do
     echo "flame: installing 3rdparty/$name (editable source checkout)"
     "${pip[@]}" --no-deps -e "$root/3rdparty/$name"

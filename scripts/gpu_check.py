@@ -19,7 +19,10 @@ On a GPU machine without network, install the carried wheels first, in the same 
 
 The gated delta-rule family needs TileLang on Hopper: carry .gpu-extra/ as well
 (scripts/bench/tilelang_bundle.sh makes it) and add `tar xJf .gpu-extra/tilelang.tar.xz -C /tmp/site`
-after the pip line. Carry .kernel-cache/ to start with earlier machines' autotune choices.
+after the pip line. mamba2 trains on mamba_ssm's SSD kernel, which 3rdparty/install.sh builds
+without CUDA; put its wheel beside the others once (`MAMBA_SKIP_CUDA_BUILD=TRUE
+MAMBA_FORCE_BUILD=TRUE pip wheel --no-build-isolation --no-deps mamba-ssm==2.3.2.post1 -w .whl`).
+Carry .kernel-cache/ to start with earlier machines' autotune choices.
 """
 
 import argparse

@@ -1,8 +1,8 @@
 """fla's Mamba2 layer under flame (flame.compat.fla_mamba2): fla's math, each packed document on its own.
 
 fla's Triton norms run on CPU as PyTorch stand-ins (tests/scripts/torch_kernels.py); the conv
-and scan are flame's PyTorch ones, and in the last test fla's Triton kernels under Triton's
-interpreter (tests/scripts/mamba2_interpreted.py). tests/gpu/test_mamba2_gpu.py runs the kernels on GPUs.
+and scan are flame's PyTorch ones, and in the last test fla's and mamba_ssm's Triton kernels under
+Triton's interpreter (tests/scripts/mamba2_interpreted.py). tests/gpu/test_mamba2_gpu.py runs the kernels on GPUs.
 """
 
 import itertools
@@ -131,7 +131,8 @@ def test_generation_continues_from_the_prompt_s_states():
 
 
 def test_fla_s_triton_kernels_give_the_pytorch_results_under_triton_s_interpreter():
-    """fla's causal_conv1d with chunk_simple_gla or chunk_gla, interpreted on CPU: flame's kernel paths = its PyTorch path."""
+    """fla's causal_conv1d with fla's chunk_simple_gla or chunk_gla, or mamba_ssm's SSD scan (recomputed in the
+    backward or not), interpreted on CPU: flame's kernel paths = its PyTorch path."""
     result = check(subprocess.run([sys.executable, str(SCRIPTS / "mamba2_interpreted.py")], check=False, cwd=ROOT,
                                   env={**flame_env(threads=2), "TRITON_INTERPRET": "1"}, capture_output=True,
                                   text=True, timeout=600))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from flame import compat
 from flame.errors import ConfigError
 from flame.models import load_model_config
 from flame.preflight import check_model_options, check_position_table
@@ -103,7 +104,7 @@ def test_fla_models_are_refused_on_cpu_machines(monkeypatch):
 
 
 @pytest.mark.parametrize("model_type, module, install", [
-    ("mamba3", "mamba_ssm", "pip install --no-build-isolation --no-deps mamba-ssm"),
+    ("mamba3", "mamba_ssm", "pip install --no-build-isolation --no-deps mamba-ssm==2.3.2.post1"),
 ])
 def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_type, module, install):
     # without the package, mamba3 raises inside step 1 (moba's flash-attn calls flame provides)
@@ -157,6 +158,8 @@ def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_
     assert str(error.value).startswith(f"fla's {model_type} with {option} true needs ")
     assert str(error.value).endswith(f": pip install {package} (not installed here), or set {option} to false in the model config")
     missing.clear()
+    # as if the kernels had imported with the package there (mamba3's MIMO kernels failed to import without it)
+    monkeypatch.setattr(compat.mamba_ssm, "mamba3_kernel_errors", {})
     check_model_options(config, job)
 
 

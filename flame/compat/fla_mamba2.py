@@ -1,10 +1,10 @@
-"""fla's Mamba2 layer trained through fla's own Triton kernels, its packed documents kept apart.
+"""fla's Mamba2 layer trained through Triton kernels, its packed documents kept apart.
 
-Written for fla-core 0.6.0. Upstream, fla's ``Mamba2`` layer trains through mamba_ssm's fused
-kernel where mamba_ssm is installed (which also needs causal_conv1d's CUDA build) and passes it
-no document boundaries (``seq_idx=None``); without mamba_ssm it runs ``torch_forward``, a
-PyTorch reference that materializes chunk x chunk x heads x state tensors (out of memory at
-340M x 8K tokens on an 80 GB GPU) and also ignores ``cu_seqlens``.
+Written for fla-core 0.6.0 and mamba-ssm 2.3.2.post1. Upstream, fla's ``Mamba2`` layer trains
+through mamba_ssm's fused kernel where mamba_ssm is installed (which also needs causal_conv1d's
+CUDA build) and passes it no document boundaries (``seq_idx=None``); without mamba_ssm it runs
+``torch_forward``, a PyTorch reference that materializes chunk x chunk x heads x state tensors
+(out of memory at 340M x 8K tokens on an 80 GB GPU) and also ignores ``cu_seqlens``.
 
 flame's forward computes the same function of the same parameters (fla checkpoints and flame
 exports load unchanged) with each document of a packed row on its own:
@@ -12,14 +12,17 @@ exports load unchanged) with each document of a packed row on its own:
     in_proj -> z | xBC | dt (fla's split) -> causal depthwise conv, restarting at each document
     -> x | B | C -> SSD scan -> + D x -> gated RMS norm (or x silu(z)) -> out_proj
 
-The SSD scan with a scalar decay per head is simple GLA's recurrence,
+On CUDA the conv is fla's Triton ``causal_conv1d`` with ``cu_seqlens``, and the scan is
+mamba_ssm's Triton SSD kernel (``mamba_chunk_scan_combined``, each token's document as
+``seq_idx``; flame.compat.mamba_ssm imports it from a build without CUDA). Without mamba_ssm, or
+with several groups (``prefill`` says why), the scan runs as simple GLA's recurrence,
 ``S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = q_t S_t``, with q = C, k = B (head h reads group
 h mod n_groups, as fla's ``torch_forward`` pairs them), v = dt x, g = dt A, dt =
-clamp(softplus(dt + dt_bias), dt_limit), A = -exp(A_log). On CUDA the conv and the scan are
-fla's Triton ``causal_conv1d`` and ``chunk_simple_gla`` (``chunk_gla`` where fla refuses simple
-GLA's backward: ``scan_kernel``), both taking ``cu_seqlens``; elsewhere
-(CPU tests) a chunked PyTorch scan of the same math with the same resets. Decoding with a
-cache (``generate`` after the prompt) keeps fla's own path; the prompt's states come from here.
+clamp(softplus(dt + dt_bias), dt_limit), A = -exp(A_log): fla's ``chunk_simple_gla``
+(``chunk_gla`` where fla refuses simple GLA's backward: ``scan_kernel``) with ``cu_seqlens``;
+elsewhere (CPU tests) a chunked PyTorch scan of the same math with the same resets. Decoding
+with a cache (``generate`` after the prompt) keeps fla's own path; the prompt's states come
+from here.
 
 The documents arrive as the layer's ``cu_seqlens`` argument: fla's models pass their keyword
 inputs down to every layer, and flame gives fla models ``cu_seqlens`` (flame.models.inputs).
@@ -32,9 +35,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from flame.compat import mamba_ssm
 from flame.compat.fla import FLA, gated_chunk_backward_refused
-from flame.compat.guard import Target, patch
+from flame.compat.guard import Target, logger, patch
 
 FLA_MAMBA2 = "fla.layers.mamba2"
 CHUNK = 64  # the PyTorch scan's chunk length: any length gives the same result
@@ -92,8 +97,41 @@ def prefill(mixer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
     padding = attention_mask[:, :, None] if attention_mask is not None and attention_mask.dim() == 2 else None
     if padding is not None:  # fla zeroes padded tokens before the projection and around the conv
         hidden_states = (hidden_states * padding).to(dtype)
-    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     projected = mixer.in_proj(hidden_states)
+    # mamba_ssm's SSD kernel: the softplus, the clamp and D x inside; documents by seq_idx. With several
+    # groups it pairs head h with group h // (heads / groups), fla's torch_forward with h mod groups
+    # (the pairing kept here): one group only.
+    ssd = mamba_ssm.ssd_scan() if kernels and not use_cache and mixer.n_groups == 1 else None
+    if kernels and ssd is None and mixer.n_groups == 1 and not use_cache:
+        warn_without_ssd()
+    if kernels and ssd is None and torch.is_grad_enabled() and not use_cache:
+        # Training on fla's GLA kernels: only in_proj's output is kept for the backward, which
+        # recomputes the conv, the scan and the norm. Kept, their per-key decays and per-head B and C
+        # would be about 90 KB per token and layer: out of memory on a 141 GB GPU for mamba2_340M at
+        # 32K tokens (docs/perf-log.md). mamba_ssm's SSD kernel keeps little: nothing is recomputed.
+        y, conv_state, ssm_state = checkpoint(mix, mixer, projected, padding, cu_seqlens, False, kernels, None,
+                                              use_reentrant=False)
+    else:
+        y, conv_state, ssm_state = mix(mixer, projected, padding, cu_seqlens, use_cache, kernels, ssd)
+    return mixer.out_proj(y.to(dtype)), conv_state, ssm_state
+
+
+@functools.cache
+def warn_without_ssd() -> None:
+    logger.warning(
+        "mamba2 trains on fla's GLA kernels here, about 2.6x slower than on mamba_ssm's SSD kernel (docs/perf-log.md), "
+        "since mamba_ssm is not installed: bash 3rdparty/install.sh installs its Triton kernels, or "
+        f"{mamba_ssm.INSTALL}"
+    )
+
+
+def mix(mixer, projected: torch.Tensor, padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        use_cache: bool, kernels: bool, ssd: Callable | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``prefill`` from in_proj's output to out_proj's input: conv, SSD scan, skip term and gated norm.
+
+    ``ssd``: mamba_ssm's ``mamba_chunk_scan_combined`` for the scan, else fla's kernels or PyTorch.
+    """
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     inner = mixer.intermediate_size
     d_mlp = (projected.shape[-1] - 2 * inner - 2 * groups * state - heads) // 2
     _, _, gate, xbc, dt = projected.split([d_mlp, d_mlp, inner, mixer.conv_dim, heads], dim=-1)
@@ -105,19 +143,26 @@ def prefill(mixer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
         xbc = (xbc * padding).to(xbc.dtype)
     x, B, C = xbc.split([inner, groups * state, groups * state], dim=-1)
 
-    dt = torch.clamp(F.softplus(dt + mixer.dt_bias), mixer.dt_limit[0], mixer.dt_limit[1]).float()
     A = -torch.exp(mixer.A_log.float())
     x = x.unflatten(-1, (heads, head_dim))
+    if ssd is not None:
+        y = ssd(x, dt, A, B.unflatten(-1, (groups, state)), C.unflatten(-1, (groups, state)), mixer.chunk_size,
+                D=mixer._get_D(), dt_bias=mixer.dt_bias, seq_idx=document_index(xbc.shape[1], cu_seqlens, xbc.device),
+                dt_softplus=True, dt_limit=tuple(mixer.dt_limit))
+        y = y.flatten(-2)
+        return (mixer.norm(y, gate) if mixer.rmsnorm else y * mixer.act(gate)), None, None
+    dt = torch.clamp(F.softplus(dt + mixer.dt_bias), mixer.dt_limit[0], mixer.dt_limit[1]).float()
+    x = x.float()
     # head h reads group h mod n_groups (fla's torch_forward repeats the groups)
     B, C = (t.unflatten(-1, (groups, state)).repeat(1, 1, heads // groups, 1) for t in (B, C))
-    v, g = x.float() * dt[..., None], dt * A
+    v, g = x * dt[..., None], dt * A
     if kernels:
-        y, ssm_state = scan_kernel(C, B, v.to(x.dtype), g, cu_seqlens, use_cache)
+        y, ssm_state = scan_kernel(C, B, v.to(projected.dtype), g, cu_seqlens, use_cache)
     else:
         y, ssm_state = scan_torch(C.float(), B.float(), v, g, cu_seqlens, use_cache)
-    y = (y.float() + x.float() * mixer._get_D(expand_to_head_dim=True)).flatten(-2)
+    y = (y.float() + x * mixer._get_D(expand_to_head_dim=True)).flatten(-2)
     y = mixer.norm(y, gate) if mixer.rmsnorm else y * mixer.act(gate)
-    return mixer.out_proj(y.to(dtype)), conv_state, ssm_state
+    return y, conv_state, ssm_state
 
 
 def last_inputs(xbc: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -137,6 +182,11 @@ def conv_kernel(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> to
     out, _ = causal_conv1d(x=xbc, weight=mixer.conv1d.weight.squeeze(1), bias=mixer.conv1d.bias,
                            activation=mixer.activation if fused else None, cu_seqlens=cu_seqlens)
     return out if fused else mixer.act(out)
+
+
+def document_index(length: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """mamba_ssm's ``seq_idx`` of a packed row: each token's document, [1, length] int32 (None: one sequence)."""
+    return None if cu_seqlens is None else positions(length, cu_seqlens, device)[0].to(torch.int32)[None]
 
 
 def positions(length: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

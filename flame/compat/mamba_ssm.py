@@ -7,6 +7,7 @@ cannot be imported from the mamba_ssm installed here is recorded in ``mamba3_ker
 and flame.preflight refuses the mamba3 configs that need it with the reason.
 """
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -17,6 +18,9 @@ from flame.compat.fla import FLA
 from flame.compat.guard import Library, Target, patch
 
 MAMBA_SSM = Library("mamba_ssm", "mamba-ssm", "2.3.2.post1")
+# its Triton files suffice (import_kernel_module loads them): no CUDA build, none of its dependencies
+INSTALL = ("MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps "
+           f"mamba-ssm=={MAMBA_SSM.written_for}")
 
 # fla.layers.mamba3's names for the kernels it trains with -> (mamba_ssm module, name there)
 MAMBA3_KERNELS = {
@@ -27,6 +31,42 @@ MAMBA3_KERNELS = {
 mamba3_kernel_errors: dict[str, str] = {}
 
 _MAMBA3_LAYER = "fla.layers.mamba3"
+_SSD_MODULE = "mamba_ssm.ops.triton.ssd_combined"
+
+
+def import_kernel_module(name: str):
+    """Import ``mamba_ssm``'s module ``name`` without running ``mamba_ssm/__init__``.
+
+    That ``__init__`` imports the compiled selective-scan extension, which a build without CUDA
+    (the Triton files only) lacks. The kernel modules are imported under a stand-in ``mamba_ssm``
+    package whose ``__init__`` is not run (its subpackages' are empty), which is then removed:
+    ``import mamba_ssm`` fails afterwards as before, and fla's layers keep the paths they chose.
+    """
+    stand_in = "mamba_ssm" not in sys.modules
+    if stand_in:
+        sys.modules["mamba_ssm"] = importlib.util.module_from_spec(importlib.util.find_spec("mamba_ssm"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        if stand_in:
+            del sys.modules["mamba_ssm"]
+
+
+@functools.cache
+def ssd_scan():
+    """mamba_ssm's Triton SSD scan (``mamba_chunk_scan_combined``), or None where mamba_ssm is not installed.
+
+    flame.compat.fla_mamba2 trains Mamba-2 layers with it: scalar decays per head, B and C per
+    group, documents restarting at ``seq_idx``, and a backward that keeps little (docs/perf-log.md).
+    """
+    if importlib.util.find_spec("mamba_ssm") is None:
+        return None
+    module = import_kernel_module(_SSD_MODULE)
+    Target(MAMBA_SSM, _SSD_MODULE, "mamba_chunk_scan_combined",
+           ("x", "dt", "A", "B", "C", "chunk_size", "D", "z", "dt_bias", "initial_states", "seq_idx")
+           ).require("flame.compat.fla_mamba2")
+    # outside compiled graphs, as fla's kernels are: dynamo would trace into its launches
+    return torch.compiler.disable(module.mamba_chunk_scan_combined)
 
 
 @patch(MAMBA_SSM, *(Target(FLA, _MAMBA3_LAYER, name) for name in (*MAMBA3_KERNELS, "is_fast_path_available")))
@@ -37,25 +77,15 @@ def mamba3_kernels_from_mamba_ssm() -> None:
     TileLang (MIMO) files. But ``mamba_ssm/__init__`` imports the compiled selective-scan
     extension, which Mamba-3 never calls, so a build without it (``MAMBA_SKIP_CUDA_BUILD=TRUE``:
     no nvcc, seconds instead of a long compile) fails to import and fla's layer finds no kernel.
-    flame: imports the kernel modules under a stand-in ``mamba_ssm`` package whose ``__init__``
-    is not run (its subpackages' are empty), then removes the stand-in: ``import mamba_ssm``
-    fails afterwards as before, and fla's other layers keep the paths they chose at import.
+    flame: imports the kernel modules without that ``__init__`` (``import_kernel_module``).
     """
     layer = importlib.import_module(_MAMBA3_LAYER)
-    missing = [name for name in MAMBA3_KERNELS if getattr(layer, name) is None]
-    stand_in = "mamba_ssm" not in sys.modules and bool(missing)
-    if stand_in:  # the package's module, its __init__ not run
-        sys.modules["mamba_ssm"] = importlib.util.module_from_spec(importlib.util.find_spec("mamba_ssm"))
-    try:
-        for name in missing:
-            module_name, kernel = MAMBA3_KERNELS[name]
-            try:
-                setattr(layer, name, getattr(importlib.import_module(module_name), kernel))
-            except ImportError as error:  # no TileLang (MIMO), or a mamba_ssm older than Mamba-3
-                mamba3_kernel_errors[name] = str(error)
-    finally:
-        if stand_in:
-            del sys.modules["mamba_ssm"]
+    for name in [name for name in MAMBA3_KERNELS if getattr(layer, name) is None]:
+        module_name, kernel = MAMBA3_KERNELS[name]
+        try:
+            setattr(layer, name, getattr(import_kernel_module(module_name), kernel))
+        except ImportError as error:  # no TileLang (MIMO), or a mamba_ssm older than Mamba-3
+            mamba3_kernel_errors[name] = str(error)
     layer.is_fast_path_available = layer.mamba3_siso_combined is not None
 
 

@@ -22,6 +22,7 @@ from enum import Enum
 
 from transformers import PretrainedConfig
 
+from flame.compat import mamba_ssm
 from flame.models.registry import fla_model_types
 
 
@@ -127,12 +128,7 @@ _MEASURED = "packed and separate documents differ (measured, docs/models.md)"
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
 _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
-_MAMBA_SSM = Package(
-    # the Triton files suffice (flame.compat.mamba_ssm loads them): no CUDA build, no dependencies
-    "mamba_ssm",
-    "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm",
-    "mamba_ssm's Mamba-3 scan kernels",
-)
+_MAMBA_SSM = Package("mamba_ssm", mamba_ssm.INSTALL, "mamba_ssm's Mamba-3 scan kernels")
 _TILELANG = Package("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang", "is_mimo")
 # (moba's calls to flash-attn need no package: flame provides them, flame.models.flash_attn_internals)
 _FLASH_MOBA = Package("flash_moba", "pip install flash-moba", "FlashMoBA's fused kernel", "use_flash_moba")
@@ -180,8 +176,8 @@ _RECORDS = (
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
     _fla("mamba", SSM, notes=_MAMBA_SCAN),
     _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
-         notes="trains on fla's Triton conv and scan (flame.compat.fla_mamba2; mamba_ssm unused); tensor parallel "
-               "with rmsnorm true"),
+         notes="trains on fla's Triton conv and mamba_ssm's Triton SSD scan with one group, else fla's GLA scan "
+               "(flame.compat.fla_mamba2); tensor parallel with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
     _fla("mesa_net", LINEAR),
     _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",)),

@@ -1,5 +1,6 @@
 """fla exports on a GPU, loaded as users load them: forward and generate after ``flame.register()`` (no
-flash-attn), and fla's transformer exported as llama giving fla's own logits and generations."""
+flash-attn), fla's transformer exported as llama giving fla's own logits and generations, and the Mamba
+family's exports giving the logits and generations of the fla model they came from."""
 
 import json
 import subprocess
@@ -59,3 +60,18 @@ def test_gla_export_runs_forward_and_generate(tmp_path):
     report = load_and_generate(f"{paths['native']}:run", saved=tmp_path / "out.pt")
     assert report[paths["native"]]["class"] == "GLAForCausalLM"
     assert torch.load(tmp_path / "out.pt")[paths["native"]]["logits"].isfinite().all()
+
+
+@pytest.mark.parametrize("model_type, fla_class", [("mamba", "MambaForCausalLM"), ("samba", "SambaForCausalLM"),
+                                                   ("mamba2", "Mamba2ForCausalLM")])
+def test_mamba_family_exports_give_the_logits_and_generations_of_the_fla_model_they_came_from(tmp_path, model_type,
+                                                                                                fla_class):
+    """Through a flame checkpoint and the export: fla's class, and the logits of the fla model saved before
+    (flame's Mamba scans in the forward; generation with fla's cache, which must choose what full forwards do)."""
+    paths = exports(tmp_path, model_type, "native")
+    source = str(tmp_path / "hf_in")
+    report = load_and_generate(f"{source}:run", f"{paths['native']}:run", saved=tmp_path / "out.pt")
+    assert report[paths["native"]]["class"] == fla_class
+    out = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(out[paths["native"]]["logits"], out[source]["logits"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[paths["native"]]["generated"], out[source]["generated"])

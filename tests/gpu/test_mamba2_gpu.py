@@ -1,6 +1,6 @@
-"""fla's mamba2 under flame on CUDA (flame.compat.fla_mamba2): fla's Triton conv and simple-GLA scan give
-fla's PyTorch results, and a packed row gives each document its own results, at tiny size and at 340M x 8K
-tokens in bf16. tests/test_mamba2_kernels.py checks the same on CPU. Skipped where there is no CUDA device."""
+"""fla's mamba2 under flame on CUDA (flame.compat.fla_mamba2): fla's Triton conv with mamba_ssm's SSD scan
+(or fla's GLA scan without mamba_ssm) gives fla's PyTorch results, and a packed row gives each document its
+own results, at tiny size and at 340M x 8K tokens in bf16. tests/test_mamba2_kernels.py checks the same on CPU. Skipped where there is no CUDA device."""
 
 import pytest
 import torch
@@ -95,3 +95,18 @@ def test_compiled_blocks_give_eager_results():
         torch._dynamo.mark_dynamic(cu_seqlens, 0)
         logits_error, grad_error = relative_errors(run(model, ids, labels, cu_seqlens=cu_seqlens), expected)
         assert logits_error < 1e-3 and grad_error < 1e-2, (lengths, logits_error, grad_error)
+
+
+def test_without_mamba_ssm_fla_s_gla_scan_gives_the_ssd_results(monkeypatch):
+    """The fallback (fla's GLA kernel where fla refuses simple GLA's backward, its mixer recomputed in the
+    backward) against mamba_ssm's SSD kernel, tiny, float32, on a packed row."""
+    from flame.compat import mamba_ssm
+
+    assert mamba_ssm.ssd_scan() is not None, "mamba_ssm is not installed (3rdparty/install.sh installs it)"
+    model = build(TINY, torch.float32)
+    ids, labels = (torch.randint(0, model.config.vocab_size, (1, 3000), device="cuda") for _ in range(2))
+    cu_seqlens = torch.tensor([0, 700, 713, 2200, 3000], dtype=torch.int32, device="cuda")
+    ssd = run(model, ids, labels, cu_seqlens=cu_seqlens)
+    monkeypatch.setattr(mamba_ssm, "ssd_scan", lambda: None)
+    logits_error, grad_error = relative_errors(run(model, ids, labels, cu_seqlens=cu_seqlens), ssd)
+    assert logits_error < 1e-2 and grad_error < 3e-2, (logits_error, grad_error)

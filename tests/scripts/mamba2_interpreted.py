@@ -4,16 +4,18 @@
 
 One tiny Mamba2 layer (float32, PyTorch norms) over a packed row of documents: output, every
 gradient and the per-document cache states of ``flame.compat.fla_mamba2.prefill`` with
-``kernels=True`` (fla's ``causal_conv1d`` and ``chunk_simple_gla``, interpreted) against
-``kernels=False``. Prints ``kernels = pytorch`` when they agree, else raises.
+``kernels=True`` (fla's ``causal_conv1d`` with fla's ``chunk_simple_gla`` or ``chunk_gla``, or with
+mamba_ssm's SSD scan; interpreted) against ``kernels=False``. Prints ``kernels = pytorch`` when they agree, else raises.
 
 Two gaps in Triton 3.6's interpreter are bridged here, for this process only: it turns a
 1-element array into an index with ``int()``, which NumPy 2.4 refuses; and a ``for`` loop's
-variable is a Python int, on which fla's kernels call ``.to()``. Autotuning runs the first
+variable is a Python int, on which fla's kernels call ``.to()``; and mamba_ssm asks the
+CUDA device for its multiprocessors and selects it around its launches. Autotuning runs the first
 config once (the interpreter has no timer; every config computes the same result).
 """
 
 import ast
+import contextlib
 import os
 import types
 
@@ -45,8 +47,11 @@ interpreter.ASTTransformer.visit_For = _loop_variable_as_tensor
 _prune = Autotuner.prune_configs
 Autotuner.prune_configs = lambda self, kwargs: _prune(self, kwargs)[:1]
 Autotuner.do_bench = property(lambda self: lambda call, quantiles: (call(), [0.0, 0.0, 0.0])[1])
+# mamba_ssm selects the tensors' GPU around its launches and splits heads over the GPU's multiprocessors
+torch.cuda.device = lambda index: contextlib.nullcontext()
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=2)
 
-from flame.compat import fla_mamba2
+from flame.compat import fla_mamba2, mamba_ssm
 from flame.models import registry
 from tests.scripts.torch_kernels import _rms_norm_gated
 
@@ -56,31 +61,40 @@ def main() -> None:
     from fla.layers.mamba2 import Mamba2
 
     torch.manual_seed(0)
-    layer = Mamba2(num_heads=4, head_dim=8, hidden_size=16, state_size=8, expand=2, n_groups=2, layer_idx=0)
+    layer = Mamba2(num_heads=4, head_dim=8, hidden_size=16, state_size=8, expand=2, n_groups=1, chunk_size=16,
+                   layer_idx=0)
     layer.norm.forward = types.MethodType(_rms_norm_gated, layer.norm)
     layer.act = torch.nn.functional.silu
     lengths = [9, 2, 30, 7]
     cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     hidden = torch.randn(1, sum(lengths), 16, requires_grad=True)
     weights = torch.randn(1, sum(lengths), 16)
-    results = []
-    # fla's simple-GLA kernel, fla's GLA kernel (where fla refuses simple GLA's backward), PyTorch
-    for kernels, per_key_decay in ((True, False), (True, True), (False, False)):
+    # (name, kernels, per_key_decay, use_cache): fla's simple-GLA kernel, fla's GLA kernel (where fla
+    # refuses simple GLA's backward), both without cache states as in training (mamba_ssm's SSD
+    # kernel; fla's GLA kernel, its mixer recomputed in the backward), PyTorch
+    paths = (("chunk_simple_gla", True, False, True), ("chunk_gla", True, True, True),
+             ("mamba_ssm SSD", True, False, False), ("chunk_gla recomputed", True, True, False),
+             ("pytorch", False, False, True))
+    results, ssd_scan = {}, mamba_ssm.ssd_scan
+    assert ssd_scan() is not None, "mamba_ssm is not installed (3rdparty/install.sh installs it)"
+    for name, kernels, per_key_decay, use_cache in paths:
         fla_mamba2.gated_chunk_backward_refused = lambda refused=per_key_decay: refused
+        fla_mamba2.mamba_ssm.ssd_scan = ssd_scan if name == "mamba_ssm SSD" else lambda: None
         layer.zero_grad()
         hidden.grad = None
-        out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=True,
+        out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=use_cache,
                                                         kernels=kernels)
         (out * weights).sum().backward()
-        grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
-        results.append({"output": out.detach(), "conv_state": conv_state, "ssm_state": ssm_state,
-                        "input grad": hidden.grad.clone(), **grads})
-    *interpreted, pytorch = results
-    for kernel, got in zip(("chunk_simple_gla", "chunk_gla"), interpreted, strict=True):
-        for name, want in pytorch.items():
-            error = float((got[name] - want).abs().max().detach() / want.abs().max().clamp(min=1e-6))
-            print(f"{kernel} {name}: {error:.2e}")
-            assert error < 1e-4, (kernel, name, error)
+        grads = {param: p.grad.clone() for param, p in layer.named_parameters()}
+        states = {"conv_state": conv_state, "ssm_state": ssm_state} if use_cache else {}
+        results[name] = {"output": out.detach(), **states, "input grad": hidden.grad.clone(), **grads}
+    pytorch = results.pop("pytorch")
+    for kernel, got in results.items():
+        for quantity, got_value in got.items():
+            want = pytorch[quantity]
+            error = float((got_value - want).abs().max().detach() / want.abs().max().clamp(min=1e-6))
+            print(f"{kernel} {quantity}: {error:.2e}")
+            assert error < 1e-4, (kernel, quantity, error)
     print("kernels = pytorch")
 
 
