@@ -98,17 +98,18 @@ def prefill(mixer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
     if padding is not None:  # fla zeroes padded tokens before the projection and around the conv
         hidden_states = (hidden_states * padding).to(dtype)
     projected = mixer.in_proj(hidden_states)
-    # mamba_ssm's SSD kernel: the softplus, the clamp and D x inside; documents by seq_idx. With several
-    # groups it pairs head h with group h // (heads / groups), fla's torch_forward with h mod groups
-    # (the pairing kept here): one group only.
-    ssd = mamba_ssm.ssd_scan() if kernels and not use_cache and mixer.n_groups == 1 else None
-    if kernels and ssd is None and mixer.n_groups == 1 and not use_cache:
+    # mamba_ssm's SSD kernel: the softplus, the clamp and D x inside; documents by seq_idx; no cache
+    # states. With several groups it pairs head h with group h // (heads / groups), fla's
+    # torch_forward with h mod groups (the pairing kept here): one group only.
+    stateless_kernels = kernels and not use_cache
+    ssd = mamba_ssm.ssd_scan() if stateless_kernels and mixer.n_groups == 1 else None
+    if stateless_kernels and ssd is None and mixer.n_groups == 1:
         warn_without_ssd()
-    if kernels and ssd is None and torch.is_grad_enabled() and not use_cache:
+    if stateless_kernels and ssd is None and torch.is_grad_enabled():
         # Training on fla's GLA kernels: only in_proj's output is kept for the backward, which
-        # recomputes the conv, the scan and the norm. Kept, their per-key decays and per-head B and C
-        # would be about 90 KB per token and layer: out of memory on a 141 GB GPU for mamba2_340M at
-        # 32K tokens (docs/perf-log.md). mamba_ssm's SSD kernel keeps little: nothing is recomputed.
+        # recomputes the conv, the scan and the norm. Kept, their per-key decays and per-head B and
+        # C ran a 141 GB GPU out of memory for mamba2_340M at 32K tokens (docs/perf-log.md).
+        # mamba_ssm's SSD kernel keeps little: nothing is recomputed.
         y, conv_state, ssm_state = checkpoint(mix, mixer, projected, padding, cu_seqlens, False, kernels, None,
                                               use_reentrant=False)
     else:
