@@ -230,3 +230,37 @@ def test_two_processes_give_the_scores_of_one(llama_export, llama_scores, tmp_pa
             "--output_path", str(tmp_path / "two")]
     check(torchrun(args, nproc=2, module="flame.eval", env=OFFLINE))
     assert_same_scores(results(tmp_path / "two"), results(llama_scores[0]))
+
+
+def test_a_step_waiting_for_its_evaluation_is_not_purged(tmp_path):
+    """--checkpoint.keep_latest_k leaves the steps the background evaluations have yet to read, until a later save."""
+    import queue
+
+    from flame.components.checkpoint import FlameCheckpointManager
+    from flame.components.evaluation import BackgroundEvaluations
+
+    config = SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path)), eval=SimpleNamespace(interval=0))
+    messages = []
+    log = SimpleNamespace(info=messages.append, warning=messages.append)
+    evaluations = BackgroundEvaluations(config, "cpu", log)
+    release = tmp_path / "release"  # the evaluation runs until this file exists
+    evaluations.command = lambda step: [sys.executable, "-c", "import os, time\n"
+                                        f"while not os.path.exists({str(release)!r}): time.sleep(0.05)"]
+    checkpoint = tmp_path / "checkpoint"
+    for step in (2, 4, 6, 8):
+        (checkpoint / f"step-{step}").mkdir(parents=True)
+    evaluations.saved(str(checkpoint / "step-4"))
+    manager = SimpleNamespace(keep_latest_k=2, folder=str(checkpoint), purge_queue=queue.Queue(),
+                              steps_in_use=evaluations.pending)
+    try:
+        FlameCheckpointManager._purge_stale_checkpoints(manager)
+        assert list(manager.purge_queue.queue) == [str(checkpoint / "step-2")]
+        (checkpoint / manager.purge_queue.get()).rmdir()  # as torchtitan's purge thread does
+        release.touch()
+        evaluations.queue.join()
+        assert evaluations.pending() == set()
+        FlameCheckpointManager._purge_stale_checkpoints(manager)  # the next save's purge
+        assert list(manager.purge_queue.queue) == [str(checkpoint / "step-4")]
+    finally:
+        release.touch()
+        evaluations.close(wait=True)

@@ -8,7 +8,8 @@ What it adds (flame.manifest holds the manifest itself):
   share): a damaged or incomplete latest step is set aside (``step-N.damaged``) and the newest
   intact one loads; a step named explicitly (``--checkpoint.load_step``,
   ``--checkpoint.initial_load_path``) that fails the check stops the run in one line;
-- steps are folders named exactly ``step-N``: set-aside ones are neither loaded nor purged;
+- steps are folders named exactly ``step-N``: set-aside ones are neither loaded nor purged, nor
+  are steps still in use (``steps_in_use``: waiting for their background evaluation);
 - a model with LoRA adapters is saved under the names flame.models.lora gives (the base weights
   under the plain model's), and a model-only load (step 0, --checkpoint.initial_load_path)
   reads its base weights alone: the adapters keep their init.
@@ -130,6 +131,8 @@ class FlameCheckpointManager(CheckpointManager):
         if any(lora.adapted_modules(part) for part in model_parts):
             self.states[MODEL] = AdapterCheckpoint(model_parts)
         self.init_from: str | None = None
+        # steps that something still reads (their background evaluation): kept beyond keep_latest_k
+        self.steps_in_use: Callable[[], set[int]] = set
 
     def start_from(self, folder: str | None) -> None:
         """Load the weights of the Hugging Face model in ``folder`` (--model.init_from) when no checkpoint loads."""
@@ -186,8 +189,11 @@ class FlameCheckpointManager(CheckpointManager):
     def _purge_stale_checkpoints(self) -> None:
         # only folders named exactly step-N count (torchtitan's would count and delete step-N.damaged)
         if self.keep_latest_k > 0 and _rank_and_ranks()[0] == 0:
-            steps = manifest.step_folders(self.folder)
+            steps, in_use = manifest.step_folders(self.folder), self.steps_in_use()
             for step in sorted(steps)[: -self.keep_latest_k]:
+                if step in in_use:  # purged at a later save, once its evaluation has read it
+                    logger.info(f"--checkpoint.keep_latest_k: step {step} stays until its evaluation ends")
+                    continue
                 self.purge_queue.put(steps[step])
 
     def close(self) -> None:

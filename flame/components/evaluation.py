@@ -51,6 +51,8 @@ class BackgroundEvaluations:
         self.config, self.device, self.log, self.wandb_run = config, device, log, wandb_run
         self.dump_folder = config.job.dump_folder
         self.queue: queue.Queue = queue.Queue()
+        self._pending: set[int] = set()  # queued or running: the checkpointer keeps these steps
+        self._pending_lock = threading.Lock()
         self.process: subprocess.Popen | None = None
         self.thread = threading.Thread(target=self._run, name="flame-evaluations", daemon=True)
         self.thread.start()
@@ -68,7 +70,19 @@ class BackgroundEvaluations:
         step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
         interval = self.config.eval.interval
         if step and (not interval or step % interval == 0):
+            with self._pending_lock:
+                self._pending.add(step)
             self.queue.put(step)
+
+    def pending(self) -> set[int]:
+        """The steps queued or being evaluated."""
+        with self._pending_lock:
+            return set(self._pending)
+
+    def _done(self, step: int) -> None:
+        with self._pending_lock:
+            self._pending.discard(step)
+        self.queue.task_done()
 
     def _run(self) -> None:
         while (step := self.queue.get()) is not None:
@@ -77,7 +91,7 @@ class BackgroundEvaluations:
             except Exception as error:  # the thread lives on: close() must return
                 self.log.warning(f"evaluation of step {step} failed to start: {error}")
             finally:
-                self.queue.task_done()
+                self._done(step)
         self.queue.task_done()
 
     def _evaluate(self, step: int) -> None:
@@ -114,7 +128,7 @@ class BackgroundEvaluations:
             while not self.queue.empty():
                 step = self.queue.get_nowait()
                 self.log.warning(f"evaluation of step {step} not run: training stopped")
-                self.queue.task_done()
+                self._done(step)
             if self.process is not None and self.process.poll() is None:
                 self.log.warning(f"stopping the evaluation in progress (pid {self.process.pid}): training stopped")
                 self.process.send_signal(signal.SIGTERM)
@@ -140,4 +154,5 @@ def build(config, checkpointer, log) -> BackgroundEvaluations | None:
         wandb_run.define_metric("eval/*", step_metric="eval/step")
     evaluations = BackgroundEvaluations(config, device, log, wandb_run)
     checkpointer.recorder.on_recorded = evaluations.saved
+    checkpointer.steps_in_use = evaluations.pending
     return evaluations

@@ -56,7 +56,8 @@ def budgets(config) -> tuple[float | None, float | None]:
     host = _budget("host_budget_gib", m.host_budget_gib)
     if host is None:
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        host = HOST_SHARE * _available_ram() / processes if _available_ram() else None
+        ram = _available_ram()
+        host = HOST_SHARE * ram / processes if ram else None
     return gpu, host
 
 
