@@ -236,12 +236,17 @@ SUITES = {
         steps=60, tokens=16384, timeout=240,
     ),
     "ssm": Suite(
-        "one GPU: the Mamba2 kernel tests (tests/gpu/test_mamba2_gpu.py), then 340M mamba2 (flame's forward on "
-        "fla's Triton conv and scan, documents isolated), samba and gla on one varlen row per step: the loss falls, "
-        "tokens/s, MFU and peak memory",
+        "one GPU: the Mamba-family kernel tests (tests/gpu/test_mamba2_gpu.py; on request the selective scan's and "
+        "the exports'), then 340M mamba2 (fla's Triton conv, mamba_ssm's SSD scan, documents isolated), samba and "
+        "gla on one varlen row per step: the loss falls, tokens/s, MFU and peak memory; mamba2 and samba also with "
+        "full activation checkpointing and compiled",
         report="runs",
-        setup=(Command("mamba2_tests", (*PYTEST, "tests/gpu/test_mamba2_gpu.py")),),
-        per_config=(Run("train", 1),),
+        setup=(Command("mamba2_tests", (*PYTEST, "tests/gpu/test_mamba2_gpu.py")),
+               Command("scan_tests", (*PYTEST, "tests/gpu/test_mamba_scan_gpu.py"), on_request=True),
+               Command("export_tests", (*PYTEST, "tests/gpu/test_exports.py", "-k", "mamba"), on_request=True)),
+        per_config=(Run("train", 1),
+                    Run("train_ac", 1, ("--activation_checkpoint.mode", "full"), only=("mamba2_340M", "samba_340M")),
+                    Run("train_compiled", 1, (COMPILE_FLAG,), only=("mamba2_340M", "samba_340M"))),
         flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
                "--metrics.log_freq", "5", "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4",
                "--training.num_workers", "4", *NO_CHECKPOINT),
