@@ -2,8 +2,8 @@
 
 mamba_ssm's ``__init__`` imports its compiled selective-scan extension, so fla alone finds none of
 the package's Mamba-3 kernels; flame loads them for fla's layer (flame.compat.mamba_ssm). The
-checks with mamba_ssm run tests/scripts/mamba3_kernels_probe.py in a fresh interpreter: the pytest
-process has imported fla without mamba_ssm.
+checks run tests/scripts/mamba3_kernels_probe.py in a fresh interpreter, with a build made here
+(preflight's command, into a folder) or a damaged copy of it first on the path.
 """
 
 import json
