@@ -24,6 +24,7 @@ from flame.models.support import support_for
 from flame.preflight import check_mamba3_kernels
 from tests.conftest import ROOT, SCRIPTS, check
 
+
 @pytest.fixture(scope="module")
 def mamba_ssm_without_cuda(tmp_path_factory) -> Path:
     """A directory holding mamba_ssm installed with preflight's command (pinned, into a target directory)."""
