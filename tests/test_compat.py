@@ -145,3 +145,10 @@ def test_the_changes_are_written_for_the_pinned_versions():
                 if "==" in line and not line.startswith("#"))
     for library in (compat.torchtitan.TORCHTITAN, compat.fla.FLA, compat.triton.TRITON, compat.transformers.TRANSFORMERS):
         assert pins[library.distribution] == library.written_for, library
+
+
+def test_install_sh_installs_mamba_ssm_as_the_hint_says():
+    # 3rdparty/install.sh installs mamba_ssm outside requirements.txt (no CUDA build, none of its dependencies)
+    install_sh = (ROOT / "3rdparty" / "install.sh").read_text()
+    environment, command = compat.mamba_ssm.INSTALL.split(" pip install ")
+    assert f'{environment} "${{pip[@]}}" {command}' in install_sh
