@@ -98,7 +98,9 @@ def test_validation_numbers_equal_a_hand_computation_over_the_held_out_documents
     from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
 
     _, documents = _held_out_corpus(run.dump.parent, corpus)
-    model = load_hf_model_from_dcp(str(run.dump / "checkpoint" / "step-2"), load_model_config(tiny_model)).eval()
+    model = load_hf_model_from_dcp(
+        str(run.dump / "checkpoint" / "step-2"), load_model_config(tiny_model), runnable=True
+    ).eval()
     tokenizer = load_tokenizer(TOKENIZER)
     # 4 documents of 16 tokens fill a row of 64: each is packed whole, attending to itself only; the
     # targets are every next token within a document
