@@ -342,9 +342,16 @@ def _check_available_parallelism(p, shard: int) -> None:
 
 
 def fsdp_enabled(config: JobConfig, world_size: int) -> bool:
-    """Whether torchtitan applies FSDP (and with it mixed precision) to this job's processes."""
+    """Whether FSDP (and with it mixed precision) wraps this job's processes."""
     shard = data_parallel_degree(config, world_size) // config.parallelism.data_parallel_replicate_degree
-    return shard > 1 or config.parallelism.context_parallel_degree > 1  # CP shards over the dp x cp mesh
+    # CP shards over the dp x cp mesh
+    return shard > 1 or config.parallelism.context_parallel_degree > 1 or offloads_alone(config, world_size)
+
+
+def offloads_alone(config: JobConfig, world_size: int) -> bool:
+    """One process offloading to the host: flame wraps it in FSDP over a one-rank mesh, whose
+    CPUOffloadPolicy is the offload (flame.distributed.parallelize)."""
+    return world_size == 1 and config.training.enable_cpu_offload
 
 
 def _check_fsdp_options(config: JobConfig, world_size: int) -> None:
@@ -355,7 +362,10 @@ def _check_fsdp_options(config: JobConfig, world_size: int) -> None:
     without = "DDP" if p.data_parallel_replicate_degree > 1 else "a run without data-parallel sharding"
     fix = "shard the weights with --parallelism.data_parallel_shard_degree > 1"
     if config.training.enable_cpu_offload:
-        raise ConfigError(f"--training.enable_cpu_offload offloads FSDP-sharded weights, but this is {without}: {fix}, or leave it off")
+        raise ConfigError(
+            f"--training.enable_cpu_offload offloads FSDP-sharded weights (or one process's), but this is {without} "
+            f"over {world_size} processes: {fix}, run one process, or leave it off"
+        )
     if p.fsdp_reshard_after_forward != "default":
         raise ConfigError(
             f"--parallelism.fsdp_reshard_after_forward {p.fsdp_reshard_after_forward} applies to FSDP, but this is {without}: "

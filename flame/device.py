@@ -21,6 +21,7 @@ from torchtitan.tools import utils as torchtitan_utils
 from flame.errors import ConfigError
 
 CUDA = torch.cuda.is_available()
+TYPE = "cuda" if CUDA else "cpu"  # the device type of meshes and process groups
 # NCCL can scale inside a reduce-scatter (PREMUL_SUM); gloo only sums.
 COLLECTIVES_SCALE_IN_REDUCTION = CUDA
 

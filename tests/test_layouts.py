@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flame import device, launch
+from flame import config_manager, device, launch
 from flame.errors import ConfigError
 from flame.utils import convert_dcp_to_hf
 from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
@@ -195,11 +195,14 @@ def test_a_seed_checkpoint_starts_other_layouts_from_the_single_process_weights(
     assert_same_curve(metrics(fsdp), metrics(single_process_run))
 
 
-def test_cpu_offload_needs_fsdp(job_args, monkeypatch):
+def test_cpu_offload_needs_fsdp_or_one_process(job_args, monkeypatch):
     monkeypatch.setattr(device, "CUDA", True)  # the GPU-side check (on CPU, offload is refused outright)
-    with pytest.raises(ConfigError, match="enable_cpu_offload offloads FSDP-sharded weights, but this is a run without"):
-        parse_job(monkeypatch, 1, *job_args, "--training.enable_cpu_offload")
+    with pytest.raises(ConfigError, match="enable_cpu_offload offloads FSDP-sharded weights .or one process's., but this is DDP over 2"):
+        parse_job(monkeypatch, 2, *job_args, "--training.enable_cpu_offload", "--parallelism.data_parallel_replicate_degree=2")
     parse_job(monkeypatch, 2, *job_args, "--training.enable_cpu_offload")
+    alone = parse_job(monkeypatch, 1, *job_args, "--training.enable_cpu_offload")  # FSDP over this one process
+    assert config_manager.fsdp_enabled(alone, 1) and not config_manager.fsdp_enabled(
+        parse_job(monkeypatch, 1, *job_args), 1)
 
 
 def test_shard_degree_minus_one_takes_the_remaining_processes(job_args, monkeypatch):

@@ -92,7 +92,7 @@ def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model,
 
 def test_fsdp_resharding_comes_after_ac_and_before_offload_unless_given(long_model, monkeypatch):
     config = parse_job(monkeypatch, 2, *job_args(long_model, "--memory.plan=off"))
-    job = memory.job_of(config, 2)
+    job = dataclasses.replace(memory.job_of(config, 2), can_offload=True)  # as on a GPU
     gathered = Layout(reshard=False)  # as under pipeline parallelism, or fsdp_reshard_after_forward never
     names = [name for name, _ in steps(job, gathered, set(), None)]
     assert names[2:5] == ["full AC", "FSDP reshard after forward", "CPU offload"]
@@ -102,7 +102,7 @@ def test_fsdp_resharding_comes_after_ac_and_before_offload_unless_given(long_mod
 
 def test_plan_turns_on_ac_then_offload_then_micro_batches_as_the_budget_shrinks(long_model, monkeypatch):
     config = parse_job(monkeypatch, 2, *job_args(long_model, "--memory.plan=off"))  # FSDP over 2 ranks
-    job, start = memory.job_of(config, 2), memory.layout_of(config)
+    job, start = dataclasses.replace(memory.job_of(config, 2), can_offload=True), memory.layout_of(config)  # as on a GPU
     ladder = steps(job, start, set(), host_budget=None)
     assert [name for name, _ in ladder] == ["as configured", "op-level selective AC", "full AC", "CPU offload",
                                             "2 micro-batches", "4 micro-batches", "8 micro-batches"]
@@ -118,6 +118,25 @@ def test_plan_turns_on_ac_then_offload_then_micro_batches_as_the_budget_shrinks(
     for part in ("parameters", "gradients", "optimizer state", "FSDP all-gather buffers", "activations",
                  "logits and loss", "allocator margin", "host (CPU offload)", "plan: full AC, CPU offload, 2 micro-batches"):
         assert part in shown
+
+
+def test_one_gpu_offloads_through_fsdp_over_itself_and_a_cpu_never_offloads(long_model, monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    on_cpu, start = memory.job_of(config, 1), memory.layout_of(config)
+    assert not on_cpu.fsdp and "CPU offload" not in [name for name, _ in steps(on_cpu, start, set(), None)]
+    job = dataclasses.replace(on_cpu, can_offload=True, compute_bytes=2, autocast_copies=True)  # one GPU, bf16
+    ladder = dict(steps(job, start, set(), None))
+    offloaded = estimate(job, ladder["CPU offload"])
+    assert ladder["CPU offload"].ac == "full" and not ladder["CPU offload"].micro_batches > 1
+    names = {part.name: part for part in offloaded}
+    # the weights, gradients and optimizer state move to the host; FSDP's bf16 copies of one block and
+    # its prefetch replace autocast's copy of every weight
+    assert {names[n].where for n in ("parameters", "gradients", "optimizer state")} == {"host (CPU offload)"}
+    assert "autocast weight copies" in {part.name for part in estimate(job, ladder["full AC"])}
+    assert "autocast weight copies" not in names and names["FSDP all-gather buffers"].bytes == 2 * 2 * job.block_params
+    assert gpu_bytes(offloaded) < gpu_bytes(estimate(job, ladder["full AC"]))
+    muon = dataclasses.replace(job, optimizer="Muon")  # Muon orthogonalizes whole matrices on the GPU
+    assert "CPU offload" not in dict(steps(muon, start, set(), None))
 
 
 def test_a_planned_job_config_carries_the_plan_and_keeps_the_global_batch(long_model, monkeypatch):

@@ -99,6 +99,7 @@ def job_of(config, world_size: int) -> Job:
         compute_bytes=dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
         tokens_per_row=t.seq_len // p.context_parallel_degree,
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
+        can_offload=device.CUDA and (fsdp or world_size == 1),
         autocast_copies=not fsdp and dtype_bytes(dtype) < 4, fused_loss=device.fused_cross_entropy_enabled(
             config, model_config.vocab_size), dense_attention=attention == "sdpa",
         tensor_parallel=p.tensor_parallel_degree, activations=activations.measure(model_config, dtype),
@@ -173,9 +174,6 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
     if layout.reshard != start.reshard:
         config.parallelism.fsdp_reshard_after_forward = "always"
     if layout.offload != start.offload:
-        if not device.CUDA:
-            raise ConfigError("the memory plan needs CPU offload, which offloads GPU memory: on a CPU machine "
-                              "raise --memory.gpu_budget_gib, or leave it at auto")
         config.training.enable_cpu_offload = True
     if layout.micro_batches > 1:
         config.training.local_batch_size //= layout.micro_batches

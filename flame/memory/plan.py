@@ -67,6 +67,7 @@ class Job:
     tokens_per_row: int  # seq_len over the context-parallel degree
     weight_shards: int  # FSDP shards x tensor- and pipeline-parallel degree
     fsdp: bool
+    can_offload: bool  # a GPU job under FSDP, or of one process (FSDP wraps it alone to offload it)
     autocast_copies: bool  # no FSDP and a bf16/fp16 compute dtype: autocast keeps a cast copy of each weight
     fused_loss: bool
     dense_attention: bool  # sdpa keeps the T x T weights; flash-style kernels do not
@@ -94,7 +95,7 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         Part("gradients", 4 * weights, kept, "fp32"),
         Part("optimizer state", state, kept, f"{job.optimizer}: fp32, {moments}"),
     ]
-    if job.fsdp:
+    if job.fsdp or layout.offload:
         gathered = job.params if not layout.reshard else 2 * job.block_params
         why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"
         parts.append(Part("FSDP all-gather buffers", gathered * job.compute_bytes / job.tensor_parallel, "GPU", why))
@@ -190,7 +191,7 @@ def steps(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -
                 step(name, ac=ac)
     if job.fsdp and "reshard" not in fixed and not layout.reshard:
         step("FSDP reshard after forward", reshard=True)
-    if job.fsdp and "offload" not in fixed and not layout.offload and job.optimizer != "Muon":
+    if job.can_offload and "offload" not in fixed and not layout.offload and job.optimizer != "Muon":
         moved = host_bytes(estimate(job, dataclasses.replace(layout, offload=True)))
         if host_budget is None or moved <= host_budget:
             step("CPU offload", offload=True)

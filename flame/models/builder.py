@@ -48,6 +48,10 @@ class TorchtitanInit:
             self._init_from_full_copy()
         else:
             reinitialize(self)
+        if buffer_device is not None:  # CPU offload: the weights live on the host, the buffers where the forward runs
+            for module in self.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    module._buffers[name] = buffer.to(buffer_device)
 
     def _init_from_full_copy(self) -> None:
         # Initialize an unsharded twin with the same RNG stream a single process would use,
