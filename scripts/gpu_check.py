@@ -253,6 +253,33 @@ SUITES = {
         configs=("configs/mamba2_340M.json", "configs/gla_340M.json", "configs/samba_340M.json"),
         steps=30, tokens=32768, timeout=400,
     ),
+    "memory": Suite(
+        "one GPU, --memory.plan auto: the plan's estimate beside the measured peak for each activation checkpointing "
+        "plan (none, op-level selective, full) at 340M and 1B; then the budgets: 1B under --memory.gpu_budget_gib 24 "
+        "against its unconstrained run, 340M at 64K tokens under 16, and transformer_7B with no memory flag "
+        "(CPU offload on one GPU) at 256K tokens a step; each run prints the plan it chose",
+        report="runs",
+        per_config=(
+            Run("none", 1, ("--activation_checkpoint.mode", "none"), only=("transformer_340M", "gla_340M",
+                                                                         "gated_deltanet_340M", "transformer_1B")),
+            Run("op", 1, ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                          "op"), only=("transformer_340M", "gla_340M", "gated_deltanet_340M", "transformer_1B")),
+            Run("full", 1, ("--activation_checkpoint.mode", "full"),
+                only=("transformer_340M", "gla_340M", "gated_deltanet_340M", "transformer_1B")),
+            Run("budget24", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_1B",)),
+            Run("budget16_64k", 1, ("--memory.gpu_budget_gib", "16", "--training.seq_len", "65536"),
+                only=("transformer_340M",)),
+            # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches
+            Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "6"),
+                only=("transformer_7B",)),
+        ),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", "--memory.plan", "auto", *NO_CHECKPOINT),
+        configs=("configs/transformer_340M.json", "configs/gla_340M.json", "configs/gated_deltanet_340M.json",
+                 "configs/transformer_1B.json", "configs/transformer_7B.json"),
+        steps=10, tokens=32768, timeout=500, baseline="none",
+    ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",

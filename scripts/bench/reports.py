@@ -25,6 +25,19 @@ def log_lines(work: Path, result: Result) -> list[str]:
     return [ANSI.sub("", line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
 
 
+# flame.components.metrics, after the first logged step of a run with --memory.plan auto
+PLANNED = re.compile(r"memory: measured peak ([\d.]+) GiB reserved, planned ([\d.]+) GiB")
+
+
+def plan_against_peak(work: Path, result: Result) -> str:
+    """The memory plan's estimate and its error against the measured peak; "" where the run planned nothing."""
+    found = [match for line in log_lines(work, result) if (match := PLANNED.search(line))]
+    if not found:
+        return ""
+    measured, planned = float(found[-1][1]), float(found[-1][2])
+    return f"  planned {planned:.1f} GiB ({100 * (planned / measured - 1):+.0f}% of the first peak {measured:.1f})"
+
+
 def last_json(work: Path, result: Result) -> dict | None:
     """The last JSON line a worker printed (it prints one after every stage)."""
     for line in reversed(log_lines(work, result)):
@@ -97,6 +110,7 @@ def runs(results: list[Result], work: Path, baseline: str | None = None) -> list
             line += f" {100 * tps / base_tps:9.0f}%" if base_tps > 0 else f" {'':>10s}"
         values = list(got.values())
         line += "  " + " ".join(f"{v:.4f}" for v in (values if len(values) <= 10 else values[:3] + values[-3:]))
+        line += plan_against_peak(work, result)
         shown.append(line + ("" if result.status == 0 else f"  ({outcome(result)})"))
     return shown
 
