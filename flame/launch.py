@@ -18,6 +18,11 @@ import os
 import shlex
 import sys
 
+if __name__ == "__main__":  # train.sh's preflight: before the imports below load transformers' model classes
+    from flame.compat.transformers import scikit_learn_imported_when_used
+
+    scikit_learn_imported_when_used()
+
 from flame import autotune, compat, dump_folder
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError

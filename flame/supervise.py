@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:  # node 0, whatever the outcome: a diverged run's curves are the ones to look at
             record_the_run(args.dump_folder, lock.attempt, torchrun_args)
         if status == 0 and args.export_hf:  # under the lock still: no other run may purge the step it reads
+            from flame.compat.transformers import scikit_learn_imported_when_used
+
+            scikit_learn_imported_when_used()  # before the export loads transformers' model classes
             from flame.utils.convert_dcp_to_hf import main as export
 
             status = export(["--path", args.dump_folder, *(["--sample", args.sample] if args.sample else [])])

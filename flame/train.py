@@ -9,6 +9,9 @@ if __name__ == "__main__":  # a rank: first of all (importing torch takes second
     from flame.supervise import die_with_parent
 
     die_with_parent(signal.SIGKILL)
+    from flame.compat.transformers import scikit_learn_imported_when_used
+
+    scikit_learn_imported_when_used()  # before the imports below load transformers' model classes
 
 import faulthandler
 import os

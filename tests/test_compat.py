@@ -130,13 +130,37 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     result = check(torchrun(base_args(tiny_model, corpus, tmp_path / "run", steps=1)))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "flame.compat" in line]
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
-    changes = ["torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", *on_cpu, "transformers.attention_implementation",
+    changes = ["transformers.scikit_learn_imported_when_used", "torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", *on_cpu, "transformers.attention_implementation",
                "transformers.fused_rotary(llama)"]
     assert len(lines) == 1
     assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")
     # and the model's fused kernels, one line (flame.models.fused)
     assert "Fused kernels for eager code (compiled blocks run HF's own): 5 LlamaRMSNorm -> torch's rms_norm; " \
            "2 LlamaMLP -> fla's swiglu_linear" in result.stdout + result.stderr
+
+
+SCIKIT_LEARN_WHEN_USED = """
+import sys
+from flame.compat.transformers import scikit_learn_imported_when_used
+scikit_learn_imported_when_used()
+from transformers import LlamaForCausalLM
+from transformers.generation import candidate_generator
+print("sklearn" in sys.modules, candidate_generator.is_sklearn_available())
+labels, scores = [0, 0, 1, 1, 0, 1], [0.1, 0.4, 0.35, 0.8, 0.7, 0.2]
+print(*candidate_generator.roc_curve(labels, scores)[2], "sklearn" in sys.modules)
+from sklearn.metrics import roc_curve
+print(*roc_curve(labels, scores)[2], True)
+"""
+
+
+def test_model_classes_load_without_scikit_learn_and_assisted_generation_still_gets_it():
+    result = check(subprocess.run([sys.executable, "-c", SCIKIT_LEARN_WHEN_USED], cwd=ROOT, env=flame_env(),
+                                  capture_output=True, text=True, timeout=300))
+    loaded, deferred, real = result.stdout.splitlines()[-3:]
+    # transformers' model classes came without scikit-learn, and its availability check still says it is there
+    assert loaded == "False True"
+    # assisted generation's ROC thresholds: scikit-learn's own, imported on the first call
+    assert deferred == real and deferred.endswith(" True")
 
 
 def test_the_changes_are_written_for_the_pinned_versions():

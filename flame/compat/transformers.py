@@ -1,10 +1,12 @@
-"""transformers' seam: flame's attention in transformers' attention registry, fused rotary embeddings.
+"""transformers' seam: flame's attention in transformers' attention registry, fused rotary embeddings,
+scikit-learn imported only where assisted generation uses it.
 
 Written for transformers 5.17.0 (3rdparty/requirements.txt).
 """
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 
 from transformers import AttentionInterface
@@ -58,3 +60,40 @@ def fused_rotary(module_name: str) -> Patch:
     change.__name__ = f"fused_rotary({module_name.rpartition('.')[2].removeprefix('modeling_')})"
     change.__doc__ = _fused_rotary.__doc__
     return Patch(TRANSFORMERS, change, (rotary_target(module_name),))
+
+
+CANDIDATE_GENERATOR = "transformers.generation.candidate_generator"
+
+
+@patch(TRANSFORMERS, Target(TRANSFORMERS, "transformers.utils", "is_sklearn_available", ()))
+def scikit_learn_imported_when_used() -> None:
+    """Import scikit-learn when assisted generation first needs it, not with every model class.
+
+    Upstream: every model class imports ``transformers.generation``, whose candidate generator
+    imports ``sklearn.metrics.roc_curve`` at import time wherever scikit-learn is installed
+    (lm-eval needs it, so flame's environment has it): 1-2 s of CPU (scikit-learn and the scipy
+    it loads) in each process, every rank of every run, for a function only assisted
+    generation with a dynamic confidence threshold calls. flame: imports the candidate
+    generator with scikit-learn reported missing, then gives it back the real availability
+    check and a ``roc_curve`` that imports scikit-learn's on first call, so generation behaves
+    as upstream. Applied first thing in train.sh's preflight, each rank and the HF export
+    (flame.launch, flame.train, flame.supervise, flame.utils.convert_dcp_to_hf); where the
+    module was imported already, there is nothing left to defer.
+    """
+    if CANDIDATE_GENERATOR in sys.modules:
+        return
+    utils = importlib.import_module("transformers.utils")
+    available = utils.is_sklearn_available
+    utils.is_sklearn_available = lambda: False
+    try:
+        module = importlib.import_module(CANDIDATE_GENERATOR)
+    finally:
+        utils.is_sklearn_available = available
+    module.is_sklearn_available = available
+
+    def roc_curve(*args, **kwargs):
+        from sklearn.metrics import roc_curve
+
+        return roc_curve(*args, **kwargs)
+
+    module.roc_curve = roc_curve

@@ -30,6 +30,11 @@ import sys
 import tempfile
 import warnings
 
+if __name__ == "__main__":  # before the imports below load transformers' model classes
+    from flame.compat.transformers import scikit_learn_imported_when_used
+
+    scikit_learn_imported_when_used()
+
 import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GenerationConfig
