@@ -178,6 +178,7 @@ def test_default_pretraining_config_parses(monkeypatch):
     config = parse("--job.config_file", "flame/models/flame.toml", world_size=8, monkeypatch=monkeypatch)
     assert config.training.varlen and config.training.context_len == 4096
     assert "fineweb-edu" in config.training.dataset
+    assert config.compile.enable and "model" in config.compile.components  # its llama trains faster compiled
 
 
 def documented_lr(step: int, *, lr: float, steps: int, warmup: int, decay_steps: int, floor: float, shape: str) -> float:
