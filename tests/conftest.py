@@ -8,7 +8,6 @@ by side; the ``background_runs`` fixture starts the runs a test declares with
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -105,30 +104,15 @@ def base_args(model: str, data: str, dump: Path, steps: int = 6) -> list[str]:
 
 def torchrun(args: list[str], nproc: int = 1, module: str = "flame.train", timeout: int = 600,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``module`` (or a script path) as ``nproc`` torchrun ranks, ``env`` added to their
-    environment; the result keeps stdout+stderr.
-
-    One process starts directly, with the environment torchrun gives a rank of a standalone
-    one-process run: torchrun's agent would add about 4 s of start and stop to every run, and
-    nothing the rank sees. Several start under torchrun itself (train.sh's runs: tests of
-    flame.supervise and the launcher)."""
+    """Run ``module`` (or a script path) under torchrun, ``env`` added to its environment; the result
+    keeps stdout+stderr."""
     target = ["-m", module] if not module.endswith(".py") else [module]
-    environment = flame_env() | (env or {})
-    if nproc == 1:
-        command = [sys.executable, *target, *args]
-        environment |= {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
-                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   *target, *args]
-    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (the OS's choice, as torchrun's --standalone makes it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args,
+    ]
+    return subprocess.run(
+        command, cwd=ROOT, env=flame_env() | (env or {}), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def two_at_a_time(*jobs: Callable[[], T]) -> list[T]:
