@@ -68,6 +68,25 @@ def test_one_document_gives_fla_s_logits_and_gradients(monkeypatch, changes):
     assert_close(flame, logits_and_grads(model, ids))
 
 
+def test_fla_s_warning_against_its_triton_conv_is_dropped_and_others_are_kept():
+    """flame chose fla's Triton conv (checked here and on GPUs); fla warns once per layer it builds."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    fla_logger = logging.getLogger(fla_mamba2.FLA_MAMBA2)
+    fla_logger.addHandler(handler)
+    try:
+        tiny_mamba2()
+        fla_logger.warning("another warning")
+    finally:
+        fla_logger.removeHandler(handler)
+    messages = [record.getMessage() for record in records]
+    assert "another warning" in messages
+    assert not [message for message in messages if "Triton's conv1d backend" in message], messages
+
+
 def test_a_packed_row_gives_each_document_its_own_results():
     model = tiny_mamba2()
     ids = torch.randint(0, model.config.vocab_size, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(2))

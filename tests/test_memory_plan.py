@@ -21,8 +21,10 @@ from flame.memory.plan import (
     steps,
     table,
 )
+from flame.models import load_model_config
 from flame.models.registry import meta_model, register_all
 from tests.conftest import (
+    ROOT,
     TINY_DECODER,
     TOKENIZER,
     assert_same_curve,
@@ -78,6 +80,28 @@ def test_saved_bytes_grow_linearly_with_blocks():
     assert four.rest == two.rest
 
 
+def test_a_meta_forward_that_reaches_a_triton_kernel_stops_there_and_the_plan_takes_the_formula():
+    """On a GPU a kernel launched on meta tensors reads null pointers and poisons the process's CUDA context."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.jit import KernelInterface
+
+    @triton.jit
+    def copy_kernel(x, y):
+        tl.store(y, tl.load(x))
+
+    launch = KernelInterface.__getitem__
+    meta = torch.empty(1, device="meta")
+    refused = pytest.raises(activations.compat.triton.KernelLaunchRefused, match="Triton kernel copy_kernel")
+    with refused, activations.compat.triton.kernel_launches_refused():
+        copy_kernel[(1,)](meta, meta)
+    assert KernelInterface.__getitem__ is launch  # launches work again after the block
+
+    profile = activations.measure(load_model_config(str(ROOT / "configs/tiny/gla.json")), torch.bfloat16)
+    assert "the meta forward reached Triton kernel layer_norm_fwd_kernel" in profile.method  # fla's fused norm
+    assert KernelInterface.__getitem__ is launch
+
+
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     job = memory.job_of(config, 1)
@@ -118,6 +142,25 @@ def test_plan_turns_on_ac_then_offload_then_micro_batches_as_the_budget_shrinks(
     for part in ("parameters", "gradients", "optimizer state", "FSDP all-gather buffers", "activations",
                  "logits and loss", "allocator margin", "host (CPU offload)", "plan: full AC, CPU offload, 2 micro-batches"):
         assert part in shown
+
+
+def test_blocks_of_triton_kernels_checkpoint_every_nth_block_where_pytorch_blocks_take_op_level(long_model, monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    measured, start = memory.job_of(config, 1), memory.layout_of(config)
+    assert [name for name, _ in steps(measured, start, set(), None)][:3] == ["as configured", "op-level selective AC", "full AC"]
+    formula = activations._formula(load_model_config(long_model), torch.float32, 8, "reached Triton kernel k")
+    job = dataclasses.replace(measured, activations=formula)  # as for fla's models: 8 blocks of Triton kernels
+    ladder = steps(job, start, set(), None)
+    assert [name for name, _ in ladder][:5] == ["as configured", "selective AC every 4 blocks",
+                                                "selective AC every 3 blocks", "selective AC every 2 blocks", "full AC"]
+    needs = [gpu_bytes(estimate(job, layout)) for _, layout in ladder[:5]]
+    assert needs == sorted(needs, reverse=True) and len(set(needs)) == 5  # each recomputes more and keeps less
+    plan = choose(job, start, set(), needs[3], None)
+    assert plan.layout.ac == "2"
+    memory.set_layout(config, start, plan.layout)  # torchtitan's spelling: selective, option "2"
+    assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option) == ("selective", "2")
+    # a setting that already recomputes more is not undone
+    assert [layout.ac for _, layout in steps(job, Layout(ac="2"), set(), None)][:2] == ["2", "full"]
 
 
 def test_one_gpu_offloads_through_fsdp_over_itself_and_a_cpu_never_offloads(long_model, monkeypatch):

@@ -7,7 +7,7 @@
     fla_mamba.py     fla's Mamba layer (mamba, samba) with flame's selective scan: fast, documents kept apart
     fla_mamba2.py    fla's Mamba2 layer on fla's Triton conv and scan, packed documents kept apart
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
-    triton.py        autotuning that waits for its own stream (pipeline parallelism)
+    triton.py        autotuning that waits for its own stream (pipeline parallelism); forwards that launch no kernel
     guard.py         how a change is declared, checked against the installed library, applied once
 
 Each change is a function (a ``guard.Patch``) whose docstring says what upstream does, what

@@ -1,9 +1,12 @@
-"""triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism.
+"""triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism, and
+forwards in which no kernel may launch.
 
 Written for triton 3.6.0 (3rdparty/requirements.txt).
 """
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 
 import torch
 
@@ -40,3 +43,35 @@ def autotune_on_the_current_stream() -> None:
     """
     driver = importlib.import_module(_DEVICE_INTERFACE.module)
     driver.CudaDriver.get_device_interface = lambda self: _CurrentStreamCuda()
+
+
+class KernelLaunchRefused(RuntimeError):
+    """A Triton kernel was launched where ``kernel_launches_refused`` forbids it (the message names it)."""
+
+
+@contextlib.contextmanager
+def kernel_launches_refused() -> Iterator[None]:
+    """Within the block, launching any Triton kernel (``kernel[grid](...)``) raises ``KernelLaunchRefused``.
+
+    For forwards on meta tensors (the memory plan's activation measurement): a kernel launched
+    there gets null pointers. On a CPU Triton refuses it, but on a GPU it runs and its illegal
+    memory accesses poison the CUDA context of the process, which then fails in whatever CUDA
+    call comes next (seeding the trainer's RNG). Every launch goes through
+    ``KernelInterface.__getitem__`` (``JITFunction``, the autotuner and heuristics wrappers alike).
+    """
+    try:
+        from triton.runtime.jit import KernelInterface
+    except ImportError:  # no Triton (macOS): nothing can launch
+        yield
+        return
+    launch = KernelInterface.__getitem__
+
+    def refuse(kernel, grid):
+        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "a kernel")
+        raise KernelLaunchRefused(f"Triton kernel {name}")
+
+    KernelInterface.__getitem__ = refuse
+    try:
+        yield
+    finally:
+        KernelInterface.__getitem__ = launch

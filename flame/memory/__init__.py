@@ -170,7 +170,8 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
     """Write the plan's changes into the job config (only what differs from how the job started)."""
     if layout.ac != start.ac:
         ac = config.activation_checkpoint
-        ac.mode, ac.selective_ac_option = ("selective", "op") if layout.ac == "op" else (layout.ac, ac.selective_ac_option)
+        whole = layout.ac in ("none", "full", "memory_budget")  # else op, or every N-th block: torchtitan's selective
+        ac.mode, ac.selective_ac_option = (layout.ac, ac.selective_ac_option) if whole else ("selective", layout.ac)
     if layout.reshard != start.reshard:
         config.parallelism.fsdp_reshard_after_forward = "always"
     if layout.offload != start.offload:

@@ -63,6 +63,11 @@ class ActivationProfile:
     rest: Quadratic  # embeddings, final norm, head input
     method: str  # how it was found, for the plan's table
 
+    @property
+    def measured(self) -> bool:
+        """Measured by the meta forward (blocks of PyTorch ops), not estimated by the formula."""
+        return self.method.startswith("measured")
+
     def scaled(self, blocks: int) -> ActivationProfile:
         """The same blocks, ``blocks`` of them (the first ones, repeated): for tests of the scaling."""
         take = [self.blocks[i % len(self.blocks)] for i in range(blocks)]
@@ -174,9 +179,11 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
     blocks = len(decoder_layers(model))
     save_list = compat.torchtitan.op_sac_save_list()
     try:
-        runs = [_saved_per_block(model, tokens, save_list) for tokens in LENGTHS]
+        with compat.triton.kernel_launches_refused():
+            runs = [_saved_per_block(model, tokens, save_list) for tokens in LENGTHS]
     except Exception as error:  # noqa: BLE001 - any kernel that needs real memory (Triton) lands here
-        return _formula(config, dtype, blocks, f"{type(error).__name__}")
+        refused = isinstance(error, compat.triton.KernelLaunchRefused)
+        return _formula(config, dtype, blocks, f"reached {error}" if refused else f"failed: {type(error).__name__}")
     per_block = tuple(_fit([run[0][i] for run in runs]) for i in range(blocks))
     selective = tuple(_fit([run[1][i] for run in runs]) for i in range(blocks))
     rest = _fit([run[2] for run in runs])
@@ -191,5 +198,5 @@ def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str
     selective = Quadratic(block.linear / 3 + hidden)
     return ActivationProfile(
         (block,) * blocks, (selective,) * blocks, hidden, Quadratic(2 * hidden),
-        f"formula ({FALLBACK_TENSORS_PER_HIDDEN} x hidden per token per block; the meta forward failed: {why})",
+        f"formula ({FALLBACK_TENSORS_PER_HIDDEN} x hidden per token per block; the meta forward {why})",
     )

@@ -186,9 +186,8 @@ def steps(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -
         out.append((name, layout))
 
     if "ac" not in fixed:
-        for ac, name in (("op", "op-level selective AC"), ("full", "full AC")):
-            if layout.ac != ac and not (ac == "op" and layout.ac == "full"):
-                step(name, ac=ac)
+        for ac in ac_ladder(job, layout.ac):
+            step(dataclasses.replace(layout, ac=ac).describe().split(",")[0], ac=ac)
     if job.fsdp and "reshard" not in fixed and not layout.reshard:
         step("FSDP reshard after forward", reshard=True)
     if job.can_offload and "offload" not in fixed and not layout.offload and job.optimizer != "Muon":
@@ -200,6 +199,29 @@ def steps(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -
             if job.rows % count == 0:
                 step(f"{count} micro-batches", micro_batches=count)
     return out
+
+
+def ac_ladder(job: Job, current: str) -> list[str]:
+    """The activation checkpointing settings to try after ``current``, each recomputing more.
+
+    Blocks of PyTorch ops (the meta forward measured them) try op-level selective AC, which keeps
+    the matmul outputs and recomputes the cheap rest, then full AC. Blocks that run Triton
+    kernels (fla's; a formula estimates them) skip op-level AC: torchtitan's policy keeps only
+    PyTorch ops' outputs, so it recomputes every kernel, and it ran mamba2 340M at half the speed
+    of checkpointing every second block (docs/perf-log.md, 2026-11-27). They checkpoint every
+    4th, 3rd, then 2nd block, then all.
+    """
+    if job.activations.measured:
+        ladder = ["op", "full"]
+    else:
+        ladder = [str(every) for every in (4, 3, 2) if every <= len(job.activations.blocks)] + ["full"]
+    return [ac for ac in ladder if _recompute_rank(ac) > _recompute_rank(current)]
+
+
+def _recompute_rank(ac: str) -> float:
+    """About how much of the forward an AC setting recomputes, for ordering: none 0, every N-th block 1/N, all 1."""
+    ranks = {"none": 0.0, "memory_budget": 0.0, "op": 0.5, "full": 1.0}
+    return ranks[ac] if ac in ranks else 1 / int(ac)
 
 
 def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, host_budget: float | None) -> Plan:
