@@ -242,7 +242,7 @@ SUITES = {
         "full activation checkpointing and compiled, mamba2 with every second block checkpointed and under a 40 GiB "
         "memory budget",
         report="runs",
-        setup=(Command("mamba2_tests", (*PYTEST, "tests/gpu/test_mamba2_gpu.py")),
+        setup=(Command("mamba2_tests", (*PYTEST, "-s", "tests/gpu/test_mamba2_gpu.py")),  # -s: the 340M test's phase times
                Command("scan_tests", (*PYTEST, "tests/gpu/test_mamba_scan_gpu.py"), on_request=True),
                Command("export_tests", (*PYTEST, "tests/gpu/test_exports.py", "-k", "mamba"), on_request=True)),
         per_config=(Run("train", 1),

@@ -2,6 +2,8 @@
 (or fla's GLA scan without mamba_ssm) gives fla's PyTorch results, and a packed row gives each document its
 own results, at tiny size and at 340M x 8K tokens in bf16. tests/test_mamba2_kernels.py checks the same on CPU. Skipped where there is no CUDA device."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,13 +39,24 @@ def relative_errors(got, expected) -> tuple[float, float]:
     return error(logits, want_logits), max(error(grads[name], want) for name, want in want_grads.items())
 
 
-def packed_and_separate(model, lengths: list[int]) -> tuple[tuple, tuple]:
+def packed_and_separate(model, lengths: list[int], timed: bool = False) -> tuple[tuple, tuple]:
     generator = torch.Generator().manual_seed(1)
     vocab, total = model.config.vocab_size, sum(lengths)
     ids, labels = (torch.randint(0, vocab, (1, total), generator=generator).cuda() for _ in range(2))
     cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).cuda()
+    start = time.perf_counter()
+
+    def timing(what: str) -> None:
+        if timed:
+            torch.cuda.synchronize()
+            print(f"{what}: {time.perf_counter() - start:.0f} s", flush=True)
+
     packed = run(model, ids, labels, cu_seqlens=cu_seqlens)
-    alone = [run(model, i, l) for i, l in zip(ids.split(lengths, 1), labels.split(lengths, 1))]
+    timing("packed row, forward and backward")
+    alone = []
+    for i, l in zip(ids.split(lengths, 1), labels.split(lengths, 1)):
+        alone.append(run(model, i, l))
+        timing(f"+ document of {i.shape[1]} tokens alone")
     separate = (torch.cat([logits for logits, _ in alone], 1),
                 {name: sum(grads[name] for _, grads in alone) for name in packed[1]})
     return packed, separate
@@ -71,10 +84,16 @@ def test_a_packed_row_gives_each_document_its_own_results_tiny(dtype):
 
 
 def test_a_packed_row_gives_each_document_its_own_results_340M():
-    """340M, bf16, one packed row of 8K tokens (fla's own PyTorch path ran out of memory here on 80 GB)."""
+    """340M, bf16, one packed row of 8K tokens (fla's own PyTorch path ran out of memory here on 80 GB).
+
+    Each phase prints its time (gpu_check runs this file with -s): on an H100 the test once ran
+    past 300 s, and a stopped test keeps no captured output.
+    """
+    start = time.perf_counter()
     model = build(LARGE, torch.bfloat16)
+    print(f"340M mamba2 built in {time.perf_counter() - start:.0f} s", flush=True)
     torch.cuda.reset_peak_memory_stats()
-    logits_error, grad_error = relative_errors(*packed_and_separate(model, [3000, 1200, 2500, 1492]))
+    logits_error, grad_error = relative_errors(*packed_and_separate(model, [3000, 1200, 2500, 1492], timed=True))
     print(f"340M packed vs separate: logits {logits_error:.4f}, grads {grad_error:.4f}, "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     # bf16 noise is 0.005-0.015 on gradients (docs/models.md); fla's layer without documents: 0.88 / 0.30
