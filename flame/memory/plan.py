@@ -33,6 +33,12 @@ MARGIN = 0.10  # the caching allocator's fragmentation: 10% over what the tensor
 FUSED_LOSS_CHUNK = 8192  # flame.components.loss's fused cross entropy computes this many tokens' logits at a time
 
 
+def describe_ac(ac: str) -> str:
+    """A ``Layout.ac`` setting in words."""
+    return {"none": "no AC", "full": "full AC", "op": "op-level selective AC",
+            "memory_budget": "compiler-chosen AC (memory_budget)"}.get(ac, f"selective AC every {ac} blocks")
+
+
 @dataclass(frozen=True)
 class Layout:
     """The settings the plan may change."""
@@ -43,9 +49,7 @@ class Layout:
     micro_batches: int = 1  # the rows of training.batch_size split over this many accumulation steps
 
     def describe(self) -> str:
-        ac = {"none": "no AC", "full": "full AC", "op": "op-level selective AC",
-              "memory_budget": "compiler-chosen AC (memory_budget)"}.get(self.ac, f"selective AC every {self.ac} blocks")
-        parts = [ac]
+        parts = [describe_ac(self.ac)]
         if self.offload:
             parts.append("CPU offload")
         if self.micro_batches > 1:
@@ -187,7 +191,7 @@ def steps(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -
 
     if "ac" not in fixed:
         for ac in ac_ladder(job, layout.ac):
-            step(dataclasses.replace(layout, ac=ac).describe().split(",")[0], ac=ac)
+            step(describe_ac(ac), ac=ac)
     if job.fsdp and "reshard" not in fixed and not layout.reshard:
         step("FSDP reshard after forward", reshard=True)
     if job.can_offload and "offload" not in fixed and not layout.offload and job.optimizer != "Muon":
