@@ -124,10 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as lm-eval's command line: no fork warnings
     try:
-        return evaluate(*parse(sys.argv[1:] if argv is None else argv))
+        status = evaluate(*parse(sys.argv[1:] if argv is None else argv))
     except ConfigError as error:
         print(f"flame.eval: error: {error}", file=sys.stderr)
         return 2
+    leave_process_group()
+    return status
+
+
+def leave_process_group() -> None:
+    """Under torchrun, every rank waits for rank 0's report, then ends the process group itself.
+
+    Left to the interpreter's exit, gloo's threads can abort a finished rank ("terminate called
+    without an active exception", SIGABRT) while rank 0 still writes, and torchrun then fails the
+    whole evaluation.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
