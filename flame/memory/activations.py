@@ -62,11 +62,7 @@ class ActivationProfile:
     block_input: float  # bytes per token of a block's input: all that full AC keeps of it
     rest: Quadratic  # embeddings, final norm, head input
     method: str  # how it was found, for the plan's table
-
-    @property
-    def measured(self) -> bool:
-        """Measured by the meta forward (blocks of PyTorch ops), not estimated by the formula."""
-        return self.method.startswith("measured")
+    measured: bool  # by the meta forward (blocks of PyTorch ops), not estimated by the formula
 
     def scaled(self, blocks: int) -> ActivationProfile:
         """The same blocks, ``blocks`` of them (the first ones, repeated): for tests of the scaling."""
@@ -188,7 +184,8 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
     selective = tuple(_fit([run[1][i] for run in runs]) for i in range(blocks))
     rest = _fit([run[2] for run in runs])
     block_input = runs[-1][3] / LENGTHS[-1]
-    return ActivationProfile(per_block, selective, block_input, rest, "measured (meta-device forward, saved tensors)")
+    return ActivationProfile(per_block, selective, block_input, rest, "measured (meta-device forward, saved tensors)",
+                             measured=True)
 
 
 def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str) -> ActivationProfile:
@@ -199,4 +196,5 @@ def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str
     return ActivationProfile(
         (block,) * blocks, (selective,) * blocks, hidden, Quadratic(2 * hidden),
         f"formula ({FALLBACK_TENSORS_PER_HIDDEN} x hidden per token per block; the meta forward {why})",
+        measured=False,
     )
