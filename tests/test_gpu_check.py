@@ -112,12 +112,12 @@ def test_the_runs_table_compares_each_run_with_its_reference(tmp_path):
 
     results = [run("llama-1gpu", [8.0, 7.0, 6.0]), run("llama-tp2", [8.0, 7.0, 6.06], reference="llama-1gpu"),
                Result(Step("tp", "tp2-fused", "llama-tp2-fused", [], train=True), None, note="needs 2 GPUs, 1 visible")]
-    # a run with --memory.plan auto logs its estimate beside the first measured peak (flame.components.metrics)
+    # a run with --memory.plan auto logs its estimate beside the measured peak after step 1 (flame.components.metrics)
     (tmp_path / "llama-tp2.log").write_text("[titan] 2026-11-27 02:00:00,000 - root - INFO - memory: measured peak "
                                             "20.00 GiB reserved, planned 22.00 GiB\n")
     table = reports.runs(results, tmp_path)
     assert table[2].split()[:3] == ["llama-tp2", "llama-1gpu", "1.0e-02"]
-    assert table[2].endswith("planned 22.0 GiB (+10% of the first peak 20.0)") and "planned" not in table[1]
+    assert table[2].endswith("planned 22.0 GiB (+10% of the measured peak 20.0)") and "planned" not in table[1]
     assert "needs 2 GPUs" in table[3]
 
 

@@ -85,7 +85,7 @@ class FlameMetricsProcessor(MetricsProcessor):
         self.total_steps = job_config.training.steps
         self.step_last_log: int | None = None  # set by the trainer at its first step
         self.time_start = time.perf_counter()
-        self.planned_gib: float | None = None  # the memory plan's estimate, logged beside the first measured peak
+        self.planned_gib: float | None = None  # the memory plan's estimate, logged beside the measured peak of the first logged step after step 1
 
     def describe_mfu(self) -> str:
         peak = f"{self.gpu_peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.gpu_peak_flops else "no peak on CPU"
@@ -151,7 +151,9 @@ class FlameMetricsProcessor(MetricsProcessor):
             f"{c.white}elapsed {_clock(now - self.time_start)}  ETA {_clock(eta)}"
             f"{f'  skipped {skipped}' if skipped else ''}{f' ({spikes} spikes)' if spikes else ''}{mix}{c.reset}"
         )
-        if self.planned_gib is not None:  # once: how far the plan's estimate is from what the GPU really took
+        # once: how far the plan's estimate is from what the GPU really took, after step 1, whose
+        # backward peak comes before AdamW's moments exist (they are made by its first update)
+        if self.planned_gib is not None and (step > 1 or step == self.total_steps):
             logger.info(f"memory: measured peak {memory.max_reserved_gib:.2f} GiB reserved, planned {self.planned_gib:.2f} GiB")
             self.planned_gib = None
         self.ntokens_since_last_log = 0

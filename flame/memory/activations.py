@@ -131,10 +131,11 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set) -> tuple[lis
 
         return hook
 
-    def leave(module, args, output):
-        state["block"] = None
-        counter.block = None
-        counter.__exit__(None, None, None)
+    def leave(*_) -> None:
+        if state["block"] is not None:
+            state["block"] = None
+            counter.block = None
+            counter.__exit__(None, None, None)
 
     handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(layers)]
     handles += [block.register_forward_hook(leave) for block in layers]
@@ -143,6 +144,10 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set) -> tuple[lis
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(input_ids=ids)
     finally:
+        # a block that raised (a refused Triton launch) never reached its forward hook: left on the
+        # stack, the counting mode would run every later op of the process through Python (a third
+        # of the training's speed)
+        leave()
         for handle in handles:
             handle.remove()
     selective = [counter.saved.get(i, 0) for i in range(len(layers))]

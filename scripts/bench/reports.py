@@ -35,7 +35,7 @@ def plan_against_peak(work: Path, result: Result) -> str:
     if not found:
         return ""
     measured, planned = float(found[-1][1]), float(found[-1][2])
-    return f"  planned {planned:.1f} GiB ({100 * (planned / measured - 1):+.0f}% of the first peak {measured:.1f})"
+    return f"  planned {planned:.1f} GiB ({100 * (planned / measured - 1):+.0f}% of the measured peak {measured:.1f})"
 
 
 def last_json(work: Path, result: Result) -> dict | None:

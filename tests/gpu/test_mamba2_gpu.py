@@ -39,11 +39,20 @@ def relative_errors(got, expected) -> tuple[float, float]:
     return error(logits, want_logits), max(error(grads[name], want) for name, want in want_grads.items())
 
 
-def packed_and_separate(model, lengths: list[int], timed: bool = False) -> tuple[tuple, tuple]:
+def cu_seqlens_of(lengths: list[int]) -> dict[str, torch.Tensor]:
+    return {"cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).cuda()}
+
+
+def packed_and_separate(model, lengths: list[int], timed: bool = False, alone_packed: bool = False) -> tuple[tuple, tuple]:
+    """Results of one row packing ``lengths`` against each document run alone in its own row.
+
+    ``alone_packed``: each document alone still goes through the packed path (cu_seqlens [0, length]),
+    whose kernels the packed row has tuned; the unpacked path tunes its own (fla's conv takes minutes
+    per kernel at 340M on a fresh GPU). The tiny tests compare with the unpacked path.
+    """
     generator = torch.Generator().manual_seed(1)
     vocab, total = model.config.vocab_size, sum(lengths)
     ids, labels = (torch.randint(0, vocab, (1, total), generator=generator).cuda() for _ in range(2))
-    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).cuda()
     start = time.perf_counter()
 
     def timing(what: str) -> None:
@@ -51,11 +60,11 @@ def packed_and_separate(model, lengths: list[int], timed: bool = False) -> tuple
             torch.cuda.synchronize()
             print(f"{what}: {time.perf_counter() - start:.0f} s", flush=True)
 
-    packed = run(model, ids, labels, cu_seqlens=cu_seqlens)
+    packed = run(model, ids, labels, **cu_seqlens_of(lengths))
     timing("packed row, forward and backward")
     alone = []
     for i, l in zip(ids.split(lengths, 1), labels.split(lengths, 1)):
-        alone.append(run(model, i, l))
+        alone.append(run(model, i, l, **cu_seqlens_of([i.shape[1]]) if alone_packed else {}))
         timing(f"+ document of {i.shape[1]} tokens alone")
     separate = (torch.cat([logits for logits, _ in alone], 1),
                 {name: sum(grads[name] for _, grads in alone) for name in packed[1]})
@@ -84,20 +93,27 @@ def test_a_packed_row_gives_each_document_its_own_results_tiny(dtype):
 
 
 def test_a_packed_row_gives_each_document_its_own_results_340M():
-    """340M, bf16, one packed row of 8K tokens (fla's own PyTorch path ran out of memory here on 80 GB).
+    """340M, one packed row of 8K tokens in bf16 (fla's own PyTorch path ran out of memory here on 80 GB)
+    against its documents run alone: within the bf16 noise of this 48-block model, measured here as
+    the same documents' bf16 results against their float32 ones.
 
-    Each phase prints its time (gpu_check runs this file with -s): on an H100 the test once ran
-    past 300 s, and a stopped test keeps no captured output.
+    The thresholds of the tiny tests do not hold at this depth. On the CPU, flame's PyTorch path
+    (whose resets are exact: packed = separate to 0 in float32) gave for this model at 530 tokens:
+    bf16 packed vs separate 0.038 (logits) / 0.165 (worst gradient), bf16 vs float32 0.061 / 0.298,
+    and a packed row without its documents 1.26 / 1.58 (docs/perf-log.md, 2026-11-27).
+    Each document alone takes the packed path with one document: the unpacked path tunes fla's conv
+    again (96 s on a fresh H200). Each phase prints its time (gpu_check runs this file with -s).
     """
-    start = time.perf_counter()
-    model = build(LARGE, torch.bfloat16)
-    print(f"340M mamba2 built in {time.perf_counter() - start:.0f} s", flush=True)
+    lengths = [3000, 1200, 2500, 1492]
+    model = build(LARGE, torch.float32)
+    packed32, reference = packed_and_separate(model, lengths, timed=True, alone_packed=True)
+    model.to(torch.bfloat16)
     torch.cuda.reset_peak_memory_stats()
-    logits_error, grad_error = relative_errors(*packed_and_separate(model, [3000, 1200, 2500, 1492], timed=True))
-    print(f"340M packed vs separate: logits {logits_error:.4f}, grads {grad_error:.4f}, "
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    # bf16 noise is 0.005-0.015 on gradients (docs/models.md); fla's layer without documents: 0.88 / 0.30
-    assert logits_error < 2e-2 and grad_error < 5e-2, (logits_error, grad_error)
+    packed, separate = packed_and_separate(model, lengths, timed=True, alone_packed=True)
+    leak, noise = relative_errors(packed, separate), relative_errors(separate, reference)
+    print(f"340M packed vs separate: float32 {relative_errors(packed32, reference)}, bf16 {leak}; bf16 noise (bf16 "
+          f"vs float32, documents alone) {noise}; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    assert leak[0] <= noise[0] and leak[1] <= noise[1], (leak, noise)
 
 
 def test_compiled_blocks_give_eager_results():
