@@ -26,6 +26,7 @@ from flame import compat, device
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.errors import ConfigError
 from flame.models.registry import decoder_layers
+from flame.models.support import support_for
 
 
 def _wrap_blocks(layers: nn.ModuleList, wrap) -> None:
@@ -57,9 +58,13 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         torch._functorch.config.activation_memory_budget = ac_config.memory_budget
 
     if job_config.compile.enable and "model" in job_config.compile.components:
-        backend = job_config.compile.backend
-        _wrap_blocks(layers, lambda index, block: torch.compile(block, backend=backend))
-        logger.info(f"Compiling each of the {len(layers)} decoder blocks with torch.compile")
+        support = support_for(model.config)
+        if support.compile_slower:  # the flag helps or does nothing: never a slower run
+            logger.info(f"--training.compile: {support.name}'s decoder blocks stay eager ({support.compile_slower})")
+        else:
+            backend = job_config.compile.backend
+            _wrap_blocks(layers, lambda index, block: torch.compile(block, backend=backend))
+            logger.info(f"Compiling each of the {len(layers)} decoder blocks with torch.compile")
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

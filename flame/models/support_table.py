@@ -24,7 +24,8 @@ LEGEND = """\
 - **documents isolated**: whether a token sees only its own document when documents are packed into rows:
   through flame's document attention (transformers models), through `cu_seqlens` over one row (fla), or
   not: each row is one sequence (flame warns; `--training.no-varlen` with short rows limits the mixing).
-- **compile**: `--training.compile`; **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
+- **compile**: `--training.compile` (**eager**: its compiled blocks measured slower than eager, so the
+  flag leaves them eager and the log says so); **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
   `--parallelism.context_parallel_degree` (softmax attention all-gathers K/V over the CP ranks; fla's CP
   kernels pass the recurrent state between them). What a type cannot do is refused at preflight.
 - **needs**: a CUDA GPU for fla's Triton kernels, bf16 compute for kernels that refuse float32 (on GPUs,
@@ -48,6 +49,8 @@ def row(record: ModelSupport) -> tuple[str, ...]:
         notes.append(f"not isolated: {record.not_isolated_because}")
     if record.compile_fails:
         notes.append(f"no compile: {record.compile_fails}")
+    if record.compile_slower:
+        notes.append(f"--training.compile leaves its blocks eager: {record.compile_slower}")
     if spikes := record.gradient_spikes:
         notes.append(f"gradient spikes with attn_mode {spikes.attn_mode} (warned on GPUs)")
     if record.notes:
@@ -55,7 +58,8 @@ def row(record: ModelSupport) -> tuple[str, ...]:
     model_type = "any other" if record is GENERIC else record.model_type
     return (
         model_type, record.library, record.family, _ISOLATED[record.documents],
-        "no" if record.compile_fails else "yes", "yes" if record.tensor_parallel_plan else "no",
+        "no" if record.compile_fails else "eager" if record.compile_slower else "yes",
+        "yes" if record.tensor_parallel_plan else "no",
         record.context_parallel.value, ", ".join(needs) or "-", "; ".join(notes),
     )
 
