@@ -104,6 +104,13 @@ def test_documents_decide_how_a_batch_is_laid_out(monkeypatch):
     assert keeps_rows_whole(gla) and not flattens_rows(SimpleNamespace(config=gla))
 
 
+def test_memory_budget_ac_is_refused_for_types_whose_blocks_stay_eager(monkeypatch):
+    mamba2 = str(ROOT / "configs" / "tiny" / "mamba2.json")
+    with pytest.raises(ConfigError, match=r"memory_budget: .* fla's mamba2's blocks stay eager \(compiled blocks ran"):
+        check_model_options(load_model_config(mamba2), job(monkeypatch, mamba2, "--training.compile",
+                                                           "--activation_checkpoint.mode=memory_budget"))
+
+
 def test_compile_fails_refuses_compile(monkeypatch):
     record(monkeypatch, "llama", compile_fails="a test reason")
     with pytest.raises(ConfigError, match=r"--training.compile: llama does not compile \(a test reason\)"):
