@@ -141,12 +141,6 @@ def check_model_options(config: PretrainedConfig, job_config) -> None:
         raise ConfigError(
             f"--training.compile: {support.name} does not compile ({support.compile_fails}); train it without compile"
         )
-    if job_config.activation_checkpoint.mode == "memory_budget" and support.compile_slower:
-        raise ConfigError(
-            f"--activation_checkpoint.mode memory_budget: the compiler chooses what compiled blocks recompute, and "
-            f"{support.name}'s blocks stay eager ({support.compile_slower}); use --activation_checkpoint.mode full "
-            "or selective"
-        )
     if support.float32_refused_by and (reason := float32_compute(job_config)):
         raise ConfigError(
             f"{support.name} kernel ({support.float32_refused_by}) refuses float32, but this job computes "

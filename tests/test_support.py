@@ -104,13 +104,6 @@ def test_documents_decide_how_a_batch_is_laid_out(monkeypatch):
     assert keeps_rows_whole(gla) and not flattens_rows(SimpleNamespace(config=gla))
 
 
-def test_memory_budget_ac_is_refused_for_types_whose_blocks_stay_eager(monkeypatch):
-    mamba2 = str(ROOT / "configs" / "tiny" / "mamba2.json")
-    with pytest.raises(ConfigError, match=r"memory_budget: .* fla's mamba2's blocks stay eager \(compiled blocks ran"):
-        check_model_options(load_model_config(mamba2), job(monkeypatch, mamba2, "--training.compile",
-                                                           "--activation_checkpoint.mode=memory_budget"))
-
-
 def test_compile_fails_refuses_compile(monkeypatch):
     record(monkeypatch, "llama", compile_fails="a test reason")
     with pytest.raises(ConfigError, match=r"--training.compile: llama does not compile \(a test reason\)"):
@@ -212,3 +205,21 @@ def test_compile_leaves_eager_the_blocks_of_types_whose_compiled_blocks_measured
         assert wrapped == [compiled] * len(wrapped), model_type
         stays_eager = f"--training.compile: fla's {model_type}'s decoder blocks stay eager (compiled blocks ran 340M"
         assert (stays_eager in caplog.text) != compiled, caplog.text
+
+
+def test_memory_budget_ac_needs_compiled_blocks(monkeypatch):
+    """The compiler chooses what compiled blocks recompute: without compile, or for a type whose blocks stay
+    eager, memory_budget would do nothing, and is refused."""
+    from torchtitan.distributed import ParallelDims
+
+    from flame.distributed.parallelize import parallelize_model
+    from flame.models.registry import meta_model
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    mamba2 = str(ROOT / "configs" / "tiny" / "mamba2.json")
+    budget = "--activation_checkpoint.mode=memory_budget"
+    for flags, refusal in (([budget], r"memory_budget needs --compile.enable \(--training.compile\)$"),
+                           ([budget, "--training.compile"],
+                            r"memory_budget needs compiled blocks, and fla's mamba2's stay eager \(compiled blocks ran")):
+        with pytest.raises(ConfigError, match=refusal):
+            parallelize_model(meta_model(load_model_config(mamba2)), dims, job(monkeypatch, mamba2, *flags))

@@ -85,7 +85,8 @@ class FlameMetricsProcessor(MetricsProcessor):
         self.total_steps = job_config.training.steps
         self.step_last_log: int | None = None  # set by the trainer at its first step
         self.time_start = time.perf_counter()
-        self.planned_gib: float | None = None  # the memory plan's estimate, logged beside the measured peak of the first logged step after step 1
+        # the memory plan's estimate, logged beside the measured peak of the first logged step after step 1
+        self.planned_gib: float | None = None
 
     def describe_mfu(self) -> str:
         peak = f"{self.gpu_peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.gpu_peak_flops else "no peak on CPU"

@@ -50,15 +50,21 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"), job_config)
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
-    if ac_config.mode == "memory_budget" and not job_config.compile.enable:
-        raise ConfigError("--activation_checkpoint.mode memory_budget needs --compile.enable (--training.compile)")
+    support = support_for(model.config)
+    if ac_config.mode == "memory_budget":  # the compiler chooses what compiled blocks recompute
+        if not job_config.compile.enable:
+            raise ConfigError("--activation_checkpoint.mode memory_budget needs --compile.enable (--training.compile)")
+        if support.compile_slower:
+            raise ConfigError(
+                f"--activation_checkpoint.mode memory_budget needs compiled blocks, and {support.name}'s stay eager "
+                f"({support.compile_slower}); use --activation_checkpoint.mode full or selective"
+            )
     if ac_config.mode in ("full", "selective"):
         checkpoint_blocks(layers, ac_config, job_config.compile.enable)
     elif ac_config.mode == "memory_budget":
         torch._functorch.config.activation_memory_budget = ac_config.memory_budget
 
     if job_config.compile.enable and "model" in job_config.compile.components:
-        support = support_for(model.config)
         if support.compile_slower:  # the flag helps or does nothing: never a slower run
             logger.info(f"--training.compile: {support.name}'s decoder blocks stay eager ({support.compile_slower})")
         else:
