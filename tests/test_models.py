@@ -133,6 +133,30 @@ def test_packed_documents_give_the_logits_and_gradients_of_separate_documents(mo
         torch.testing.assert_close(packed_grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_compiled_blocks_take_rows_of_any_number_of_documents_one_included():
+    """flame compiles each block once for any number of documents. A row of one document (cu_seqlens of 2)
+    specializes the block's graph, which raised ConstraintViolationError while the count was marked
+    strictly dynamic (fla's kernels and flame's PyTorch conv alike). Dynamo's eager backend: the guards
+    are what is tested, not inductor's code."""
+    from flame.models import load_model_config
+    from tests.scripts.torch_kernels import use_torch_kernels
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_model_config(str(ROOT / "configs/tiny/mamba2.json")))
+    use_torch_kernels(model)
+    layouts = [[20, 44], [5, 40, 19], [64]]
+    eager = [_logits(model, lengths) for lengths in layouts]
+    for block in model.backbone.layers:
+        block.compile(backend="eager")
+    for lengths, expected in zip(layouts, eager):
+        torch.testing.assert_close(_logits(model, lengths), expected, msg=str(lengths))
+
+
+def _logits(model, lengths: list[int]) -> torch.Tensor:
+    inputs, _, kwargs = model_inputs(model, *_batch(lengths))
+    return model(inputs, **kwargs).logits
+
+
 def test_sliding_window_of_hf_configs_is_honoured():
     model = _build("mistral", sliding_window=4)
     batch, labels = _batch([12])

@@ -106,14 +106,16 @@ def prefill(mixer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
     if padding is not None:  # fla zeroes padded tokens before the projection and around the conv
         hidden_states = (hidden_states * padding).to(dtype)
     projected = mixer.in_proj(hidden_states)
-    # mamba_ssm's SSD kernel: the softplus, the clamp and D x inside; documents by seq_idx; no cache
-    # states. With several groups it pairs head h with group h // (heads / groups), fla's
-    # torch_forward with h mod groups (the pairing kept here): one group only.
-    stateless_kernels = kernels and not use_cache
-    ssd = mamba_ssm.ssd_scan() if stateless_kernels and mixer.n_groups == 1 else None
-    if stateless_kernels and ssd is None and mixer.n_groups == 1:
+    # mamba_ssm's SSD kernel: the softplus, the clamp and D x inside; documents by seq_idx; the cache's
+    # states as its final (or per-document) states. With several groups it pairs head h with group
+    # h // (heads / groups), fla's torch_forward with h mod groups (the pairing kept here): one group only.
+    # mamba_ssm has no backward for per-document states: a packed row with a cache and gradients scans on fla's kernels.
+    varlen_states_backward = use_cache and cu_seqlens is not None and torch.is_grad_enabled()
+    ssd = mamba_ssm.ssd_scan() if kernels and mixer.n_groups == 1 and not varlen_states_backward else None
+    training_on_gla = kernels and ssd is None and not use_cache
+    if training_on_gla and mixer.n_groups == 1:
         warn_without_ssd()
-    if stateless_kernels and ssd is None and torch.is_grad_enabled():
+    if training_on_gla and torch.is_grad_enabled():
         # Training on fla's GLA kernels: only in_proj's output is kept for the backward, which
         # recomputes the conv, the scan and the norm. Kept, their per-key decays and per-head B and
         # C ran a 141 GB GPU out of memory for mamba2_340M at 32K tokens (docs/perf-log.md).
@@ -155,11 +157,14 @@ def mix(mixer, projected: torch.Tensor, padding: torch.Tensor | None, cu_seqlens
     A = -torch.exp(mixer.A_log.float())
     x = x.unflatten(-1, (heads, head_dim))
     if ssd is not None:
+        states = {} if not use_cache else {"return_final_states": True} if cu_seqlens is None else \
+            {"return_varlen_states": True, "cu_seqlens": cu_seqlens}  # [sequences, heads, head_dim, state]
         y = ssd(x, dt, A, B.unflatten(-1, (groups, state)), C.unflatten(-1, (groups, state)), mixer.chunk_size,
                 D=mixer._get_D(), dt_bias=mixer.dt_bias, seq_idx=document_index(xbc.shape[1], cu_seqlens, xbc.device),
-                dt_softplus=True, dt_limit=tuple(mixer.dt_limit))
+                dt_softplus=True, dt_limit=tuple(mixer.dt_limit), **states)
+        y, ssm_state = (y[0], y[1].float()) if use_cache else (y, None)
         y = y.flatten(-2)
-        return (mixer.norm(y, gate) if mixer.rmsnorm else y * mixer.act(gate)), None, None
+        return (mixer.norm(y, gate) if mixer.rmsnorm else y * mixer.act(gate)), conv_state, ssm_state
     dt = torch.clamp(F.softplus(dt + mixer.dt_bias), mixer.dt_limit[0], mixer.dt_limit[1]).float()
     x = x.float()
     # head h reads group h mod n_groups (fla's torch_forward repeats the groups)
@@ -218,12 +223,15 @@ def conv_torch(mixer, xbc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tor
 def scan_kernel(q, k, v, g, cu_seqlens, final_states: bool, per_key_decay: bool | None = None):
     """fla's chunked simple-GLA kernel: o_t = q_t S_t, S_t = exp(g_t) S_{t-1} + k_t v_t^T, restarting per document.
 
-    With ``per_key_decay`` (default: where fla refuses simple GLA's backward, Hopper with Triton 3.4
-    to 3.7.0: flame.compat.fla.gated_chunk_backward_refused; TileLang does not replace it for
-    simple GLA) fla's GLA kernel runs it instead, each head's decay repeated over its keys: the
-    same recurrence, with its own backward, at the cost of a float32 decay per key and token.
+    With ``per_key_decay`` (default: where a backward will run and fla refuses simple GLA's, Hopper
+    with Triton 3.4 to 3.7.0: flame.compat.fla.gated_chunk_backward_refused; TileLang does not
+    replace it for simple GLA) fla's GLA kernel runs it instead, each head's decay repeated over its
+    keys: the same recurrence, with its own backward, at the cost of a float32 decay per key and token.
     """
-    if gated_chunk_backward_refused() if per_key_decay is None else per_key_decay:
+    if per_key_decay is None:
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g))
+        per_key_decay = backward and gated_chunk_backward_refused()
+    if per_key_decay:
         from fla.ops.gla import chunk_gla
 
         per_key = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()

@@ -48,8 +48,10 @@ def document_kwargs(model: nn.Module, batch: dict) -> dict:
     --training.no-document_mask the context_len pieces of each row.
     """
     cu_seqlens = batch["cu_seqlens"]
-    # the number of documents changes every batch: compiled blocks must not specialize on it
-    torch._dynamo.mark_dynamic(cu_seqlens, 0)
+    # The number of documents changes every batch: compiled blocks get one graph for any count. "maybe":
+    # a row of one document (cu_seqlens of 2) makes its graph specialize on that count (size-1 differences
+    # broadcast), which mark_dynamic would turn into an error; the one-document graph is compiled once more.
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     # no KV cache in training: it costs memory, and activation checkpointing's recompute would append to it
     if is_fla_model(model):
         return {"cu_seqlens": cu_seqlens, "use_cache": False} if flattens_rows(model) else {"use_cache": False}

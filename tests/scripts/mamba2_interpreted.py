@@ -71,23 +71,27 @@ def main() -> None:
     weights = torch.randn(1, sum(lengths), 16)
     # (name, kernels, per_key_decay, use_cache): fla's simple-GLA kernel, fla's GLA kernel (where fla
     # refuses simple GLA's backward), both without cache states as in training (mamba_ssm's SSD
-    # kernel; fla's GLA kernel, its mixer recomputed in the backward), PyTorch
+    # kernel; fla's GLA kernel, its mixer recomputed in the backward), mamba_ssm's SSD kernel giving
+    # the cache's per-document states (a prompt before generation: no backward), PyTorch
     paths = (("chunk_simple_gla", True, False, True), ("chunk_gla", True, True, True),
              ("mamba_ssm SSD", True, False, False), ("chunk_gla recomputed", True, True, False),
-             ("pytorch", False, False, True))
+             ("mamba_ssm SSD, states", True, False, True), ("pytorch", False, False, True))
     results, ssd_scan = {}, mamba_ssm.ssd_scan
     assert ssd_scan() is not None, "mamba_ssm is not installed (3rdparty/install.sh installs it)"
     for name, kernels, per_key_decay, use_cache in paths:
         fla_mamba2.gated_chunk_backward_refused = lambda refused=per_key_decay: refused
-        fla_mamba2.mamba_ssm.ssd_scan = ssd_scan if name == "mamba_ssm SSD" else lambda: None
+        fla_mamba2.mamba_ssm.ssd_scan = ssd_scan if name.startswith("mamba_ssm SSD") else lambda: None
+        backward = name != "mamba_ssm SSD, states"
         layer.zero_grad()
         hidden.grad = None
-        out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=use_cache,
-                                                        kernels=kernels)
-        (out * weights).sum().backward()
-        grads = {param: p.grad.clone() for param, p in layer.named_parameters()}
+        with torch.set_grad_enabled(backward):
+            out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=use_cache,
+                                                            kernels=kernels)
         states = {"conv_state": conv_state, "ssm_state": ssm_state} if use_cache else {}
-        results[name] = {"output": out.detach(), **states, "input grad": hidden.grad.clone(), **grads}
+        results[name] = {"output": out.detach(), **states}
+        if backward:
+            (out * weights).sum().backward()
+            results[name] |= {"input grad": hidden.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
     pytorch = results.pop("pytorch")
     for kernel, got in results.items():
         for quantity, got_value in got.items():
