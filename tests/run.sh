@@ -7,4 +7,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=$(bash "$root/3rdparty/install.sh")
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-exec "$python" -m pytest "$@"
+# Two pytest workers, each taking whole files (their module fixtures are training runs, built once):
+# most of a tiny CPU run is single-threaded start-up, so two side by side fill CI's 2 cores
+# (docs/perf-log.md, 2026-11-27). -n 0 after it runs everything in this process (e.g. for --pdb).
+exec "$python" -m pytest -n 2 --dist loadfile "$@"
