@@ -38,6 +38,7 @@ from tests.conftest import (
     torchrun,
     two_at_a_time,
 )
+from tests.scripts.torch_kernels import use_torch_kernels
 
 TINY = {**TINY_DECODER, "vocab_size": 256}
 
@@ -138,9 +139,6 @@ def test_compiled_blocks_take_rows_of_any_number_of_documents_one_included():
     specializes the block's graph, which raised ConstraintViolationError while the count was marked
     strictly dynamic (fla's kernels and flame's PyTorch conv alike). Dynamo's eager backend: the guards
     are what is tested, not inductor's code."""
-    from flame.models import load_model_config
-    from tests.scripts.torch_kernels import use_torch_kernels
-
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_model_config(str(ROOT / "configs/tiny/mamba2.json")))
     use_torch_kernels(model)

@@ -157,8 +157,10 @@ def mix(mixer, projected: torch.Tensor, padding: torch.Tensor | None, cu_seqlens
     A = -torch.exp(mixer.A_log.float())
     x = x.unflatten(-1, (heads, head_dim))
     if ssd is not None:
-        states = {} if not use_cache else {"return_final_states": True} if cu_seqlens is None else \
-            {"return_varlen_states": True, "cu_seqlens": cu_seqlens}  # [sequences, heads, head_dim, state]
+        states = {}  # the cache's: [sequences, heads, head_dim, state]
+        if use_cache:
+            states = {"return_final_states": True} if cu_seqlens is None else \
+                {"return_varlen_states": True, "cu_seqlens": cu_seqlens}
         y = ssd(x, dt, A, B.unflatten(-1, (groups, state)), C.unflatten(-1, (groups, state)), mixer.chunk_size,
                 D=mixer._get_D(), dt_bias=mixer.dt_bias, seq_idx=document_index(xbc.shape[1], cu_seqlens, xbc.device),
                 dt_softplus=True, dt_limit=tuple(mixer.dt_limit), **states)
