@@ -106,6 +106,8 @@ class Trainer(TorchtitanTrainer):
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
         logger.info(self.metrics_processor.describe_mfu())
+        if job_config.memory.plan == "auto" and torch.distributed.get_world_size() > 1:
+            memory.check_same_plan(job_config)
         if device.CUDA and job_config.memory.plan == "auto" and torch.distributed.get_rank() == 0:
             self.metrics_processor.planned_gib = memory.planned_gpu_gib(job_config, torch.distributed.get_world_size())
         self.attempt: int | None = None  # numbered once the run is known to start (start_attempt)

@@ -59,6 +59,9 @@ CP2 = ("--parallelism.context_parallel_degree", "2")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 ROW = ("--training.varlen", "--training.batch_size", "1", "--training.seq_len", "{tokens}")  # one varlen row
 ROWS4 = ("--training.batch_size", "4", "--training.seq_len", "{quarter}")  # the same tokens in 4 rows
+# 4 rows of 8K tokens, one causal context each: rows the memory plan may split into micro-batches
+ROWS4_8K = ("--training.no-varlen", "--training.batch_size", "4", "--training.seq_len", "8192", "--training.context_len",
+            "8192")
 # one causal sequence of 2 x tokens: documents concatenated without a mask, full AC so that 1 GPU fits it
 LONG = ("--training.batch_size", "1", "--training.seq_len", "{double}", "--training.context_len", "{double}",
         "--training.no-document_mask", "--activation_checkpoint.mode", "full", "--training.steps", "8")
@@ -263,8 +266,11 @@ SUITES = {
         "one GPU, --memory.plan auto: the plan's estimate beside the measured peak for each activation checkpointing "
         "plan (none, op-level selective, full) at 340M and 1B; then the budgets: 1B under --memory.gpu_budget_gib 24 "
         "against its unconstrained run, 340M at 64K tokens under 16, and transformer_7B with no memory flag "
-        "(CPU offload on one GPU) at 256K tokens a step; each run prints the plan it chose",
+        "(CPU offload on one GPU) at 256K tokens a step; each run prints the plan it chose. The plan's prices against "
+        "measured speed: this machine's rates, then llama 340M's 4 rows of 8K under each layout by hand and under a "
+        "30 GiB budget",
         report="runs",
+        setup=(Command("hardware", ("{python}", "-m", "flame.memory.hardware"), show=r"matmul|measured in"),),
         per_config=(
             Run("none", 1, ("--activation_checkpoint.mode", "none"), only=("transformer_340M", "gla_340M",
                                                                          "gated_deltanet_340M", "transformer_1B")),
@@ -275,6 +281,14 @@ SUITES = {
             Run("budget24", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_1B",)),
             Run("budget16_64k", 1, ("--memory.gpu_budget_gib", "16", "--training.seq_len", "65536"),
                 only=("transformer_340M",)),
+            # the plan's prices against measured speed: 4 rows of 8K, each layout by hand, then the plan's own choice
+            *(Run(f"rows_{name}", 1, (*ROWS4_8K, "--memory.plan", "off", *flags), only=("llama_340M",)) for name, flags in (
+                ("none", ()),
+                ("full", ("--activation_checkpoint.mode", "full")),
+                ("op", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")),
+                ("mb2", ("--training.batch_size", "2", "--training.gradient_accumulation_steps", "2")),
+                ("mb4", ("--training.batch_size", "1", "--training.gradient_accumulation_steps", "4")))),
+            Run("rows_budget30", 1, (*ROWS4_8K, "--memory.gpu_budget_gib", "30"), only=("llama_340M",)),
             # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches
             Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "6"),
                 only=("transformer_7B",)),
@@ -283,7 +297,7 @@ SUITES = {
                "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4",
                "--training.num_workers", "4", "--memory.plan", "auto", *NO_CHECKPOINT),
         configs=("configs/transformer_340M.json", "configs/gla_340M.json", "configs/gated_deltanet_340M.json",
-                 "configs/transformer_1B.json", "configs/transformer_7B.json"),
+                 "configs/transformer_1B.json", "configs/transformer_7B.json", "configs/llama_340M.json"),
         steps=10, tokens=32768, timeout=500, baseline="none",
     ),
     "loader": Suite(

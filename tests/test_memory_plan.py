@@ -10,15 +10,18 @@ from transformers import LlamaConfig
 
 from flame import memory
 from flame.errors import ConfigError
-from flame.memory import activations
+from flame.memory import activations, hardware
+from flame.memory.hardware import Hardware
 from flame.memory.plan import (
     GIB,
+    PRICE_TOLERANCE,
     Layout,
     activation_bytes,
+    candidates,
     choose,
     estimate,
     gpu_bytes,
-    steps,
+    price,
     table,
 )
 from flame.models import load_model_config
@@ -120,89 +123,168 @@ def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model,
     assert activation_bytes(deeper, "full") < activation_bytes(deeper, "2") < activation_bytes(deeper, "none")
 
 
-def test_fsdp_resharding_comes_after_ac_and_before_offload_unless_given(long_model, monkeypatch):
+# rates as measured on an H100 machine; there the tiny models' passes are host-bound (their launches take longer
+# than their matmuls), as a large model's are not: GPU_BOUND prices them as if launches cost nothing
+H100 = Hardware("NVIDIA H100 80GB HBM3", {256: 224.0, 1024: 559.0, 4096: 722.0, 16384: 764.0}, 54.7, 0.79e9, 6.4e-6)
+GPU_BOUND = dataclasses.replace(H100, launch_seconds=0.0)
+FAST_LINK = dataclasses.replace(H100, host_link_gbps=500.0, host_adam_params_per_s=2.0e10)
+
+
+def fitting(job, start, budget, fixed=frozenset()):
+    """Every layout the plan may take that fits ``budget``, with its price on the H100."""
+    return [(layout, price(job, layout, H100).seconds) for layout in candidates(job, start, set(fixed), None)
+            if gpu_bytes(estimate(job, layout)) <= budget]
+
+
+def test_fsdp_resharding_is_weighed_unless_given(long_model, monkeypatch):
     config = parse_job(monkeypatch, 2, *job_args(long_model, "--memory.plan=off"))
     job = dataclasses.replace(memory.job_of(config, 2), can_offload=True)  # as on a GPU
     gathered = Layout(reshard=False)  # as under pipeline parallelism, or fsdp_reshard_after_forward never
-    names = [name for name, _ in steps(job, gathered, set(), None)]
-    assert names[2:5] == ["full AC", "FSDP reshard after forward", "CPU offload"]
-    assert "FSDP reshard after forward" not in [name for name, _ in steps(job, gathered, {"reshard"}, None)]
+    assert {layout.reshard for layout in candidates(job, gathered, set(), None)} == {False, True}
+    assert {layout.reshard for layout in candidates(job, gathered, {"reshard"}, None)} == {False}
     assert gpu_bytes(estimate(job, gathered)) > gpu_bytes(estimate(job, Layout()))
+    # resharding gathers the weights again in the backward: it costs time, so the plan takes it only to fit
+    assert price(job, Layout(), H100).gathers == 2 * price(job, gathered, H100).gathers > 0
 
 
-def test_plan_turns_on_ac_then_offload_then_micro_batches_as_the_budget_shrinks(long_model, monkeypatch):
+def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_shrinks(long_model, monkeypatch):
     config = parse_job(monkeypatch, 2, *job_args(long_model, "--memory.plan=off"))  # FSDP over 2 ranks
     job, start = dataclasses.replace(memory.job_of(config, 2), can_offload=True), memory.layout_of(config)  # as on a GPU
-    ladder = steps(job, start, set(), host_budget=None)
-    assert [name for name, _ in ladder] == ["as configured", "op-level selective AC", "full AC", "CPU offload",
-                                            "2 micro-batches", "4 micro-batches", "8 micro-batches"]
-    needs = [gpu_bytes(estimate(job, layout)) for _, layout in ladder]
-    assert needs == sorted(needs, reverse=True) and len(set(needs)) == len(needs)  # each step saves memory
-    for (name, layout), need in zip(ladder, needs):
-        plan = choose(job, start, set(), need, None)  # the budget this layout just fits: it, not a costlier one
-        assert plan.fits and plan.layout == layout, name
-        assert choose(job, start, set(), need * 1.0001, None).layout == layout
-    chosen = choose(job, start, set(), needs[4], None)
-    assert (chosen.layout.ac, chosen.layout.offload, chosen.layout.micro_batches) == ("full", True, 2)
-    shown = table(chosen, job.activations.method)
+    every = candidates(job, start, set(), None)
+    assert len(every) == 3 * 2 * 4  # AC none, every 2nd block, full; offload or not; 1, 2, 4, 8 micro-batches
+    needs = sorted({gpu_bytes(estimate(job, layout)) for layout in every}, reverse=True)
+    chosen, prices = [], []
+    for need in needs:
+        plan = choose(job, start, set(), need, None, rates=lambda: H100)
+        assert plan.fits and plan.gpu_bytes <= need
+        if plan.layout == start:
+            continue  # fits as configured: not priced
+        mine = price(job, plan.layout, H100).seconds
+        cheapest = min(seconds for _, seconds in fitting(job, start, need))
+        assert cheapest <= mine <= cheapest * (1 + PRICE_TOLERANCE)
+        chosen.append(plan.layout)
+        prices.append(mine)
+    assert prices == sorted(prices)  # a smaller budget never buys a faster step
+    described = list(dict.fromkeys(layout.describe() for layout in chosen))
+    assert "full AC" in described and "full AC, CPU offload, 8 micro-batches" == described[-1]
+    # this tiny model's passes are host-bound: a second micro-batch costs a whole pass, more than any
+    # layout of one pass, so every layout of one pass comes first
+    passes = [layout.micro_batches for layout in chosen]
+    assert passes == sorted(passes) and passes[0] == 1 and passes[-1] == 8
+    plan = choose(job, start, set(), needs[-1], None, rates=lambda: H100)
+    shown = table(plan, job.activations.method)
     for part in ("parameters", "gradients", "optimizer state", "FSDP all-gather buffers", "activations",
-                 "logits and loss", "allocator margin", "host (CPU offload)", "plan: full AC, CPU offload, 2 micro-batches"):
+                 "logits and loss", "allocator margin", "host (CPU offload)", "plan: full AC, CPU offload, 8 micro-batches",
+                 "its step priced: passes", "rates measured on NVIDIA H100 80GB HBM3"):
         assert part in shown
 
 
-def test_blocks_of_triton_kernels_checkpoint_every_nth_block_where_pytorch_blocks_take_op_level(long_model, monkeypatch):
+def test_rates_are_asked_for_only_when_there_is_a_choice(long_model, monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    job, start = memory.job_of(config, 1), memory.layout_of(config)
+
+    def unmeasured():
+        raise AssertionError("measured the hardware for a job that fits")
+
+    plan = choose(job, start, set(), 1.01 * gpu_bytes(estimate(job, start)), None, rates=unmeasured)
+    assert plan.layout == start and plan.why == "fits as configured"
+
+
+def test_a_host_bound_pass_recomputes_rather_than_splits_and_a_gpu_bound_one_splits(long_model, monkeypatch):
+    """A second micro-batch costs a host-bound model a whole pass's launches, more than recomputing; a
+    GPU-bound model only its smaller matmuls' lower rate, less than a second forward."""
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    job = dataclasses.replace(memory.job_of(config, 1), can_offload=True, compute_bytes=2, autocast_copies=True)
+    start, full = memory.layout_of(config), Layout(ac="full")  # one GPU in bf16
+    budget = gpu_bytes(estimate(job, full))
+    assert choose(job, start, set(), budget, None, rates=lambda: H100).layout == full
+    split = choose(job, start, set(), budget, None, rates=lambda: GPU_BOUND).layout
+    assert split.micro_batches > 1 and split.ac == "none" and not split.offload, split
+    assert price(job, split, GPU_BOUND).seconds * (1 + PRICE_TOLERANCE) < price(job, full, GPU_BOUND).seconds
+    # with the micro-batches given, a GPU-bound pass recomputes too
+    assert choose(job, start, {"micro_batches"}, budget, None, rates=lambda: GPU_BOUND).layout == full
+    # offload: the weights, gradients and optimizer state move to the host; FSDP's bf16 copies of one block and
+    # its prefetch replace autocast's copy of every weight
+    offloaded = Layout(ac="full", offload=True)
+    names = {part.name: part for part in estimate(job, offloaded)}
+    assert {names[n].where for n in ("parameters", "gradients", "optimizer state")} == {"host (CPU offload)"}
+    assert "autocast weight copies" not in names and names["FSDP all-gather buffers"].bytes == 2 * 2 * job.block_params
+    assert "autocast weight copies" in {part.name for part in estimate(job, Layout(ac="full"))}
+    # a budget only offload fits, micro-batches given: offload, priced at the host link's rate
+    budget = gpu_bytes(estimate(job, offloaded))
+    assert choose(job, start, {"micro_batches"}, budget, None, rates=lambda: H100).layout == offloaded
+    slow, fast = (price(job, offloaded, rates).offload for rates in (H100, FAST_LINK))
+    assert slow > 10 * fast > 0
+
+
+def test_the_plan_checkpoints_every_nth_block_or_all_and_never_takes_op_level_ac(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     measured, start = memory.job_of(config, 1), memory.layout_of(config)
-    assert [name for name, _ in steps(measured, start, set(), None)][:3] == ["as configured", "op-level selective AC", "full AC"]
+    assert {layout.ac for layout in candidates(measured, start, set(), None)} == {"none", "2", "full"}
     formula = activations._formula(load_model_config(long_model), torch.float32, 8, "reached Triton kernel k")
     job = dataclasses.replace(measured, activations=formula)  # as for fla's models: 8 blocks of Triton kernels
-    ladder = steps(job, start, set(), None)
-    assert [name for name, _ in ladder][:5] == ["as configured", "selective AC every 4 blocks",
-                                                "selective AC every 3 blocks", "selective AC every 2 blocks", "full AC"]
-    needs = [gpu_bytes(estimate(job, layout)) for _, layout in ladder[:5]]
+    assert {layout.ac for layout in candidates(job, start, set(), None)} == {"none", "4", "3", "2", "full"}
+    needs = [gpu_bytes(estimate(job, Layout(ac=ac))) for ac in ("none", "4", "3", "2", "full")]
     assert needs == sorted(needs, reverse=True) and len(set(needs)) == 5  # each recomputes more and keeps less
-    plan = choose(job, start, set(), needs[3], None)
+    seconds = [price(job, Layout(ac=ac), H100).seconds for ac in ("none", "4", "3", "2", "full")]
+    assert seconds[0] < seconds[1] <= seconds[2] < seconds[3] < seconds[4]  # 8 // 4 == 8 // 3: two blocks each
+    plan = choose(job, start, {"micro_batches"}, needs[3], None, rates=lambda: H100)
     assert plan.layout.ac == "2"
     memory.set_layout(config, start, plan.layout)  # torchtitan's spelling: selective, option "2"
     assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option) == ("selective", "2")
-    # a setting that already recomputes more is not undone
-    assert [layout.ac for _, layout in steps(job, Layout(ac="2"), set(), None)][:2] == ["2", "full"]
+    # a setting that already recomputes more is not undone; op-level AC given is priced as full AC
+    assert {layout.ac for layout in candidates(job, Layout(ac="2"), set(), None)} == {"2", "full"}
+    assert price(job, Layout(ac="op"), H100) == price(job, Layout(ac="full"), H100)
 
 
-def test_one_gpu_offloads_through_fsdp_over_itself_and_a_cpu_never_offloads(long_model, monkeypatch):
+def test_a_cpu_never_offloads_and_muon_never_does(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     on_cpu, start = memory.job_of(config, 1), memory.layout_of(config)
-    assert not on_cpu.fsdp and "CPU offload" not in [name for name, _ in steps(on_cpu, start, set(), None)]
-    job = dataclasses.replace(on_cpu, can_offload=True, compute_bytes=2, autocast_copies=True)  # one GPU, bf16
-    ladder = dict(steps(job, start, set(), None))
-    offloaded = estimate(job, ladder["CPU offload"])
-    assert ladder["CPU offload"].ac == "full" and not ladder["CPU offload"].micro_batches > 1
-    names = {part.name: part for part in offloaded}
-    # the weights, gradients and optimizer state move to the host; FSDP's bf16 copies of one block and
-    # its prefetch replace autocast's copy of every weight
-    assert {names[n].where for n in ("parameters", "gradients", "optimizer state")} == {"host (CPU offload)"}
-    assert "autocast weight copies" in {part.name for part in estimate(job, ladder["full AC"])}
-    assert "autocast weight copies" not in names and names["FSDP all-gather buffers"].bytes == 2 * 2 * job.block_params
-    assert gpu_bytes(offloaded) < gpu_bytes(estimate(job, ladder["full AC"]))
-    muon = dataclasses.replace(job, optimizer="Muon")  # Muon orthogonalizes whole matrices on the GPU
-    assert "CPU offload" not in dict(steps(muon, start, set(), None))
+    assert not on_cpu.fsdp and not any(layout.offload for layout in candidates(on_cpu, start, set(), None))
+    muon = dataclasses.replace(on_cpu, can_offload=True, optimizer="Muon")  # Muon orthogonalizes whole matrices on the GPU
+    assert not any(layout.offload for layout in candidates(muon, start, set(), None))
 
 
-def test_a_planned_job_config_carries_the_plan_and_keeps_the_global_batch(long_model, monkeypatch):
+def test_the_hardware_is_measured_once_per_machine_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAME_CACHE", str(tmp_path))
+    monkeypatch.delenv("FLAME_HARDWARE", raising=False)
+    measured = hardware.load(torch.float32)
+    assert hardware.cache_path(torch.float32).is_file()
+    assert all(tflops > 0 for tflops in measured.matmul_tflops.values()) and measured.host_adam_params_per_s > 0
+    assert measured.host_link_gbps is None and measured.launch_seconds > 0  # a CPU has no host link to price
+    assert hardware.load(torch.float32) == measured  # read back, not measured again
+    monkeypatch.setenv("FLAME_HARDWARE", str(hardware.cache_path(torch.float32)))
+    assert hardware.load(torch.bfloat16) == measured  # the file given, whatever this machine would measure
+    monkeypatch.setenv("FLAME_HARDWARE", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="FLAME_HARDWARE=.*missing.json is not a rates file flame wrote"):
+        hardware.load(torch.float32)
+    rates = Hardware("x", {256: 100.0, 4096: 400.0}, None, 1.0, 1e-6)
+    assert rates.tflops(100) == 100.0 and rates.tflops(10**5) == 400.0 and rates.tflops(1024) == pytest.approx(250.0)
+
+
+@pytest.fixture
+def h100_rates(tmp_path, monkeypatch):
+    """Plans priced at the H100's rates (FLAME_HARDWARE), so what they choose does not depend on this CPU."""
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(dataclasses.asdict(H100)))
+    monkeypatch.setenv("FLAME_HARDWARE", str(path))
+
+
+def test_a_planned_job_config_carries_the_plan_and_keeps_the_global_batch(long_model, monkeypatch, h100_rates):
     off = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
-    job, start = memory.job_of(off, 1), memory.layout_of(off)
-    two = dict(steps(job, start, set(), None))["2 micro-batches"]
-    budget = 1.001 * gpu_bytes(estimate(job, two)) / GIB  # printed to 6 places: a hair above, never below
+    job = memory.job_of(off, 1)
+    budget = 1.001 * gpu_bytes(estimate(job, Layout(micro_batches=2))) / GIB  # printed to 6 places: a hair above
     planned = parse_job(monkeypatch, 1, *job_args(long_model, f"--memory.gpu_budget_gib={budget:.6f}"))
     t = planned.training
-    assert (planned.activation_checkpoint.mode, t.local_batch_size, t.gradient_accumulation_steps) == ("full", 4, 2)
+    # one process gathers nothing again for a second micro-batch: it costs less than recomputing (test above)
+    assert (planned.activation_checkpoint.mode, t.local_batch_size, t.gradient_accumulation_steps) == ("none", 4, 2)
     assert t.global_batch_size == off.training.global_batch_size == 8
 
 
-def test_a_job_that_fits_no_plan_is_refused_in_one_line_naming_the_smallest_budget(long_model, monkeypatch):
+def test_a_job_that_fits_no_plan_is_refused_in_one_line_naming_the_smallest_budget(long_model, monkeypatch, h100_rates):
     off = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     job, start = memory.job_of(off, 1), memory.layout_of(off)
-    smallest = gpu_bytes(estimate(job, steps(job, start, set(), None)[-1][1])) / GIB
+    smallest = min(gpu_bytes(estimate(job, layout)) for layout in candidates(job, start, set(), None)) / GIB
     with pytest.raises(ConfigError) as error:
         parse_job(monkeypatch, 1, *job_args(long_model, "--memory.gpu_budget_gib=0.001"))
     message = str(error.value)
@@ -210,11 +292,11 @@ def test_a_job_that_fits_no_plan_is_refused_in_one_line_naming_the_smallest_budg
     assert f"--memory.gpu_budget_gib {math.ceil(smallest * 100) / 100:.2f}" in message
 
 
-def test_settings_given_are_kept(long_model, monkeypatch):
+def test_settings_given_are_kept(long_model, monkeypatch, h100_rates):
     off = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
-    job, start = memory.job_of(off, 1), memory.layout_of(off)
-    full = 1.001 * gpu_bytes(estimate(job, dict(steps(job, start, set(), None))["full AC"])) / GIB
-    # a budget full AC fits: without AC given, the plan takes it; with --activation_checkpoint.mode none, micro-batches
+    job = memory.job_of(off, 1)
+    full = 1.001 * gpu_bytes(estimate(job, Layout(ac="full"))) / GIB
+    # a budget full AC fits: with --activation_checkpoint.mode none, the plan takes micro-batches instead
     kept = parse_job(monkeypatch, 1, *job_args(long_model, f"--memory.gpu_budget_gib={full:.6f}",
                                                "--activation_checkpoint.mode=none"))
     assert kept.activation_checkpoint.mode == "none" and kept.training.gradient_accumulation_steps > 1
@@ -236,12 +318,11 @@ def test_plan_off_changes_nothing_and_takes_no_budget(long_model, monkeypatch):
         parse_job(monkeypatch, 1, *job_args(long_model, "--memory.gpu_budget_gib=x"))
 
 
-def test_micro_batched_plan_trains_the_same_loss_curve(tiny_model, corpus, tmp_path, monkeypatch):
+def test_micro_batched_plan_trains_the_same_loss_curve(tiny_model, corpus, tmp_path, monkeypatch, h100_rates):
     args = base_args(tiny_model, corpus, tmp_path / "x", steps=3)[:-1]  # batch_size 2, seq_len 64
     off = parse_job(monkeypatch, 1, *args, f"--job.dump_folder={tmp_path / 'off'}", "--memory.plan=off")
-    job, start = memory.job_of(off, 1), memory.layout_of(off)
-    two = dict(steps(job, start, set(), None))["2 micro-batches"]
-    budget = f"--memory.gpu_budget_gib={1.001 * gpu_bytes(estimate(job, two)) / GIB:.9f}"
+    job = memory.job_of(off, 1)
+    budget = f"--memory.gpu_budget_gib={1.001 * gpu_bytes(estimate(job, Layout(micro_batches=2))) / GIB:.9f}"
     reference, planned = two_at_a_time(
         lambda: torchrun([*args, f"--job.dump_folder={tmp_path / 'off'}", "--memory.plan=off"]),
         lambda: torchrun([*args, f"--job.dump_folder={tmp_path / 'planned'}", budget]),
@@ -249,7 +330,7 @@ def test_micro_batched_plan_trains_the_same_loss_curve(tiny_model, corpus, tmp_p
     for result in (reference, planned):
         assert result.returncode == 0, result.stderr[-4000:]
     log = planned.stdout + planned.stderr
-    assert "Memory plan" in log and "plan: full AC, 2 micro-batches" in log and "optimizer state" in log
+    assert "Memory plan" in log and "plan: no AC, 2 micro-batches" in log and "optimizer state" in log
     assert "Memory plan" not in reference.stdout + reference.stderr
     assert len(losses(tmp_path / "planned")) == 3
     assert_same_curve(losses_and_norms(tmp_path / "planned"), losses_and_norms(tmp_path / "off"), rel=1e-5)
@@ -257,3 +338,26 @@ def test_micro_batched_plan_trains_the_same_loss_curve(tiny_model, corpus, tmp_p
 
 def losses_and_norms(dump) -> dict[int, dict]:
     return {step: row for step, row in metrics(dump).items() if "grad_norm" in row}
+
+
+def test_ranks_that_plan_apart_stop_before_the_first_step(tiny_model, corpus, tmp_path, monkeypatch):
+    """Rank 0 prices at the H100's rates (the tiny model's passes are host-bound: recomputing costs less than
+    another pass), rank 1 on a machine whose matmuls are so slow that recomputing costs more than FSDP's
+    gathers for a second micro-batch: their plans differ."""
+    slow = Hardware("slow", {256: 0.001, 16384: 0.001}, 25.0, 1.0e9, 0.0)
+    for rank, rates in enumerate((H100, slow)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(rates)))
+    args = [*base_args(tiny_model, corpus, tmp_path / "run", steps=2)[:-1], "--training.batch_size=4"]
+    off = parse_job(monkeypatch, 2, *args, "--memory.plan=off")
+    job, start = memory.job_of(off, 2), memory.layout_of(off)
+    budget = 0.999 * gpu_bytes(estimate(job, start)) / GIB  # just under: the job must choose
+    plans = [choose(job, start, set(), budget * GIB, None, rates=lambda r=r: r).layout for r in (H100, slow)]
+    assert plans[0].ac != "none" and plans[0].micro_batches == 1 and plans[1].ac == "none" and plans[1].micro_batches > 1
+    result = torchrun([*args, f"--memory.gpu_budget_gib={budget:.9f}"], nproc=2, module=str(ROOT / "tests/scripts/plans_apart.py"),
+                      env={"FLAME_TEST_RATES": str(tmp_path)})
+    assert result.returncode != 0
+    log = result.stdout + result.stderr
+    assert "the memory plan differs between ranks (--activation_checkpoint.mode full on rank 0, none on rank 1" in log
+    assert "--training.gradient_accumulation_steps 1 on rank 0, 2 on rank 1" in log
+    assert "set FLAME_HARDWARE on every node" in log
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step

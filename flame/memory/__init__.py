@@ -3,7 +3,8 @@
 ``apply`` runs in ``flame.config_manager.finalize``, in train.sh's preflight and on every rank
 alike, so every process takes the same plan and a job that cannot fit stops in one line before
 anything is built. The estimate and the choice are ``flame.memory.plan``'s; the activations are
-measured by ``flame.memory.activations``. Rank 0 logs the plan's table; the trainer logs the
+measured by ``flame.memory.activations``, the machine's rates that price the layouts by
+``flame.memory.hardware`` (the preflight measures them, the ranks read its cache). Rank 0 logs the plan's table; the trainer logs the
 measured peak beside the estimate after the first logged step (GPU only).
 """
 
@@ -153,7 +154,12 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
             raise
         logger.warning(f"Memory plan: no estimate for this model ({type(error).__name__}: {error}); nothing changed")
         return
-    plan = choose(job, layout_of(config), fixed_settings(config, given), gpu, host)
+    from flame.memory import (
+        hardware,  # `python -m flame.memory.hardware` runs it: not imported with the package
+    )
+
+    plan = choose(job, layout_of(config), fixed_settings(config, given), gpu, host,
+                  rates=lambda: hardware.load(device.compute_dtype(config)))
     if not plan.fits:
         raise ConfigError(
             f"the job does not fit the {gpu / GIB:.2f} GiB GPU budget even with {plan.layout.describe()} "
@@ -179,6 +185,34 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
     if layout.micro_batches > 1:
         config.training.local_batch_size //= layout.micro_batches
         config.training.gradient_accumulation_steps *= layout.micro_batches
+
+
+def check_same_plan(config) -> None:
+    """Every rank took the same plan, or all of them stop here, in one line, before the first step.
+
+    Ranks that planned apart (the nodes of a job measured their rates apart, and a layout priced
+    near another flipped) would run different micro-batch counts and wait on each other's
+    collectives forever. One all-gather of each rank's settings at the start rules that out.
+    """
+    import torch.distributed as dist
+
+    from flame.memory import hardware
+
+    ac, t = config.activation_checkpoint, config.training
+    mine = {"activation_checkpoint.mode": ac.mode, "activation_checkpoint.selective_ac_option": ac.selective_ac_option,
+            "parallelism.fsdp_reshard_after_forward": config.parallelism.fsdp_reshard_after_forward,
+            "training.enable_cpu_offload": t.enable_cpu_offload, "training.local_batch_size": t.local_batch_size,
+            "training.gradient_accumulation_steps": t.gradient_accumulation_steps}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    apart = next((rank for rank, settings in enumerate(every) if settings != every[0]), None)
+    if apart is not None:
+        differ = [flag for flag in mine if every[apart][flag] != every[0][flag]]
+        shown = ", ".join(f"--{flag} {every[0][flag]} on rank 0, {every[apart][flag]} on rank {apart}" for flag in differ)
+        raise ConfigError(
+            f"the memory plan differs between ranks ({shown}), as when nodes measure their hardware apart: set "
+            f"FLAME_HARDWARE on every node to one node's rates file ({hardware.cache_path(device.compute_dtype(config)).parent}), "
+            "or give those settings yourself")
 
 
 def planned_gpu_gib(config, world_size: int) -> float:

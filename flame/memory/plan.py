@@ -9,16 +9,20 @@ after the forward), autocast's weight copies (no FSDP, bf16), the activations
 them count as live at once: with gradient accumulation they are, and without it the sum is an
 upper bound.
 
-``choose`` walks the layouts in order of their cost in speed (nothing; op-level selective AC;
-full AC; FSDP resharding after the forward; CPU offload of parameters, gradients and optimizer
-state; splitting each batch into micro-batches) and takes the first that fits the GPU budget.
-A setting the job file or the command line gives is kept, and the steps that would change it
-are skipped.
+``choose`` keeps the job as configured when it fits. Otherwise it weighs every layout the job
+may take (activation checkpointing of every 4th, 3rd or 2nd block, or all; FSDP
+resharding after the forward; CPU offload of parameters, gradients and optimizer state;
+splitting each batch into micro-batches; and their combinations), prices each from this
+machine's measured rates (``flame.memory.hardware``: matmul TFLOP/s, the host link, a host
+AdamW step, an op launch) and takes the cheapest that fits the GPU budget. A setting the job file or the
+command line gives is kept; no layout changes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,10 +31,19 @@ from torch import nn
 
 if TYPE_CHECKING:
     from flame.memory.activations import ActivationProfile
+    from flame.memory.hardware import Hardware
 
 GIB = 1024**3
 MARGIN = 0.10  # the caching allocator's fragmentation: 10% over what the tensors themselves take
 FUSED_LOSS_CHUNK = 8192  # flame.components.loss's fused cross entropy computes this many tokens' logits at a time
+# Calibrated on an H100 with HF llama 340M, eager, 32K tokens a step in 1 or 2 passes (docs/perf-log.md,
+# 2026-11-27): the 6N matmuls took this share of a pass's GPU time (0.096 of 0.179 s) ...
+MATMUL_SHARE = 0.54
+# ... and the host's time per pass (0.076 s over 24 blocks) was this many of the probe's launches
+# (6.4 us there) per decoder block, forward and backward
+LAUNCHES_PER_BLOCK_PASS = 500
+INTERCONNECT_GBPS = 100.0  # FSDP's gathers between GPUs (NVLink-class): not measured; only orders layouts that gather more
+PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
 
 
 def describe_ac(ac: str) -> str:
@@ -162,88 +175,162 @@ def host_bytes(parts: list[Part]) -> float:
 
 
 @dataclass(frozen=True)
+class Price:
+    """What one optimizer step costs on one rank under a layout, in seconds (README: Memory plan)."""
+
+    compute: float  # the passes' forwards and backwards, GPU- or host-bound, whichever takes longer
+    recompute: float  # the forwards activation checkpointing runs again
+    gathers: float  # FSDP's all-gathers of the weights, per micro-batch (once more in the backward when resharded)
+    offload: float  # CPU offload: the weights up and the gradients down over the host link, and the host's AdamW step
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.recompute + self.gathers + self.offload
+
+
+def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
+    """The time a layout costs, from this machine's measured rates.
+
+    A pass (one micro-batch's forward and backward) takes its GPU time plus its host time. The
+    GPU runs the forward's matmuls (``2 x parameters x tokens`` FLOPs per tensor-parallel shard),
+    the backward's (twice that), and the rest of the step (``MATMUL_SHARE``), at the matmul rate
+    of one micro-batch's tokens. The host dispatches ``LAUNCHES_PER_BLOCK_PASS`` ops per block,
+    whatever the tokens, and measured not to hide behind the GPU's work (HF llama 340M on an
+    H100: 1, 2 and 4 passes over the same 32K tokens took 0.255, 0.331 and 0.561 s). Checkpointed
+    blocks run their forward again, on both sides. FSDP's gathers over the GPUs' links
+    (``INTERCONNECT_GBPS``, not measured) and CPU offload's transfers over the host link are
+    counted as if nothing overlapped them: an upper bound, which orders layouts by how much they
+    move.
+    """
+    passes = layout.micro_batches
+    tokens = job.rows * job.tokens_per_row / passes
+    forward = 2 * job.params / job.tensor_parallel * tokens / (hardware.tflops(tokens) * 1e12) / MATMUL_SHARE
+    launches = len(job.activations.blocks) * LAUNCHES_PER_BLOCK_PASS * hardware.launch_seconds / 3  # a forward's
+    pass_ = 3 * (forward + launches)  # the backward launches and computes about twice the forward
+    share = recompute_share(layout.ac, len(job.activations.blocks))
+    shards = job.weight_shards // job.tensor_parallel
+    gathers = 0.0
+    if job.fsdp and shards > 1:
+        per_pass = (2 if layout.reshard else 1) * job.compute_bytes * job.params / job.tensor_parallel
+        gathers = passes * per_pass * (shards - 1) / shards / (INTERCONNECT_GBPS * 1e9)
+    offload = 0.0
+    if layout.offload:
+        weights = job.params / job.weight_shards
+        moved = passes * ((2 if layout.reshard else 1) * 4 * weights + 4 * weights)  # fp32 weights up, gradients down
+        link = hardware.host_link_gbps
+        offload = (moved / (link * 1e9) if link else math.inf) + weights / hardware.host_adam_params_per_s
+    return Price(compute=passes * pass_, recompute=passes * share * (forward + launches), gathers=gathers,
+                 offload=offload)
+
+
+def recompute_share(ac: str, blocks: int) -> float:
+    """The share of the forward an AC setting runs again: none 0, every N-th of ``blocks`` blocks, all.
+
+    Op-level selective AC counts as all: on these models it costs more than full AC (HF llama
+    340M on an H100: 78.8k tok/s against 99.2k; mamba2 340M: 40.4k against 56.0k).
+    """
+    shares = {"none": 0.0, "memory_budget": 0.0, "op": 1.0, "full": 1.0}
+    return shares[ac] if ac in shares else (blocks // int(ac)) / max(blocks, 1)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    gpu_bytes: float
+    price: Price | None  # None: not priced (the layout as configured fits, or no choice was asked for)
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The layout chosen, every layout tried on the way (in order), and the parts of the chosen one."""
+    """The layout chosen, the layouts weighed (cheapest first), and the parts of the chosen one."""
 
     layout: Layout
     start: Layout
-    tried: list[tuple[str, Layout, float]]  # (step, layout, GPU bytes)
+    weighed: list[Candidate]
     parts: list[Part]
     gpu_budget: float | None
     host_budget: float | None
     fits: bool
     why: str
+    hardware: Hardware | None = None
 
     @property
     def gpu_bytes(self) -> float:
         return gpu_bytes(self.parts)
 
 
-def steps(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -> list[tuple[str, Layout]]:
-    """The layouts to try, each one step more memory-saving (and slower) than the one before."""
-    out = [("as configured", start)]
-    layout = start
+def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -> list[Layout]:
+    """Every layout the plan may take from ``start``: each setting the job does not give, in each allowed value.
 
-    def step(name: str, **changes) -> None:
-        nonlocal layout
-        layout = dataclasses.replace(layout, **changes)
-        out.append((name, layout))
-
-    if "ac" not in fixed:
-        for ac in ac_ladder(job, layout.ac):
-            step(describe_ac(ac), ac=ac)
-    if job.fsdp and "reshard" not in fixed and not layout.reshard:
-        step("FSDP reshard after forward", reshard=True)
-    if job.can_offload and "offload" not in fixed and not layout.offload and job.optimizer != "Muon":
-        moved = host_bytes(estimate(job, dataclasses.replace(layout, offload=True)))
-        if host_budget is None or moved <= host_budget:
-            step("CPU offload", offload=True)
-    if "micro_batches" not in fixed:
-        for count in range(layout.micro_batches + 1, job.rows + 1):
-            if job.rows % count == 0:
-                step(f"{count} micro-batches", micro_batches=count)
-    return out
-
-
-def ac_ladder(job: Job, current: str) -> list[str]:
-    """The activation checkpointing settings to try after ``current``, each recomputing more.
-
-    Blocks of PyTorch ops (the meta forward measured them) try op-level selective AC, which keeps
-    the matmul outputs and recomputes the cheap rest, then full AC. Blocks that run Triton
-    kernels (fla's; a formula estimates them) skip op-level AC: torchtitan's policy keeps only
-    PyTorch ops' outputs, so it recomputes every kernel; mamba2 340M on an H100 ran 40k tok/s
-    with it, 56k with full AC and 65k checkpointing every second block (docs/perf-log.md,
-    2026-11-27). They checkpoint every 4th, 3rd, then 2nd block, then all.
+    Activation checkpointing only recomputes more than ``start`` does (``ac_options``). Offload needs a GPU job that FSDP can wrap, an optimizer that steps on the host (not Muon),
+    and room in the host budget; micro-batches divide the rows evenly.
     """
-    if job.activations.measured:
-        ladder = ["op", "full"]
-    else:
-        ladder = [str(every) for every in (4, 3, 2) if every <= len(job.activations.blocks)] + ["full"]
-    return [ac for ac in ladder if _recompute_rank(ac) > _recompute_rank(current)]
+    acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
+    reshards = [start.reshard] + ([True] if job.fsdp and "reshard" not in fixed and not start.reshard else [])
+    offloads = [start.offload]
+    if job.can_offload and "offload" not in fixed and not start.offload and job.optimizer != "Muon":
+        moved = host_bytes(estimate(job, dataclasses.replace(start, offload=True)))
+        if host_budget is None or moved <= host_budget:
+            offloads.append(True)
+    counts = [start.micro_batches] + ([] if "micro_batches" in fixed else [
+        count for count in range(start.micro_batches + 1, job.rows + 1) if job.rows % count == 0])
+    return [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count)
+            for ac in acs for reshard in reshards for offload in offloads for count in counts]
 
 
-def _recompute_rank(ac: str) -> float:
-    """About how much of the forward an AC setting recomputes, for ordering: none 0, every N-th block 1/N, all 1."""
-    ranks = {"none": 0.0, "memory_budget": 0.0, "op": 0.5, "full": 1.0}
-    return ranks[ac] if ac in ranks else 1 / int(ac)
+def ac_options(job: Job, current: str) -> list[str]:
+    """The activation checkpointing settings that recompute more than ``current``, least first.
+
+    Never op-level selective AC: torchtitan's policy keeps only PyTorch ops' outputs, so it runs
+    again every Triton kernel of fla's blocks and most of an HF block, and measured slower than
+    full AC while keeping more (HF llama 340M on an H100: 78.8k tok/s at 23.4 GiB against 99.2k
+    at 12.6 GiB; docs/perf-log.md 2026-11-27). A job may still give it.
+    """
+    blocks = len(job.activations.blocks)
+    options = [str(every) for every in (4, 3, 2) if every <= blocks] + ["full"]
+    here = recompute_share(current, blocks)
+    return [ac for ac in options if recompute_share(ac, blocks) > here]
 
 
-def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, host_budget: float | None) -> Plan:
-    """The first layout of ``steps`` whose estimate fits ``gpu_budget`` (no budget: ``start``, unchanged)."""
-    tried = []
-    for name, layout in steps(job, start, fixed, host_budget):
-        parts = estimate(job, layout)
-        tried.append((name, layout, gpu_bytes(parts)))
-        if gpu_budget is None:
-            return Plan(layout, start, tried, parts, None, host_budget, True, "no device memory to fit: nothing changed")
-        if gpu_bytes(parts) <= gpu_budget:
-            why = "fits as configured" if layout == start else (
-                f"{gpu_bytes(parts) / GIB:.2f} GiB fits the {gpu_budget / GIB:.2f} GiB budget; "
-                f"{tried[-2][0]} needed {tried[-2][2] / GIB:.2f} GiB")
-            return Plan(layout, start, tried, parts, gpu_budget, host_budget, True, why)
-    smallest = tried[-1][2]
-    return Plan(tried[-1][1], start, tried, parts, gpu_budget, host_budget, False,
-                f"needs {smallest / GIB:.2f} GiB with {tried[-1][1].describe()}")
+def _changes(start: Layout, layout: Layout, blocks: int) -> tuple:
+    """How far a layout strays from ``start``, for choosing between layouts priced alike: offload, then
+    micro-batches, then resharding, then recomputation, the changes a user notices most first."""
+    return (layout.offload != start.offload, layout.micro_batches, layout.reshard != start.reshard,
+            recompute_share(layout.ac, blocks))
+
+
+def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, host_budget: float | None,
+           rates: Callable[[], Hardware]) -> Plan:
+    """The cheapest layout that fits ``gpu_budget`` (no budget, or ``start`` fits: ``start``, unchanged).
+
+    ``rates`` gives this machine's rates; it is called only when there is a choice to price.
+
+    Layouts priced within ``PRICE_TOLERANCE`` of the cheapest count as equal, and the one that
+    changes the job least wins among them, so noise in the measured rates does not flip the plan.
+    """
+    parts = estimate(job, start)
+    if gpu_budget is None or gpu_bytes(parts) <= gpu_budget:
+        why = "no device memory to fit: nothing changed" if gpu_budget is None else "fits as configured"
+        return Plan(start, start, [Candidate(start, gpu_bytes(parts), None)], parts, gpu_budget, host_budget, True, why)
+    hardware = rates()
+    blocks = len(job.activations.blocks)
+    weighed = sorted((Candidate(layout, gpu_bytes(estimate(job, layout)), price(job, layout, hardware))
+                      for layout in candidates(job, start, fixed, host_budget)),
+                     key=lambda candidate: (candidate.price.seconds, _changes(start, candidate.layout, blocks)))
+    fitting = [candidate for candidate in weighed if candidate.gpu_bytes <= gpu_budget]
+    if not fitting:
+        smallest = min(weighed, key=lambda candidate: candidate.gpu_bytes)
+        return Plan(smallest.layout, start, weighed, estimate(job, smallest.layout), gpu_budget, host_budget, False,
+                    f"needs {smallest.gpu_bytes / GIB:.2f} GiB with {smallest.layout.describe()}", hardware)
+    cheapest = fitting[0].price.seconds
+    alike = [candidate for candidate in fitting if candidate.price.seconds <= cheapest * (1 + PRICE_TOLERANCE)]
+    chosen = min(alike, key=lambda candidate: _changes(start, candidate.layout, blocks))
+    unplanned = price(job, start, hardware).seconds
+    why = (f"{chosen.gpu_bytes / GIB:.2f} GiB fits the {gpu_budget / GIB:.2f} GiB budget; priced "
+           f"{chosen.price.seconds:.3g} s a step against {unplanned:.3g} s as configured "
+           f"({gpu_bytes(parts) / GIB:.2f} GiB), the cheapest of {len(fitting)} layouts that fit")
+    return Plan(chosen.layout, start, weighed, estimate(job, chosen.layout), gpu_budget, host_budget, True, why,
+                hardware)
 
 
 def count_params(model: nn.Module, blocks: nn.ModuleList) -> tuple[int, int, int]:
@@ -265,6 +352,11 @@ def table(plan: Plan, method: str) -> str:
         lines.append(f"{'total on the host':<26}{host / GIB:>9.3f}")
     lines.append(f"activations: {method}")
     lines.append(f"plan: {plan.layout.describe()} ({plan.why})")
+    if plan.hardware is not None:
+        chosen = next(candidate.price for candidate in plan.weighed if candidate.layout == plan.layout)
+        lines.append(f"its step priced: passes {chosen.compute:.3g} s (GPU and host), recomputed {chosen.recompute:.3g} s, "
+                     f"FSDP gathers {chosen.gathers:.3g} s, CPU offload {chosen.offload:.3g} s; "
+                     f"rates measured on {plan.hardware.describe()}")
     return "\n".join(lines)
 
 
