@@ -178,7 +178,7 @@ def host_bytes(parts: list[Part]) -> float:
 class Price:
     """What one optimizer step costs on one rank under a layout, in seconds (README: Memory plan)."""
 
-    compute: float  # the passes' forwards and backwards, GPU- or host-bound, whichever takes longer
+    compute: float  # the passes' forwards and backwards: the GPU's work plus the host's launches
     recompute: float  # the forwards activation checkpointing runs again
     gathers: float  # FSDP's all-gathers of the weights, per micro-batch (once more in the backward when resharded)
     offload: float  # CPU offload: the weights up and the gradients down over the host link, and the host's AdamW step
@@ -206,7 +206,7 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
     tokens = job.rows * job.tokens_per_row / passes
     forward = 2 * job.params / job.tensor_parallel * tokens / (hardware.tflops(tokens) * 1e12) / MATMUL_SHARE
     launches = len(job.activations.blocks) * LAUNCHES_PER_BLOCK_PASS * hardware.launch_seconds / 3  # a forward's
-    pass_ = 3 * (forward + launches)  # the backward launches and computes about twice the forward
+    one_pass = 3 * (forward + launches)  # the backward launches and computes about twice the forward
     share = recompute_share(layout.ac, len(job.activations.blocks))
     shards = job.weight_shards // job.tensor_parallel
     gathers = 0.0
@@ -219,7 +219,7 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
         moved = passes * ((2 if layout.reshard else 1) * 4 * weights + 4 * weights)  # fp32 weights up, gradients down
         link = hardware.host_link_gbps
         offload = (moved / (link * 1e9) if link else math.inf) + weights / hardware.host_adam_params_per_s
-    return Price(compute=passes * pass_, recompute=passes * share * (forward + launches), gathers=gathers,
+    return Price(compute=passes * one_pass, recompute=passes * share * (forward + launches), gathers=gathers,
                  offload=offload)
 
 
@@ -262,8 +262,9 @@ class Plan:
 def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | None) -> list[Layout]:
     """Every layout the plan may take from ``start``: each setting the job does not give, in each allowed value.
 
-    Activation checkpointing only recomputes more than ``start`` does (``ac_options``). Offload needs a GPU job that FSDP can wrap, an optimizer that steps on the host (not Muon),
-    and room in the host budget; micro-batches divide the rows evenly.
+    Activation checkpointing only recomputes more than ``start`` does (``ac_options``). Offload
+    needs a GPU job that FSDP can wrap, an optimizer that steps on the host (not Muon), and room in
+    the host budget; micro-batches divide the rows evenly.
     """
     acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
     reshards = [start.reshard] + ([True] if job.fsdp and "reshard" not in fixed and not start.reshard else [])
