@@ -9,8 +9,8 @@ the rates that price them, in about a second:
 - matmul TFLOP/s in the compute dtype at several row counts (a ``[M, 4096] x [4096, 4096]``
   product for M from 256 to 16,384): small micro-batches run at the rate of their row count;
 - the host link in GB/s (pinned host memory to the GPU and back, the slower direction);
-- a host AdamW step in parameters per second (``torch.optim.AdamW`` over fp32 tensors on the
-  CPU, as FSDP2's CPU offload steps it);
+- a host AdamW step in parameters per second (``torch.optim.AdamW``, fused, over fp32 tensors
+  on the CPU, as FSDP2's CPU offload steps it with flame's default optimizer);
 - the host's time per op launch (PyTorch's dispatch and the kernel launch, one-element adds in
   a row): every pass pays the host's launches, whatever its tokens.
 
@@ -117,7 +117,7 @@ def probe(dtype: torch.dtype) -> Hardware:
         link = LINK_BYTES / max(up, down) / 1e9
     params = [torch.zeros(ADAM_PARAMS // 16, 16)]
     params[0].grad = torch.randn_like(params[0])
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)  # the default --optimizer.implementation
     adam = ADAM_PARAMS / _timed(optimizer.step, repeats=3)
     counter = torch.zeros(1, device=where)
     launch = _timed(lambda: [counter.add_(1) for _ in range(LAUNCHES)]) / LAUNCHES

@@ -327,9 +327,10 @@ def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, h
     alike = [candidate for candidate in fitting if candidate.price.seconds <= cheapest * (1 + PRICE_TOLERANCE)]
     chosen = min(alike, key=lambda candidate: _changes(start, candidate.layout, blocks))
     unplanned = price(job, start, hardware).seconds
+    among = f"the cheapest of {len(fitting)} layouts that fit" if len(fitting) > 1 else "the only layout that fits"
     why = (f"{chosen.gpu_bytes / GIB:.2f} GiB fits the {gpu_budget / GIB:.2f} GiB budget; priced "
            f"{chosen.price.seconds:.3g} s a step against {unplanned:.3g} s as configured "
-           f"({gpu_bytes(parts) / GIB:.2f} GiB), the cheapest of {len(fitting)} layouts that fit")
+           f"({gpu_bytes(parts) / GIB:.2f} GiB), {among}")
     return Plan(chosen.layout, start, weighed, estimate(job, chosen.layout), gpu_budget, host_budget, True, why,
                 hardware)
 
