@@ -281,8 +281,9 @@ SUITES = {
             Run("budget24", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_1B",)),
             Run("budget16_64k", 1, ("--memory.gpu_budget_gib", "16", "--training.seq_len", "65536"),
                 only=("transformer_340M",)),
-            # the plan's prices against measured speed: 4 rows of 8K, each layout by hand, then the plan's own choice
-            *(Run(f"rows_{name}", 1, (*ROWS4_8K, "--memory.plan", "off", *flags), only=("llama_340M",)) for name, flags in (
+            # the plan's prices and estimates against measured speed and peaks: 4 rows of 8K, each layout given (the plan
+            # keeps it and logs its estimate), then the plan's own choice
+            *(Run(f"rows_{name}", 1, (*ROWS4_8K, *flags), only=("llama_340M",)) for name, flags in (
                 ("none", ()),
                 ("full", ("--activation_checkpoint.mode", "full")),
                 ("op", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")),

@@ -25,7 +25,7 @@ from flame.memory.plan import (
     table,
 )
 from flame.models import load_model_config
-from flame.models.registry import meta_model, register_all
+from flame.models.registry import decoder_layers, meta_model, register_all
 from tests.conftest import (
     ROOT,
     TINY_DECODER,
@@ -81,6 +81,41 @@ def test_saved_bytes_grow_linearly_with_blocks():
     assert sum(b.linear for b in four.blocks) - sum(b.linear for b in two.blocks) == pytest.approx(2 * two.blocks[1].linear)
     assert four.blocks[3] == two.blocks[1]  # the blocks after the first are alike
     assert four.rest == two.rest
+
+
+def saved_storages(module, *inputs) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each storage ``module``'s forward keeps for its backward, weights left out."""
+    weights = {p.untyped_storage()._cdata for p in module.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage()._cdata not in weights:
+            kept.setdefault(tensor.untyped_storage()._cdata, (tensor.numel(), tensor.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return sorted(kept.values(), key=lambda elements_dtype: (elements_dtype[0], str(elements_dtype[1])))
+
+
+def test_a_gpu_job_s_fused_norms_and_mlps_are_measured_by_what_their_kernels_keep():
+    """On a GPU, flame runs HF's norms and SiLU MLPs on fused kernels (flame.models.fused), which keep less
+    than HF's code: the norm its input and one fp32 statistic per row, the MLP its gate and up projections."""
+    from flame.models.fused import kept_as_on_cuda, use_fused_kernels
+
+    config = tiny_llama(2)
+    model = meta_model(config).to(torch.bfloat16)
+    fused = use_fused_kernels(model)
+    assert fused.norms and fused.mlps
+    block, hidden, inner = decoder_layers(model)[0], config.hidden_size, config.intermediate_size
+    x = torch.empty(1, 8, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    with kept_as_on_cuda():
+        assert saved_storages(block.input_layernorm, x) == [(8, torch.float32), (8 * hidden, torch.bfloat16)]
+        assert saved_storages(block.mlp, x) == [(8 * hidden, torch.bfloat16)] + [(8 * inner, torch.bfloat16)] * 2
+    assert len(saved_storages(block.mlp, x)) > 3  # HF's code keeps the SiLU and its product too
+    hf, kernels = (activations.measure(config, torch.bfloat16, fused=on) for on in (False, True))
+    assert kernels.blocks[1].linear < hf.blocks[1].linear - 2 * inner * 2  # two intermediate-sized tensors less at least
+    assert "flame's fused norms and MLPs" in kernels.method
 
 
 def test_a_meta_forward_that_reaches_a_triton_kernel_stops_there_and_the_plan_takes_the_formula(monkeypatch):

@@ -83,6 +83,7 @@ def job_of(config, world_size: int) -> Job:
         activations,  # transformers and the models: only for jobs that plan
     )
     from flame.models.builder import load_model_config
+    from flame.models.inputs import is_fla_config
     from flame.models.registry import decoder_layers, meta_model
 
     model_config = load_model_config(config.model.config)
@@ -94,6 +95,8 @@ def job_of(config, world_size: int) -> Job:
     if fsdp:
         shards *= p.context_parallel_degree
     dtype = device.compute_dtype(config)
+    # eager HF blocks on a GPU run flame's fused norms and MLPs (flame.models.builder), which keep less
+    fused = device.CUDA and config.model.fused_kernels and not config.compile.enable and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     return Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
@@ -103,7 +106,7 @@ def job_of(config, world_size: int) -> Job:
         can_offload=device.CUDA and (fsdp or world_size == 1),
         autocast_copies=not fsdp and dtype_bytes(dtype) < 4, fused_loss=device.fused_cross_entropy_enabled(
             config, model_config.vocab_size), dense_attention=attention == "sdpa",
-        tensor_parallel=p.tensor_parallel_degree, activations=activations.measure(model_config, dtype),
+        tensor_parallel=p.tensor_parallel_degree, activations=activations.measure(model_config, dtype, fused),
     )
 
 

@@ -22,6 +22,7 @@ get a stated formula instead (``FALLBACK_TENSORS_PER_HIDDEN``); the plan says wh
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
 from flame import compat
+from flame.models.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.registry import decoder_layers, meta_model
 
 LENGTHS = (32, 64, 128)  # three row lengths fit a + b·T + c·T² exactly; short enough for learned position tables
@@ -166,21 +168,27 @@ def _fit(values: list[float]) -> Quadratic:
 _PROFILES: dict[tuple, ActivationProfile] = {}
 
 
-def measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
-    """The activation profile of ``config``'s model computing in ``dtype`` (cached per config and dtype)."""
-    key = (config.to_json_string(use_diff=False), dtype)
+def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False) -> ActivationProfile:
+    """The activation profile of ``config``'s model computing in ``dtype`` (cached per config, dtype and ``fused``).
+
+    ``fused``: the job runs an HF model's norms and MLPs on flame's fused CUDA kernels
+    (flame.models.fused, eager on a GPU): the meta forward keeps what those kernels keep.
+    """
+    key = (config.to_json_string(use_diff=False), dtype, fused)
     if key not in _PROFILES:
-        _PROFILES[key] = _measure(config, dtype)
+        _PROFILES[key] = _measure(config, dtype, fused)
     return _PROFILES[key]
 
 
-def _measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
+def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool) -> ActivationProfile:
     model = meta_model(config).to(dtype)
     model.train()
+    if fused:
+        use_fused_kernels(model)
     blocks = len(decoder_layers(model))
     save_list = compat.torchtitan.op_sac_save_list()
     try:
-        with compat.triton.kernel_launches_refused():
+        with compat.triton.kernel_launches_refused(), kept_as_on_cuda() if fused else nullcontext():
             runs = [_saved_per_block(model, tokens, save_list) for tokens in LENGTHS]
     except Exception as error:  # noqa: BLE001 - any kernel that needs real memory (Triton) lands here
         refused = isinstance(error, compat.triton.KernelLaunchRefused)
@@ -189,8 +197,9 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype) -> ActivationProfile:
     selective = tuple(_fit([run[1][i] for run in runs]) for i in range(blocks))
     rest = _fit([run[2] for run in runs])
     block_input = runs[-1][3] / LENGTHS[-1]
-    return ActivationProfile(per_block, selective, block_input, rest, "measured (meta-device forward, saved tensors)",
-                             measured=True)
+    kernels = ", flame's fused norms and MLPs" if fused else ""
+    return ActivationProfile(per_block, selective, block_input, rest,
+                             f"measured (meta-device forward, saved tensors{kernels})", measured=True)
 
 
 def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str) -> ActivationProfile:

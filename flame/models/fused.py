@@ -33,7 +33,7 @@ itself, and fla's kernels would be opaque to it. --model.no-fused_kernels keeps 
 import functools
 import importlib
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -72,6 +72,44 @@ def _eager_on_cuda(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and not torch.compiler.is_compiling()
 
 
+# --- what the CUDA kernels keep, on meta tensors (flame.memory's activation measurement) ---------
+
+_keeping_as_on_cuda = False
+
+
+@contextmanager
+def kept_as_on_cuda():
+    """Inside, a forward on meta tensors keeps for its backward what the fused CUDA kernels keep.
+
+    flame.memory measures activations by a meta forward's saved tensors; without this it would
+    see HF's code (the fused kernels need real memory), which keeps more: an fp32 copy of each
+    norm's input, and the SiLU product of each MLP.
+    """
+    global _keeping_as_on_cuda
+    before, _keeping_as_on_cuda = _keeping_as_on_cuda, True
+    try:
+        yield
+    finally:
+        _keeping_as_on_cuda = before
+
+
+class _Keeps(torch.autograd.Function):
+    """An output shaped like ``like`` whose backward would need ``kept``: a fused kernel's memory, on meta tensors."""
+
+    @staticmethod
+    def forward(ctx, like: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*kept)
+        return torch.empty_like(like)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("a meta forward's stand-in for a fused kernel has no backward: it only measures memory")
+
+
+def _keeping_on_meta(x: torch.Tensor) -> bool:
+    return _keeping_as_on_cuda and x.device.type == "meta"
+
+
 # --- RMS norms -------------------------------------------------------------------------------
 
 
@@ -80,6 +118,9 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fused_from.forward(self, hidden_states)
     # HF's output dtype: its product of the weight and the input-dtype result
     dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
+    if _keeping_on_meta(hidden_states):  # the CUDA kernel keeps its input and the fp32 inverse RMS per row
+        inverse_rms = torch.empty(hidden_states.shape[:-1], dtype=torch.float32, device="meta")
+        return _Keeps.apply(hidden_states.to(dtype), hidden_states.to(dtype), inverse_rms)
     device_type = hidden_states.device.type
     # autocast leaves HF's elementwise ops alone; it must not recast the fused op either
     with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
@@ -114,6 +155,9 @@ _GATED_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if _keeping_on_meta(x):  # swiglu_linear keeps the gate and up projections, and recomputes their product
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return _Keeps.apply(x.new_empty((*x.shape[:-1], self.down_proj.out_features), dtype=gate.dtype), gate, up)
     if not _eager_on_cuda(x):
         return self.fused_from.forward(self, x)
     kernels = _fla_kernels()
