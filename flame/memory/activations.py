@@ -8,6 +8,8 @@ each decoder block attribute what is saved between its start and its end to that
 the rest (embeddings, final norm, head input) to the model around them. A dispatch mode counts,
 in the same forward, the outputs that torchtitan's op-level selective AC policy keeps (its save
 list, every second ``mm`` recomputed), so op-level AC is measured the same way.
+A GPU job's eager HF blocks run flame's fused norms and MLPs (flame.models.fused), whose kernels
+keep less than HF's code; their meta forward keeps what those kernels keep (``fused``).
 
 Runs at three row lengths fit ``bytes = a + b·T + c·T²`` per block exactly: ``c`` is the T x T
 attention weights that PyTorch's math SDPA path (the one meta tensors take) keeps per head;
