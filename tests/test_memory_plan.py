@@ -206,8 +206,12 @@ def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_s
     # layout of one pass, so every layout of one pass comes first
     passes = [layout.micro_batches for layout in chosen]
     assert passes == sorted(passes) and passes[0] == 1 and passes[-1] == 8
+    roomy = choose(job, start, set(), needs[len(needs) // 2], None, rates=lambda: H100)
+    shown = table(roomy, job.activations.method).splitlines()[-1]
+    assert shown.startswith("next cheapest that fit: ") and shown.count(" s, ") == 3, shown
     plan = choose(job, start, set(), needs[-1], None, rates=lambda: H100)
     shown = table(plan, job.activations.method)
+    assert "next cheapest that fit" not in shown  # the most memory-saving layout: nothing else fits
     for part in ("parameters", "gradients", "optimizer state", "FSDP all-gather buffers", "activations",
                  "logits and loss", "allocator margin", "host (CPU offload)", "plan: full AC, CPU offload, 8 micro-batches",
                  "its step priced: passes", "rates measured on NVIDIA H100 80GB HBM3"):

@@ -43,6 +43,7 @@ MATMUL_SHARE = 0.54
 # (6.4 us there) per decoder block, forward and backward
 LAUNCHES_PER_BLOCK_PASS = 500
 INTERCONNECT_GBPS = 100.0  # FSDP's gathers between GPUs (NVLink-class): not measured; only orders layouts that gather more
+ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest layouts that fit
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
 
 
@@ -359,6 +360,11 @@ def table(plan: Plan, method: str) -> str:
         lines.append(f"its step priced: passes {chosen.compute:.3g} s (GPU and host), recomputed {chosen.recompute:.3g} s, "
                      f"FSDP gathers {chosen.gathers:.3g} s, CPU offload {chosen.offload:.3g} s; "
                      f"rates measured on {plan.hardware.describe()}")
+        others = [candidate for candidate in plan.weighed if candidate.layout != plan.layout
+                  and plan.gpu_budget is not None and candidate.gpu_bytes <= plan.gpu_budget][:ALTERNATIVES_SHOWN]
+        if others:
+            lines.append("next cheapest that fit: " + "; ".join(
+                f"{other.layout.describe()} {other.price.seconds:.3g} s, {other.gpu_bytes / GIB:.2f} GiB" for other in others))
     return "\n".join(lines)
 
 
