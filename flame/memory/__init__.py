@@ -3,9 +3,10 @@
 ``apply`` runs in ``flame.config_manager.finalize``, in train.sh's preflight and on every rank
 alike, so every process takes the same plan and a job that cannot fit stops in one line before
 anything is built. The estimate and the choice are ``flame.memory.plan``'s; the activations are
-measured by ``flame.memory.activations``, the machine's rates that price the layouts by
-``flame.memory.hardware`` (the preflight measures them, the ranks read its cache). Rank 0 logs the plan's table; the trainer logs the
-measured peak beside the estimate after the first logged step (GPU only).
+measured by ``flame.memory.activations``, and the machine's rates that price the layouts by
+``flame.memory.hardware`` (the preflight measures them, the ranks read its cache). Rank 0 logs
+the plan's table; the trainer logs the measured peak beside the estimate after the first logged
+step (GPU only), and, with several ranks, checks that all of them took the same plan.
 """
 
 from __future__ import annotations
@@ -212,10 +213,10 @@ def check_same_plan(config) -> None:
     if apart is not None:
         differ = [flag for flag in mine if every[apart][flag] != every[0][flag]]
         shown = ", ".join(f"--{flag} {every[0][flag]} on rank 0, {every[apart][flag]} on rank {apart}" for flag in differ)
+        rates = hardware.cache_path(device.compute_dtype(config)).parent
         raise ConfigError(
             f"the memory plan differs between ranks ({shown}), as when nodes measure their hardware apart: set "
-            f"FLAME_HARDWARE on every node to one node's rates file ({hardware.cache_path(device.compute_dtype(config)).parent}), "
-            "or give those settings yourself")
+            f"FLAME_HARDWARE on every node to one node's rates file ({rates}), or give those settings yourself")
 
 
 def planned_gpu_gib(config, world_size: int) -> float:

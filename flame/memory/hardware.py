@@ -74,7 +74,8 @@ class Hardware:
         rates = ", ".join(f"{rows}: {tflops:.3g}" for rows, tflops in sorted(self.matmul_tflops.items()))
         link = f"; host link {self.host_link_gbps:.1f} GB/s" if self.host_link_gbps else ""
         return (f"{self.name}: matmul TFLOP/s by rows {{{rates}}}{link}; "
-                f"host AdamW {self.host_adam_params_per_s / 1e9:.2f} G params/s; {self.launch_seconds * 1e6:.1f} us an op launch")
+                f"host AdamW {self.host_adam_params_per_s / 1e9:.2f} G params/s; "
+                f"{self.launch_seconds * 1e6:.1f} us an op launch")
 
 
 def _synchronize() -> None:
@@ -99,7 +100,8 @@ def probe(dtype: torch.dtype) -> Hardware:
     """Measure this machine's rates (a few seconds on a GPU)."""
     gpu = device.CUDA and torch.cuda.is_available()
     # this rank's GPU: the ranks have not picked theirs yet, and a context on GPU 0 would take its memory
-    where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()) if gpu else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count() if gpu else 0
+    where = torch.device("cuda", local) if gpu else torch.device("cpu")
     rows, width = (ROWS, WIDTH) if gpu else (CPU_ROWS, CPU_WIDTH)
     if not gpu:
         dtype = torch.float32  # a CPU plan computes in fp32 (bf16 matmuls there are no guide to a GPU's)
@@ -122,7 +124,8 @@ def probe(dtype: torch.dtype) -> Hardware:
     counter = torch.zeros(1, device=where)
     launch = _timed(lambda: [counter.add_(1) for _ in range(LAUNCHES)]) / LAUNCHES
     name = torch.cuda.get_device_name(where) if gpu else f"CPU ({platform.processor() or platform.machine()})"
-    return Hardware(name=name, matmul_tflops=tflops, host_link_gbps=link, host_adam_params_per_s=adam, launch_seconds=launch)
+    return Hardware(name=name, matmul_tflops=tflops, host_link_gbps=link, host_adam_params_per_s=adam,
+                    launch_seconds=launch)
 
 
 def cache_path(dtype: torch.dtype) -> Path:
@@ -143,8 +146,8 @@ def load(dtype: torch.dtype) -> Hardware:
         try:
             return read(Path(given))
         except (OSError, ValueError, TypeError, KeyError) as error:
-            raise ConfigError(f"FLAME_HARDWARE={given} is not a rates file flame wrote ({type(error).__name__}: "
-                              f"{error}): point it at one under {cache_path(dtype).parent}, or unset it to measure") from None
+            raise ConfigError(f"FLAME_HARDWARE={given} is not a rates file flame wrote ({type(error).__name__}: {error}): "
+                              f"point it at one under {cache_path(dtype).parent}, or unset it to measure") from None
     path = cache_path(dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
