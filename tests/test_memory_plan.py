@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from tests.conftest import (
     TOKENIZER,
     assert_same_curve,
     base_args,
+    flame_env,
     losses,
     metrics,
     parse_job,
@@ -299,6 +302,21 @@ def test_the_hardware_is_measured_once_per_machine_and_read_back(tmp_path, monke
         hardware.load(torch.float32)
     rates = Hardware("x", {256: 100.0, 4096: 400.0}, None, 1.0, 1e-6)
     assert rates.tflops(100) == 100.0 and rates.tflops(10**5) == 400.0 and rates.tflops(1024) == pytest.approx(250.0)
+
+
+def test_the_measuring_command_caches_the_rates_and_refuses_an_unknown_dtype(tmp_path):
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flame.memory.hardware", *args], cwd=ROOT, capture_output=True,
+                              text=True, env=flame_env() | {"FLAME_CACHE": str(tmp_path)}, timeout=300)
+
+    measured = command("float32")
+    assert measured.returncode == 0, measured.stderr
+    cached = list((tmp_path / "hardware").glob("*-cpu-*-float32.json"))
+    assert len(cached) == 1 and f"cached in {cached[0]}" in measured.stdout
+    assert hardware.read(cached[0]).describe() in measured.stdout
+    refused = command("float64")
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "flame: error: 'float64' is not a compute dtype: give one of bfloat16, float16, float32"
 
 
 @pytest.fixture

@@ -66,7 +66,6 @@ class ActivationProfile:
     block_input: float  # bytes per token of a block's input: all that full AC keeps of it
     rest: Quadratic  # embeddings, final norm, head input
     method: str  # how it was found, for the plan's table
-    measured: bool  # by the meta forward (blocks of PyTorch ops), not estimated by the formula
 
     def scaled(self, blocks: int) -> ActivationProfile:
         """The same blocks, ``blocks`` of them (the first ones, repeated): for tests of the scaling."""
@@ -201,7 +200,7 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool) -> Activ
     block_input = runs[-1][3] / LENGTHS[-1]
     kernels = ", flame's fused norms and MLPs" if fused else ""
     return ActivationProfile(per_block, selective, block_input, rest,
-                             f"measured (meta-device forward, saved tensors{kernels})", measured=True)
+                             f"measured (meta-device forward, saved tensors{kernels})")
 
 
 def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str) -> ActivationProfile:
@@ -212,5 +211,4 @@ def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str
     return ActivationProfile(
         (block,) * blocks, (selective,) * blocks, hidden, Quadratic(2 * hidden),
         f"formula ({FALLBACK_TENSORS_PER_HIDDEN} x hidden per token per block; the meta forward {why})",
-        measured=False,
     )

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from flame import device
+from flame.data import builtin
 from flame.errors import ConfigError
 
 ROWS = (256, 1024, 4096, 16384)  # the matmul rows measured; between them the rate is interpolated in log(M)
@@ -97,7 +98,7 @@ def _timed(work, repeats: int = REPEATS) -> float:
 
 
 def probe(dtype: torch.dtype) -> Hardware:
-    """Measure this machine's rates (a few seconds on a GPU)."""
+    """Measure this machine's rates (about a second on a GPU)."""
     gpu = device.CUDA and torch.cuda.is_available()
     # this rank's GPU: the ranks have not picked theirs yet, and a context on GPU 0 would take its memory
     local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count() if gpu else 0
@@ -129,7 +130,7 @@ def probe(dtype: torch.dtype) -> Hardware:
 
 
 def cache_path(dtype: torch.dtype) -> Path:
-    root = Path(os.environ.get("FLAME_CACHE", Path.home() / ".cache" / "flame")) / "hardware"
+    root = builtin.cache_dir() / "hardware"
     gpu = torch.cuda.get_device_name(0).replace(" ", "-") if device.CUDA and torch.cuda.is_available() else "cpu"
     return root / f"{platform.node() or 'host'}-{gpu}-torch{torch.__version__}-{str(dtype).removeprefix('torch.')}.json"
 
@@ -156,23 +157,34 @@ def load(dtype: torch.dtype) -> Hardware:
             return read(path)
         except (OSError, ValueError, TypeError, KeyError):
             pass  # none yet, or from an older flame: measure again
-        measured = probe(dtype)
-        staging = path.with_suffix(".partial")
-        staging.write_text(json.dumps(asdict(measured), indent=1))
-        staging.replace(path)
-        return measured
+        return _measure_into(path, dtype)
+
+
+def _measure_into(path: Path, dtype: torch.dtype) -> Hardware:
+    """Measure now and write the cache file whole (a reader never sees half of it)."""
+    measured = probe(dtype)
+    staging = path.with_suffix(".partial")
+    staging.write_text(json.dumps(asdict(measured), indent=1))
+    staging.replace(path)
+    return measured
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def main() -> None:
-    """``python -m flame.memory.hardware [dtype]``: measure this machine's rates again, cache and print them."""
+    """``python -m flame.memory.hardware [bfloat16|float16|float32]``: measure this machine's rates again, cache
+    and print them."""
     import sys
 
-    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
+    name = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
+    if name not in DTYPES:
+        print(f"flame: error: {name!r} is not a compute dtype: give one of {', '.join(DTYPES)}", file=sys.stderr)
+        raise SystemExit(2)
     start = time.perf_counter()
-    measured = probe(dtype)
-    path = cache_path(dtype)
+    path = cache_path(DTYPES[name])
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(measured), indent=1))
+    measured = _measure_into(path, DTYPES[name])
     print(f"{measured.describe()}\nmeasured in {time.perf_counter() - start:.1f} s, cached in {path}")
 
 

@@ -119,8 +119,8 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # HF's output dtype: its product of the weight and the input-dtype result
     dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
     if _keeping_on_meta(hidden_states):  # the CUDA kernel keeps its input and the fp32 inverse RMS per row
-        inverse_rms = torch.empty(hidden_states.shape[:-1], dtype=torch.float32, device="meta")
-        return _Keeps.apply(hidden_states.to(dtype), hidden_states.to(dtype), inverse_rms)
+        x, inverse_rms = hidden_states.to(dtype), torch.empty(hidden_states.shape[:-1], dtype=torch.float32, device="meta")
+        return _Keeps.apply(x, x, inverse_rms)
     device_type = hidden_states.device.type
     # autocast leaves HF's elementwise ops alone; it must not recast the fused op either
     with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
