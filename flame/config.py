@@ -146,6 +146,8 @@ class Optimizer:
     """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * min_lr_ratio"""
     fused: bool = True
     """Alias of optimizer.implementation: fused when true, foreach when false"""
+    on_host: bool = False
+    """AdamW/Adam: keep the optimizer state (8 bytes a parameter) in host memory and step it there, overlapped with the next forward; the GPU keeps the weights and gradients. The memory plan turns it on when that is the cheapest layout that fits (README: Memory plan)"""
 
 
 @dataclass
@@ -218,6 +220,8 @@ class Memory:
 class ActivationCheckpoint:
     mode: Literal["selective", "full", "memory_budget", "none"] = "none"
     """Activation checkpointing of decoder blocks: none, full, or selective (see selective_ac_option)"""
+    blocks: int | None = None
+    """With mode full: checkpoint only the first N decoder blocks and keep the others' activations (less recomputed, more memory; the memory plan picks N to fit a budget). Unset = every block"""
 
 
 @dataclass

@@ -31,6 +31,8 @@ def check(config: Any, given: dict[str, int]) -> None:
             "--optimizer.name Muon does not combine with --training.enable_cpu_offload: Muon gathers and orthogonalizes "
             "whole matrices on the GPU, and offloaded weights and gradients live on the CPU; leave offload off, or use AdamW"
         )
+    _check_host_optimizer(config)
+    _check_checkpointed_blocks(config)
     _check_nsys_window(config.profiling)
     _check_lr_scheduler(config.lr_scheduler)
     t = config.training
@@ -48,6 +50,37 @@ def check(config: Any, given: dict[str, int]) -> None:
     _check_skipping(t, given)
     _check_lora(config, given)
     _check_validation(config, given)
+
+
+def _check_checkpointed_blocks(config: Any) -> None:
+    """--activation_checkpoint.blocks N: full AC of the first N blocks of the model."""
+    ac = config.activation_checkpoint
+    if ac.blocks is None:
+        return
+    if ac.mode != "full":
+        raise ConfigError(f"--activation_checkpoint.blocks {ac.blocks} chooses how many blocks full AC checkpoints, and "
+                          f"--activation_checkpoint.mode is {ac.mode}: add --activation_checkpoint.mode full")
+    if ac.blocks < 1:
+        raise ConfigError(f"--activation_checkpoint.blocks must be at least 1, got {ac.blocks}; for no AC use "
+                          "--activation_checkpoint.mode none")
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("--activation_checkpoint.blocks counts the whole model's blocks, which pipeline stages split: "
+                          "use --activation_checkpoint.mode selective with an every-N option under pipeline parallelism")
+
+
+def _check_host_optimizer(config: Any) -> None:
+    """--optimizer.on_host steps AdamW or Adam on the host, one model at a time."""
+    if not config.optimizer.on_host:
+        return
+    if config.optimizer.name == "Muon":
+        raise ConfigError("--optimizer.on_host steps AdamW or Adam on the host; Muon orthogonalizes whole matrices on "
+                          "the GPU: use --optimizer.name AdamW, or leave on_host off")
+    if config.training.enable_cpu_offload:
+        raise ConfigError("--optimizer.on_host and --training.enable_cpu_offload both move the optimizer state to the "
+                          "host (the second with the weights and gradients): give one of them")
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("--optimizer.on_host waits for each decoder block's weights in its forward, which pipeline "
+                          "stages run out of order: leave it off under --parallelism.pipeline_parallel_degree > 1")
 
 
 def _check_optimizer(o: Any, given: dict[str, int]) -> None:

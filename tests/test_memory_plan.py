@@ -189,7 +189,7 @@ def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_s
     config = parse_job(monkeypatch, 2, *job_args(long_model, "--memory.plan=off"))  # FSDP over 2 ranks
     job, start = dataclasses.replace(memory.job_of(config, 2), can_offload=True), memory.layout_of(config)  # as on a GPU
     every = candidates(job, start, set(), None)
-    assert len(every) == 3 * 2 * 4  # AC none, every 2nd block, full; offload or not; 1, 2, 4, 8 micro-batches
+    assert len(every) == 3 * 2 * 4  # AC none, of the first block, full; offload or not; 1, 2, 4, 8 micro-batches
     needs = sorted({gpu_bytes(estimate(job, layout)) for layout in every}, reverse=True)
     chosen, prices = [], []
     for need in needs:
@@ -204,7 +204,10 @@ def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_s
         prices.append(mine)
     assert prices == sorted(prices)  # a smaller budget never buys a faster step
     described = list(dict.fromkeys(layout.describe() for layout in chosen))
-    assert "full AC" in described and "full AC, CPU offload, 8 micro-batches" == described[-1]
+    # full AC of the first block keeps what full AC keeps at its peak (the second block's backward, its
+    # activations recomputed) and recomputes less: full AC of both is never the cheapest
+    assert "full AC of the first block" in described and "full AC" not in described
+    assert described[-1] == "full AC of the first block, CPU offload, 8 micro-batches"
     # this tiny model's passes are host-bound: a second micro-batch costs a whole pass, more than any
     # layout of one pass, so every layout of one pass comes first
     passes = [layout.micro_batches for layout in chosen]
@@ -214,9 +217,12 @@ def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_s
     assert shown.startswith("next cheapest that fit: ") and shown.count(" s, ") == 3, shown
     plan = choose(job, start, set(), needs[-1], None, rates=lambda: H100)
     shown = table(plan, job.activations.method)
-    assert "next cheapest that fit" not in shown  # the most memory-saving layout: nothing else fits
+    # the most memory-saving layout: the only other that fits is full AC of both blocks, as large and dearer
+    assert shown.splitlines()[-1].startswith("next cheapest that fit: full AC, CPU offload, 8 micro-batches ")
+    assert shown.splitlines()[-1].count(" s, ") == 1
     for part in ("parameters", "gradients", "optimizer state", "FSDP all-gather buffers", "activations",
-                 "logits and loss", "allocator margin", "host (CPU offload)", "plan: full AC, CPU offload, 8 micro-batches",
+                 "logits and loss", "allocator margin", "host (CPU offload)",
+                 "plan: full AC of the first block, CPU offload, 8 micro-batches",
                  "its step priced: passes", "rates measured on NVIDIA H100 80GB HBM3"):
         assert part in shown
 
@@ -237,17 +243,22 @@ def test_a_host_bound_pass_recomputes_rather_than_splits_and_a_gpu_bound_one_spl
     GPU-bound model only its smaller matmuls' lower rate, less than a second forward."""
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     job = dataclasses.replace(memory.job_of(config, 1), can_offload=True, compute_bytes=2, autocast_copies=True)
-    start, full = memory.layout_of(config), Layout(ac="full")  # one GPU in bf16
+    start, full = memory.layout_of(config), Layout(ac="first:1")  # one GPU in bf16; of 2 blocks, one recomputed
     budget = gpu_bytes(estimate(job, full))
     assert choose(job, start, set(), budget, None, rates=lambda: H100).layout == full
-    split = choose(job, start, set(), budget, None, rates=lambda: GPU_BOUND).layout
-    assert split.micro_batches > 1 and split.ac == "none" and not split.offload, split
-    assert price(job, split, GPU_BOUND).seconds * (1 + PRICE_TOLERANCE) < price(job, full, GPU_BOUND).seconds
+    # 8 blocks (fla's formula), 7 recomputed: what fits where full AC does
+    deep = dataclasses.replace(job, activations=activations._formula(load_model_config(long_model), torch.float32, 8,
+                                                                     "reached Triton kernel k"))
+    seven = Layout(ac="first:7")
+    deep_budget = gpu_bytes(estimate(deep, seven))
+    split = choose(deep, start, set(), deep_budget, None, rates=lambda: GPU_BOUND).layout
+    assert split.micro_batches > 1 and not split.offload, split
+    assert price(deep, split, GPU_BOUND).seconds * (1 + PRICE_TOLERANCE) < price(deep, seven, GPU_BOUND).seconds
     # with the micro-batches given, a GPU-bound pass recomputes too
-    assert choose(job, start, {"micro_batches"}, budget, None, rates=lambda: GPU_BOUND).layout == full
+    assert choose(deep, start, {"micro_batches"}, deep_budget, None, rates=lambda: GPU_BOUND).layout == seven
     # offload: the weights, gradients and optimizer state move to the host; FSDP's bf16 copies of one block and
     # its prefetch replace autocast's copy of every weight
-    offloaded = Layout(ac="full", offload=True)
+    offloaded = Layout(ac="first:1", offload=True)
     names = {part.name: part for part in estimate(job, offloaded)}
     assert {names[n].where for n in ("parameters", "gradients", "optimizer state")} == {"host (CPU offload)"}
     assert "autocast weight copies" not in names and names["FSDP all-gather buffers"].bytes == 2 * 2 * job.block_params
@@ -259,24 +270,33 @@ def test_a_host_bound_pass_recomputes_rather_than_splits_and_a_gpu_bound_one_spl
     assert slow > 10 * fast > 0
 
 
-def test_the_plan_checkpoints_every_nth_block_or_all_and_never_takes_op_level_ac(long_model, monkeypatch):
+def test_the_plan_checkpoints_the_first_k_blocks_for_any_k_and_never_takes_op_level_ac(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     measured, start = memory.job_of(config, 1), memory.layout_of(config)
-    assert {layout.ac for layout in candidates(measured, start, set(), None)} == {"none", "2", "full"}
+    assert {layout.ac for layout in candidates(measured, start, set(), None)} == {"none", "first:1", "full"}
     formula = activations._formula(load_model_config(long_model), torch.float32, 8, "reached Triton kernel k")
     job = dataclasses.replace(measured, activations=formula)  # as for fla's models: 8 blocks of Triton kernels
-    assert {layout.ac for layout in candidates(job, start, set(), None)} == {"none", "4", "3", "2", "full"}
-    needs = [gpu_bytes(estimate(job, Layout(ac=ac))) for ac in ("none", "4", "3", "2", "full")]
-    assert needs == sorted(needs, reverse=True) and len(set(needs)) == 5  # each recomputes more and keeps less
-    seconds = [price(job, Layout(ac=ac), H100).seconds for ac in ("none", "4", "3", "2", "full")]
-    assert seconds[0] < seconds[1] <= seconds[2] < seconds[3] < seconds[4]  # 8 // 4 == 8 // 3: two blocks each
+    firsts = [f"first:{count}" for count in range(1, 8)]
+    assert {layout.ac for layout in candidates(job, start, set(), None)} == {"none", *firsts, "full"}
+    needs = [gpu_bytes(estimate(job, Layout(ac=ac))) for ac in ("none", *firsts)]
+    assert needs == sorted(needs, reverse=True) and len(set(needs)) == 8  # each recomputes more and keeps less
+    # the last block kept whole: its backward, which comes first, needs what a recomputed one would
+    assert gpu_bytes(estimate(job, Layout(ac="first:7"))) == gpu_bytes(estimate(job, Layout(ac="full")))
+    # torchtitan's every-N-th-block AC keeps more for as much recomputed (it recomputes the last block)
+    assert gpu_bytes(estimate(job, Layout(ac="2"))) > gpu_bytes(estimate(job, Layout(ac="first:4")))
+    seconds = [price(job, Layout(ac=ac), H100).seconds for ac in ("none", *firsts, "full")]
+    assert seconds == sorted(seconds) and len(set(seconds)) == 9
     plan = choose(job, start, {"micro_batches"}, needs[3], None, rates=lambda: H100)
-    assert plan.layout.ac == "2"
-    memory.set_layout(config, start, plan.layout)  # torchtitan's spelling: selective, option "2"
-    assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option) == ("selective", "2")
+    assert plan.layout.ac == "first:3"
+    memory.set_layout(config, start, plan.layout)
+    assert (config.activation_checkpoint.mode, config.activation_checkpoint.blocks) == ("full", 3)
+    assert memory.layout_of(config).ac == "first:3"
     # a setting that already recomputes more is not undone; op-level AC given is priced as full AC
-    assert {layout.ac for layout in candidates(job, Layout(ac="2"), set(), None)} == {"2", "full"}
+    assert {layout.ac for layout in candidates(job, Layout(ac="first:6"), set(), None)} == {"first:6", "first:7", "full"}
     assert price(job, Layout(ac="op"), H100) == price(job, Layout(ac="full"), H100)
+    # pipeline stages split the blocks: there, torchtitan's every-N-th block
+    staged = dataclasses.replace(job, pipelined=True)
+    assert {layout.ac for layout in candidates(staged, start, set(), None)} == {"none", "4", "3", "2", "full"}
 
 
 def test_a_cpu_never_offloads_and_muon_never_does(long_model, monkeypatch):
@@ -353,13 +373,14 @@ def test_settings_given_are_kept(long_model, monkeypatch, h100_rates):
     off = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     job = memory.job_of(off, 1)
     full = 1.001 * gpu_bytes(estimate(job, Layout(ac="full"))) / GIB
-    # a budget full AC fits: with --activation_checkpoint.mode none, the plan takes micro-batches instead
+    # a budget AC fits: with --activation_checkpoint.mode none, the plan takes micro-batches instead
     kept = parse_job(monkeypatch, 1, *job_args(long_model, f"--memory.gpu_budget_gib={full:.6f}",
                                                "--activation_checkpoint.mode=none"))
     assert kept.activation_checkpoint.mode == "none" and kept.training.gradient_accumulation_steps > 1
     given = parse_job(monkeypatch, 1, *job_args(long_model, f"--memory.gpu_budget_gib={full:.6f}",
                                                 "--training.gradient_accumulation_steps=1"))
-    assert given.activation_checkpoint.mode == "full" and given.training.local_batch_size == 8
+    assert (given.activation_checkpoint.mode, given.activation_checkpoint.blocks) == ("full", 1)
+    assert given.training.local_batch_size == 8
     with pytest.raises(ConfigError, match="does not fit"):  # the only way left would be micro-batches
         parse_job(monkeypatch, 1, *job_args(long_model, f"--memory.gpu_budget_gib={full * 0.9:.6f}",
                                             "--training.gradient_accumulation_steps=1"))

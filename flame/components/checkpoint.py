@@ -25,7 +25,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torchtitan.components.checkpoint import MODEL, CheckpointManager, ModelWrapper
+from torchtitan.components.checkpoint import (
+    MODEL,
+    OPTIMIZER,
+    CheckpointManager,
+    ModelWrapper,
+)
 from torchtitan.tools.logging import logger
 
 from flame import manifest
@@ -34,6 +39,7 @@ from flame.checkpoints import (
     newest_intact,
     unrecorded_checkpoint_error,
 )
+from flame.components.host_optimizer import HostOptimizersContainer
 from flame.errors import ConfigError
 from flame.models import init_from, lora
 
@@ -146,6 +152,8 @@ class FlameCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
                  to_hf: bool = False):
+        if isinstance(optimizers := self.states.get(OPTIMIZER), HostOptimizersContainer):
+            optimizers.settle()  # --optimizer.on_host: the step in flight writes the weights and the state
         if self.recorder is None or to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         # One recording at a time (a step can be saved twice in a row, when the data runs out),

@@ -46,6 +46,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from flame.components.host_optimizer import HostOptimizersContainer
 from flame.models.registry import decoder_layers
 
 # Newton-Schulz runs on stacks of matrices of one shape and layout (one gather and one batched matmul
@@ -216,8 +217,12 @@ class MuonOptimizersContainer(OptimizersContainer):
 
 def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims: ParallelDims,
                      ft_manager: FTManager | None = None) -> OptimizersContainer:
-    """torchtitan TrainSpec ``build_optimizers_fn``: Muon + AdamW for ``--optimizer.name Muon``, else torchtitan's."""
+    """torchtitan TrainSpec ``build_optimizers_fn``: AdamW or Adam on the host for ``--optimizer.on_host``
+    (flame.components.host_optimizer), Muon + AdamW for ``--optimizer.name Muon``, else torchtitan's."""
     o = optimizer_config
+    if o.on_host:  # config_limits refuses it with Muon
+        kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+        return HostOptimizersContainer(model_parts, kwargs, decoupled=o.name == "AdamW")
     if o.name != "Muon":
         return torchtitan_optimizer.build_optimizers(model_parts, o, parallel_dims, ft_manager)
     implementation = o.implementation

@@ -35,14 +35,19 @@ def _wrap_blocks(layers: nn.ModuleList, wrap) -> None:
 
 
 def checkpoint_blocks(layers: nn.ModuleList, ac_config, model_compile_enabled: bool) -> None:
-    """Wrap each decoder block in activation checkpointing (full, or selective per-N-blocks / op-level)."""
+    """Wrap each decoder block in activation checkpointing (full, or selective per-N-blocks / op-level); with
+    --activation_checkpoint.blocks N, only the first N in full AC."""
+    count = len(layers) if ac_config.blocks is None else ac_config.blocks
+    if count > len(layers):
+        raise ConfigError(f"--activation_checkpoint.blocks {count}: the model has {len(layers)} decoder blocks; give at "
+                          f"most {len(layers)}, or leave it unset to checkpoint them all")
     _wrap_blocks(
         layers,
         lambda index, block: compat.torchtitan.checkpoint_block(
             block, ac_config, base_fqn=f"layers.{index}", model_compile_enabled=model_compile_enabled
-        ),
+        ) if index < count else block,
     )
-    logger.info(f"Applied {ac_config.mode} activation checkpointing to {len(layers)} blocks")
+    logger.info(f"Applied {ac_config.mode} activation checkpointing to {count} of {len(layers)} blocks")
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:

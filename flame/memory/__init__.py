@@ -19,12 +19,14 @@ from torchtitan.tools.logging import logger
 from flame import device
 from flame.errors import ConfigError
 from flame.memory.plan import (
+    FIRST,
     GIB,
     Job,
     Layout,
     choose,
     count_params,
     dtype_bytes,
+    first_blocks,
     table,
 )
 
@@ -105,9 +107,10 @@ def job_of(config, world_size: int) -> Job:
         tokens_per_row=t.seq_len // p.context_parallel_degree,
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
         can_offload=device.CUDA and (fsdp or world_size == 1),
+        can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and p.pipeline_parallel_degree == 1,
         autocast_copies=not fsdp and dtype_bytes(dtype) < 4, fused_loss=device.fused_cross_entropy_enabled(
             config, model_config.vocab_size), dense_attention=attention == "sdpa",
-        tensor_parallel=p.tensor_parallel_degree, activations=activations.measure(model_config, dtype, fused),
+        tensor_parallel=p.tensor_parallel_degree, pipelined=p.pipeline_parallel_degree > 1, activations=activations.measure(model_config, dtype, fused),
     )
 
 
@@ -115,20 +118,25 @@ def layout_of(config) -> Layout:
     """The settings the plan may change, as the job gives them."""
     ac = config.activation_checkpoint
     mode = {"selective": "op" if ac.selective_ac_option == "op" else str(ac.selective_ac_option)}.get(ac.mode, ac.mode)
+    if ac.mode == "full" and ac.blocks is not None:
+        mode = f"{FIRST}{ac.blocks}"
     pipelined = config.parallelism.pipeline_parallel_degree > 1
     reshard = {"default": not pipelined, "always": True, "never": False}[config.parallelism.fsdp_reshard_after_forward]
-    return Layout(ac=mode, reshard=reshard, offload=config.training.enable_cpu_offload)
+    return Layout(ac=mode, reshard=reshard, offload=config.training.enable_cpu_offload,
+                  host_optimizer=config.optimizer.on_host)
 
 
 def fixed_settings(config, given: dict[str, int]) -> set[str]:
     """The layout's fields the job gives itself (job file or command line), which the plan keeps."""
     fixed = set()
-    if {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"} & set(given):
+    if {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option", "activation_checkpoint.blocks"} & set(given):
         fixed.add("ac")
     if "parallelism.fsdp_reshard_after_forward" in given:
         fixed.add("reshard")
     if "training.enable_cpu_offload" in given:
         fixed.add("offload")
+    if "optimizer.on_host" in given:
+        fixed.add("host_optimizer")
     # a pipeline schedule splits the batch itself; one varlen row cannot be split without changing the data
     if "training.gradient_accumulation_steps" in given or config.parallelism.pipeline_parallel_degree > 1:
         fixed.add("micro_batches")
@@ -182,10 +190,14 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
         ac = config.activation_checkpoint
         whole = layout.ac in ("none", "full", "memory_budget")  # else op, or every N-th block: torchtitan's selective
         ac.mode, ac.selective_ac_option = (layout.ac, ac.selective_ac_option) if whole else ("selective", layout.ac)
+        if (count := first_blocks(layout.ac)) is not None:
+            ac.mode, ac.blocks = "full", count
     if layout.reshard != start.reshard:
         config.parallelism.fsdp_reshard_after_forward = "always"
     if layout.offload != start.offload:
         config.training.enable_cpu_offload = True
+    if layout.host_optimizer != start.host_optimizer:
+        config.optimizer.on_host = True
     if layout.micro_batches > 1:
         config.training.local_batch_size //= layout.micro_batches
         config.training.gradient_accumulation_steps *= layout.micro_batches
@@ -204,8 +216,10 @@ def check_same_plan(config) -> None:
 
     ac, t = config.activation_checkpoint, config.training
     mine = {"activation_checkpoint.mode": ac.mode, "activation_checkpoint.selective_ac_option": ac.selective_ac_option,
+            "activation_checkpoint.blocks": ac.blocks,
             "parallelism.fsdp_reshard_after_forward": config.parallelism.fsdp_reshard_after_forward,
-            "training.enable_cpu_offload": t.enable_cpu_offload, "training.local_batch_size": t.local_batch_size,
+            "training.enable_cpu_offload": t.enable_cpu_offload, "optimizer.on_host": config.optimizer.on_host,
+            "training.local_batch_size": t.local_batch_size,
             "training.gradient_accumulation_steps": t.gradient_accumulation_steps}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

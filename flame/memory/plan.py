@@ -11,7 +11,8 @@ upper bound.
 
 ``choose`` keeps the job as configured when it fits. Otherwise it weighs every layout the job
 may take (activation checkpointing of every 4th, 3rd or 2nd block, or all; FSDP
-resharding after the forward; CPU offload of parameters, gradients and optimizer state;
+resharding after the forward; CPU offload of parameters, gradients and optimizer state; the
+optimizer state alone on the host, stepped there while the next forward runs;
 splitting each batch into micro-batches; and their combinations), prices each from this
 machine's measured rates (``flame.memory.hardware``: matmul TFLOP/s, the host link, a host
 AdamW step, an op launch) and takes the cheapest that fits the GPU budget. A setting the job file or the
@@ -47,8 +48,18 @@ ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest 
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
 
 
+FIRST = "first:"  # Layout.ac "first:K": full AC of the first K blocks only (--activation_checkpoint.blocks K)
+
+
+def first_blocks(ac: str) -> int | None:
+    """K of a ``first:K`` setting (full AC of the first K blocks), else None."""
+    return int(ac[len(FIRST):]) if ac.startswith(FIRST) else None
+
+
 def describe_ac(ac: str) -> str:
     """A ``Layout.ac`` setting in words."""
+    if (count := first_blocks(ac)) is not None:
+        return f"full AC of the first {count} blocks" if count > 1 else "full AC of the first block"
     return {"none": "no AC", "full": "full AC", "op": "op-level selective AC",
             "memory_budget": "compiler-chosen AC (memory_budget)"}.get(ac, f"selective AC every {ac} blocks")
 
@@ -57,15 +68,20 @@ def describe_ac(ac: str) -> str:
 class Layout:
     """The settings the plan may change."""
 
-    ac: str = "none"  # none, full, op (op-level selective), every-N (selective, an int N), memory_budget
+    # none, full, first:K (full AC of the first K blocks), op (op-level selective), every-N (selective, an int N),
+    # memory_budget
+    ac: str = "none"
     reshard: bool = True  # FSDP frees each block's gathered weights after its forward
     offload: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host
     micro_batches: int = 1  # the rows of training.batch_size split over this many accumulation steps
+    host_optimizer: bool = False  # --optimizer.on_host: the optimizer state on the host, stepped there
 
     def describe(self) -> str:
         parts = [describe_ac(self.ac)]
         if self.offload:
             parts.append("CPU offload")
+        if self.host_optimizer:
+            parts.append("optimizer on the host")
         if self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         return ", ".join(parts)
@@ -86,10 +102,12 @@ class Job:
     weight_shards: int  # FSDP shards x tensor- and pipeline-parallel degree
     fsdp: bool
     can_offload: bool  # a GPU job under FSDP, or of one process (FSDP wraps it alone to offload it)
+    can_step_on_host: bool  # a GPU job with AdamW or Adam, not pipelined (--optimizer.on_host)
     autocast_copies: bool  # no FSDP and a bf16/fp16 compute dtype: autocast keeps a cast copy of each weight
     fused_loss: bool
     dense_attention: bool  # sdpa keeps the T x T weights; flash-style kernels do not
     tensor_parallel: int
+    pipelined: bool  # stages split the blocks: AC of the first K blocks is not offered
     activations: ActivationProfile = field(repr=False)
 
 
@@ -111,8 +129,11 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     parts = [
         Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank"),
         Part("gradients", 4 * weights, kept, "fp32"),
-        Part("optimizer state", state, kept, f"{job.optimizer}: fp32, {moments}"),
+        Part("optimizer state", state, "host (stepped there)" if layout.host_optimizer else kept,
+             f"{job.optimizer}: fp32, {moments}"),
     ]
+    if layout.host_optimizer:
+        parts.append(Part("host step buffers", 8 * weights, "host (pinned)", "fp32 copies of the weights and gradients"))
     if job.fsdp or layout.offload:
         gathered = job.params if not layout.reshard else 2 * job.block_params
         why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"
@@ -135,6 +156,8 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
 
 
 def _recomputed(ac: str) -> str:
+    if (count := first_blocks(ac)) is not None:
+        return f"the first {count} blocks' inputs kept and the blocks recomputed, the rest kept whole"
     return {"none": "kept", "full": "block inputs kept, blocks recomputed", "op": "matmul outputs kept, rest recomputed",
             "memory_budget": "counted as kept (the compiler decides)"}.get(ac, f"every {ac}th block recomputed")
 
@@ -157,6 +180,8 @@ def activation_bytes(job: Job, ac: str) -> float:
         kept = [inputs] * len(blocks)
     elif ac == "op":
         kept = [inputs + selective.at(tokens, square) for selective in profile.selective]
+    elif (count := first_blocks(ac)) is not None:  # the last blocks, whose backward comes first, are kept whole
+        kept = [inputs if index < count else block for index, block in enumerate(blocks)]
     else:  # selective every N blocks: torchtitan checkpoints the N-th, 2N-th, ... block and keeps the others whole
         every = int(ac)
         kept = [inputs if (index + 1) % every == 0 else block for index, block in enumerate(blocks)]
@@ -182,7 +207,8 @@ class Price:
     compute: float  # the passes' forwards and backwards: the GPU's work plus the host's launches
     recompute: float  # the forwards activation checkpointing runs again
     gathers: float  # FSDP's all-gathers of the weights, per micro-batch (once more in the backward when resharded)
-    offload: float  # CPU offload: the weights up and the gradients down over the host link, and the host's AdamW step
+    offload: float  # CPU offload: the weights up and the gradients down over the host link, and the host's AdamW step;
+    # with the optimizer on the host, what of its step the next forward does not hide
 
     @property
     def seconds(self) -> float:
@@ -201,7 +227,7 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
     blocks run their forward again, on both sides. FSDP's gathers over the GPUs' links
     (``INTERCONNECT_GBPS``, not measured) and CPU offload's transfers over the host link are
     counted as if nothing overlapped them: an upper bound, which orders layouts by how much they
-    move.
+    move. The optimizer on the host (``host_step``) overlaps the next forward.
     """
     passes = layout.micro_batches
     tokens = job.rows * job.tokens_per_row / passes
@@ -220,18 +246,40 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
         moved = passes * ((2 if layout.reshard else 1) * 4 * weights + 4 * weights)  # fp32 weights up, gradients down
         link = hardware.host_link_gbps
         offload = (moved / (link * 1e9) if link else math.inf) + weights / hardware.host_adam_params_per_s
+    elif layout.host_optimizer:
+        offload = host_step(job, hardware, hidden_by=forward + launches)
     return Price(compute=passes * one_pass, recompute=passes * share * (forward + launches), gathers=gathers,
                  offload=offload)
 
 
+def host_step(job: Job, hardware: Hardware, hidden_by: float) -> float:
+    """The seconds of ``--optimizer.on_host``'s step the next forward (``hidden_by`` seconds) does not hide.
+
+    Unit by unit (each block, and the rest of the model first), the gradients go down, the host
+    steps and the weights go up: a pipeline as fast as its slowest stage, filled by one unit's three
+    stages, which the forward's start waits for (flame.components.host_optimizer).
+    """
+    weights = job.params / job.weight_shards
+    link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
+    copy = 4 * weights / link if link else math.inf
+    stages = (copy, weights / hardware.host_adam_params_per_s, copy)
+    units = len(job.activations.blocks) + 1
+    filled = sum(stages) / units
+    return max(filled, max(stages) + filled - hidden_by)
+
+
 def recompute_share(ac: str, blocks: int) -> float:
-    """The share of the forward an AC setting runs again: none 0, every N-th of ``blocks`` blocks, all.
+    """The share of the forward an AC setting runs again: none 0, the first K or every N-th of ``blocks``
+    blocks, all.
 
     Op-level selective AC counts as all: on these models it costs more than full AC (HF llama
     340M on an H100: 78.8k tok/s against 99.2k; mamba2 340M: 40.4k against 56.0k).
     """
     shares = {"none": 0.0, "memory_budget": 0.0, "op": 1.0, "full": 1.0}
-    return shares[ac] if ac in shares else (blocks // int(ac)) / max(blocks, 1)
+    if ac in shares:
+        return shares[ac]
+    count = first_blocks(ac)
+    return (count if count is not None else blocks // int(ac)) / max(blocks, 1)
 
 
 @dataclass(frozen=True)
@@ -265,23 +313,38 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
 
     Activation checkpointing only recomputes more than ``start`` does (``ac_options``). Offload
     needs a GPU job that FSDP can wrap, an optimizer that steps on the host (not Muon), and room in
-    the host budget; micro-batches divide the rows evenly.
+    the host budget; so does the optimizer on the host, which a pipeline cannot take and which
+    FSDP2's offload already is. Micro-batches divide the rows evenly.
     """
     acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
     reshards = [start.reshard] + ([True] if job.fsdp and "reshard" not in fixed and not start.reshard else [])
+
+    def fits_host(**change) -> bool:
+        return host_budget is None or host_bytes(estimate(job, dataclasses.replace(start, **change))) <= host_budget
+
     offloads = [start.offload]
-    if job.can_offload and "offload" not in fixed and not start.offload and job.optimizer != "Muon":
-        moved = host_bytes(estimate(job, dataclasses.replace(start, offload=True)))
-        if host_budget is None or moved <= host_budget:
-            offloads.append(True)
+    if job.can_offload and "offload" not in fixed and not start.offload and job.optimizer != "Muon" and fits_host(
+            offload=True, host_optimizer=False):
+        offloads.append(True)
+    on_host = [start.host_optimizer]
+    if job.can_step_on_host and "host_optimizer" not in fixed and not start.host_optimizer and fits_host(
+            host_optimizer=True):
+        on_host.append(True)
     counts = [start.micro_batches] + ([] if "micro_batches" in fixed else [
         count for count in range(start.micro_batches + 1, job.rows + 1) if job.rows % count == 0])
-    return [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count)
-            for ac in acs for reshard in reshards for offload in offloads for count in counts]
+    return [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count, host_optimizer=host)
+            for ac in acs for reshard in reshards for offload in offloads for count in counts for host in on_host
+            if not (offload and host)]
 
 
 def ac_options(job: Job, current: str) -> list[str]:
     """The activation checkpointing settings that recompute more than ``current``, least first.
+
+    The options are full AC of the first K blocks, for each K, and of all: any share of the blocks
+    recomputed, where torchtitan's every-N-th-block AC offers a half, a third, a quarter.
+    Checkpointing the first blocks rather than every N-th keeps the last ones whole, and their
+    backward runs first: the backward's peak is then the forward's, where a recomputed last block
+    adds its activations on top (``activation_bytes``).
 
     Never op-level selective AC: torchtitan's policy keeps only PyTorch ops' outputs, so it runs
     again every Triton kernel of fla's blocks and most of an HF block, and measured slower than
@@ -289,16 +352,18 @@ def ac_options(job: Job, current: str) -> list[str]:
     at 12.6 GiB; docs/perf-log.md 2026-11-27). A job may still give it.
     """
     blocks = len(job.activations.blocks)
-    options = [str(every) for every in (4, 3, 2) if every <= blocks] + ["full"]
+    firsts = [f"{FIRST}{count}" for count in range(1, blocks)]
+    options = ([str(every) for every in (4, 3, 2) if every <= blocks] if job.pipelined else firsts) + ["full"]
     here = recompute_share(current, blocks)
     return [ac for ac in options if recompute_share(ac, blocks) > here]
 
 
 def _changes(start: Layout, layout: Layout, blocks: int) -> tuple:
-    """How far a layout strays from ``start``, for choosing between layouts priced alike: offload, then
-    micro-batches, then resharding, then recomputation, the changes a user notices most first."""
-    return (layout.offload != start.offload, layout.micro_batches, layout.reshard != start.reshard,
-            recompute_share(layout.ac, blocks))
+    """How far a layout strays from ``start``, for choosing between layouts priced alike: offload, then the
+    optimizer on the host, then micro-batches, then resharding, then recomputation, the changes a user
+    notices most first."""
+    return (layout.offload != start.offload, layout.host_optimizer != start.host_optimizer, layout.micro_batches,
+            layout.reshard != start.reshard, recompute_share(layout.ac, blocks))
 
 
 def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, host_budget: float | None,
@@ -358,7 +423,7 @@ def table(plan: Plan, method: str) -> str:
     if plan.hardware is not None:
         chosen = next(candidate.price for candidate in plan.weighed if candidate.layout == plan.layout)
         lines.append(f"its step priced: passes {chosen.compute:.3g} s (GPU and host), recomputed {chosen.recompute:.3g} s, "
-                     f"FSDP gathers {chosen.gathers:.3g} s, CPU offload {chosen.offload:.3g} s; "
+                     f"FSDP gathers {chosen.gathers:.3g} s, host transfers and step {chosen.offload:.3g} s; "
                      f"rates measured on {plan.hardware.describe()}")
         others = [candidate for candidate in plan.weighed if candidate.layout != plan.layout
                   and plan.gpu_budget is not None and candidate.gpu_bytes <= plan.gpu_budget][:ALTERNATIVES_SHOWN]

@@ -1,0 +1,279 @@
+"""AdamW (or Adam) whose state lives and steps in host memory while the next forward runs (--optimizer.on_host).
+
+Why: under mixed precision a parameter costs the GPU 16 bytes (fp32 weight, fp32 gradient, and
+AdamW's two fp32 moments). The moments are half of it, and they are only read once a step, by the
+update. Kept on the host, they free that half; FSDP2's CPU offload (--training.enable_cpu_offload)
+frees all of it but copies every weight up for every pass.
+
+How a step runs on a GPU:
+1. ``step`` (after the backward and the gradient clipping) queues the copy of every gradient into
+   pinned host memory on a copy stream, unit by unit, and returns at once.
+2. A host thread steps each unit with torch's fused CPU AdamW on the host's fp32 copy of its
+   weights, then queues the new weights' copy to the GPU on a second stream. The units come in the
+   order the next forward needs them: first everything outside the decoder blocks (embeddings,
+   final norm, head: FSDP gathers the root's weights as the forward starts), then block by block.
+3. The next forward waits, before each unit, for that unit's weights (a forward pre-hook, ahead
+   of FSDP's gather): block 3 computes while block 4 steps on the host.
+
+The moments are AdamW's own state (``step``, ``exp_avg``, ``exp_avg_sq``, placed like the
+parameter when it is a DTensor), so checkpoints are AdamW's: a run may resume with the flag on or
+off, on any layout. Saving or loading a checkpoint waits for the step in flight
+(``settle``). On a CPU-only run host and device are one memory: the flag saves nothing there and
+runs the same steps without copy streams (what the CPU tests exercise).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Adam, AdamW, Optimizer
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+from torchtitan.components.optimizer import OptimizersContainer
+
+from flame.models.registry import decoder_layers
+
+STATE = ("exp_avg", "exp_avg_sq")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part, on the host) as the state of ``param``: a DTensor placed like it when it is one."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return local
+
+
+def _flat(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One fp32 host buffer for ``tensors`` (pinned for asynchronous copies: one allocation per unit, not per
+    tensor, since the pinned allocator rounds each up to a power of two) and a view of it shaped like each."""
+    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, pin_memory=pin)
+    views, start = [], 0
+    for t in tensors:
+        views.append(buffer[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    return buffer, views
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters the next forward needs together, and the module whose forward needs them first."""
+
+    module: nn.Module
+    params: list[torch.Tensor]
+    host_params: list[torch.Tensor] = field(default_factory=list)  # pinned fp32 copies of the weights (local parts)
+    host_grads: list[torch.Tensor] = field(default_factory=list)  # pinned: where the gradients land
+    buffers: tuple = ()  # the two flat buffers the views above belong to
+    on_host: object = None  # CUDA event: the gradients have reached the host
+    updated: object = None  # CUDA event: the new weights have reached the GPU
+    ready: threading.Event = field(default_factory=threading.Event)  # the host thread is done with this unit
+    pending: bool = False  # stepped, and the GPU's forward has not waited for it yet
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """The model's trainable parameters in the order the next forward uses them: everything outside the
+    decoder blocks first (waited for at the root, where the forward starts), then each block."""
+    blocks = decoder_layers(model)
+    in_blocks = {id(p) for p in blocks.parameters()}
+    outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
+    units = [Unit(model, outside)] if outside else []
+    units += [Unit(block, trainable) for block in blocks if (trainable := [p for p in block.parameters() if p.requires_grad])]
+    return units
+
+
+class HostAdamW(Optimizer):
+    """AdamW (``decoupled=True``) or Adam over a model's parameters, its state and update on the host.
+
+    The parameter groups hold the model's own parameters (the LR schedule and checkpoints see an
+    ordinary optimizer); the state is ``torch.optim.AdamW``'s, on the host.
+    """
+
+    def __init__(self, model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 decoupled: bool = True):
+        self.units = units_of(model)
+        params = [p for p in model.parameters() if p.requires_grad]  # the model's order, as torch's AdamW has them
+        # torch's own defaults for these settings (amsgrad, fused, ...): the checkpoint's groups are then AdamW's
+        like = (AdamW if decoupled else Adam)([torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
+                                               weight_decay=weight_decay, fused=True)
+        super().__init__(params, like.defaults)
+        self.decoupled = decoupled
+        self.cuda = params[0].is_cuda
+        if self.cuda:
+            self.device = params[0].device
+            self.to_host, self.to_device = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self.worker: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.hooks = [unit.module.register_forward_pre_hook(self._forward_hook(unit), prepend=True) for unit in self.units]
+
+    def _forward_hook(self, unit: Unit):
+        def wait_for_weights(module, args):
+            self._wait(unit)
+        return wait_for_weights
+
+    def _wait(self, unit: Unit) -> None:
+        """Before a unit computes: its new weights are on the GPU (or the GPU's stream will wait for them)."""
+        if not unit.pending:
+            return
+        unit.ready.wait()
+        if self.error is not None:
+            cause = f"{type(self.error).__name__}: {(str(self.error).splitlines() or [''])[0]}"
+            raise RuntimeError(f"--optimizer.on_host: the host's optimizer step failed ({cause})") from self.error
+        if unit.updated is not None:
+            if any(isinstance(p, DTensor) for p in unit.params):
+                # FSDP gathers on its own streams, which wait for the GPU's stream only as the forward starts
+                unit.updated.synchronize()
+            else:
+                torch.cuda.current_stream(self.device).wait_event(unit.updated)
+        unit.pending = False
+
+    def settle(self) -> None:
+        """Every unit's update finished and visible to the GPU's stream: before a checkpoint reads or writes the
+        weights or the state, and before the next step."""
+        if self.worker is not None:
+            self.worker.join()
+            self.worker = None
+        for unit in self.units:
+            self._wait(unit)
+
+    def _host_copies(self, unit: Unit) -> None:
+        """The unit's pinned buffers, the weights copied into them (first step, and after a checkpoint loaded)."""
+        locals_ = [_local(p) for p in unit.params]
+        weights, unit.host_params = _flat(locals_, pin=self.cuda)
+        grads, unit.host_grads = _flat(locals_, pin=self.cuda)
+        unit.buffers = (weights, grads)
+        for host, param in zip(unit.host_params, locals_):
+            host.copy_(param.detach())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("--optimizer.on_host steps without a closure")
+        self.settle()
+        settings = {id(p): group for group in self.param_groups for p in group["params"]}
+        if self.cuda:
+            self.to_host.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are complete
+        work = []
+        for unit in self.units:
+            if not unit.buffers:
+                self._host_copies(unit)
+            live = [i for i, p in enumerate(unit.params) if p.grad is not None]
+            for i in live:
+                param = unit.params[i]
+                if param not in self.state or not self.state[param]:
+                    local = torch.zeros_like(unit.host_params[i])
+                    self.state[param] = {"step": torch.tensor(0.0), **{name: _like(param, local.clone()) for name in STATE}}
+            if self.cuda:
+                with torch.cuda.stream(self.to_host):
+                    for i in live:
+                        grad = _local(unit.params[i].grad)
+                        unit.host_grads[i].copy_(grad, non_blocking=True)
+                        grad.record_stream(self.to_host)  # zero_grad may drop it before the copy ran
+                    unit.on_host = self.to_host.record_event()
+            else:
+                for i in live:
+                    unit.host_grads[i].copy_(_local(unit.params[i].grad))
+            groups = defaultdict(list)  # the hyperparameters as of now: the LR schedule moves on before the thread runs
+            for i in live:
+                group = settings[id(unit.params[i])]
+                groups[(group["lr"], *group["betas"], group["eps"], group["weight_decay"])].append(i)
+            unit.ready.clear()
+            unit.pending = True
+            work.append((unit, dict(groups)))
+        self.worker = threading.Thread(target=self._run, args=(work,), name="flame-host-optimizer", daemon=True)
+        self.worker.start()
+
+    @torch.no_grad()  # grad mode is per thread
+    def _run(self, work: list) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)
+            for unit, groups in work:
+                if unit.on_host is not None:
+                    unit.on_host.synchronize()
+                for hyper, indices in groups.items():
+                    self._update(unit, hyper, indices)
+                indices = [i for group in groups.values() for i in group]
+                if self.cuda:
+                    with torch.cuda.stream(self.to_device):
+                        for i in indices:
+                            _local(unit.params[i]).copy_(unit.host_params[i], non_blocking=True)
+                        unit.updated = self.to_device.record_event()
+                else:
+                    for i in indices:
+                        _local(unit.params[i]).copy_(unit.host_params[i])
+                unit.ready.set()
+        except BaseException as error:  # noqa: BLE001 - re-raised on the main thread, by the next forward or settle
+            self.error = error
+            for unit, _ in work:
+                unit.ready.set()
+
+    def _update(self, unit: Unit, hyper: tuple, indices: list[int]) -> None:
+        lr, beta1, beta2, eps, weight_decay = hyper
+        states = [self.state[unit.params[i]] for i in indices]
+        step = adamw if self.decoupled else adam
+        step([unit.host_params[i] for i in indices], [unit.host_grads[i] for i in indices],
+             [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+             [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+             weight_decay=weight_decay, eps=eps, maximize=False)
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """A checkpoint's AdamW state, kept on the host (``torch.optim.Optimizer`` would move it to the parameters'
+        device: for a moment, all of it on the GPU), and the host's weight copies taken again from the model."""
+        self.settle()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
+                             f"{len(self.param_groups)}")
+        by_id = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            by_id.update(zip(saved["params"], group["params"]))
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        self.state = defaultdict(dict)
+        for key, saved in state_dict["state"].items():
+            param = by_id[key]
+            self.state[param] = {name: self._on_host(param, value) for name, value in saved.items()}
+        for unit in self.units:
+            unit.buffers = ()  # the model's weights were loaded too: copied again at the next step
+
+    @staticmethod
+    def _on_host(param: torch.Tensor, value):
+        if not torch.is_tensor(value):
+            return value
+        host = _local(value).detach().to("cpu", torch.float32, copy=True)  # a copy: never the checkpoint's tensor
+        return _like(param, host) if isinstance(value, DTensor) else host
+
+
+class HostOptimizersContainer(OptimizersContainer):
+    """torchtitan's container of one optimizer per model part, each a HostAdamW."""
+
+    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool) -> None:
+        self.model_parts = model_parts
+        self.optimizers = [HostAdamW(model, **kwargs, decoupled=decoupled) for model in model_parts]
+        self._validate_length(len(model_parts))
+        self._post_init([p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]],
+                        kwargs)
+
+    def settle(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.settle()
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)
