@@ -83,10 +83,12 @@ def test_host_steps_are_torchs_fused_adamw_and_its_checkpoints_are_adamws(decoup
 def test_units_come_in_the_order_the_forward_needs_them():
     model = tiny_llama()
     units = units_of(model)
-    # first everything outside the blocks (embeddings, final norm, head), waited for as the forward starts
-    assert units[0].module is model and {id(p) for p in units[0].params} == {
-        id(model.model.embed_tokens.weight), id(model.model.norm.weight), id(model.lm_head.weight)}
-    assert [unit.module for unit in units[1:]] == list(model.model.layers)
+    # the embeddings, waited for as the forward starts; each block; the final norm and head once the last block ran
+    assert units[0].module is model and units[0].params == [model.model.embed_tokens.weight] and not units[0].after
+    assert [unit.module for unit in units[1:-1]] == list(model.model.layers)
+    assert units[-1].module is model.model.layers[-1] and units[-1].after
+    assert {id(p) for p in units[-1].params} == {id(model.model.norm.weight), id(model.lm_head.weight)}
+    assert sum(len(unit.params) for unit in units) == len(list(model.parameters()))
 
 
 def test_a_failed_host_step_stops_the_next_forward_with_its_cause():

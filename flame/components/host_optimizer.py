@@ -9,9 +9,9 @@ How a step runs on a GPU:
 1. ``step`` (after the backward and the gradient clipping) queues the copy of every gradient into
    pinned host memory on a copy stream, unit by unit, and returns at once.
 2. A host thread steps each unit with torch's fused CPU AdamW on the host's fp32 copy of its
-   weights, then queues the new weights' copy to the GPU on a second stream. The units come in the
-   order the next forward needs them: first everything outside the decoder blocks (embeddings,
-   final norm, head: FSDP gathers the root's weights as the forward starts), then block by block.
+   weights (on all cores but one, left to the thread launching the GPU's work), then queues the
+   new weights' copy to the GPU on a second stream. The units come in the order the next forward
+   needs them (``units_of``): the embeddings, each decoder block, then the final norm and head.
 3. The next forward waits, before each unit, for that unit's weights (a forward pre-hook, ahead
    of FSDP's gather): block 3 computes while block 4 steps on the host.
 
@@ -25,11 +25,13 @@ runs the same steps without copy streams (what the CPU tests exercise).
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Adam, AdamW, Optimizer
 from torch.optim.adam import adam
@@ -66,10 +68,12 @@ def _flat(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[to
 
 @dataclass(eq=False)
 class Unit:
-    """Parameters the next forward needs together, and the module whose forward needs them first."""
+    """Parameters the next forward needs together, and where the forward first needs them: before
+    ``module`` runs, or (``after``) once it has run."""
 
     module: nn.Module
     params: list[torch.Tensor]
+    after: bool = False
     host_params: list[torch.Tensor] = field(default_factory=list)  # pinned fp32 copies of the weights (local parts)
     host_grads: list[torch.Tensor] = field(default_factory=list)  # pinned: where the gradients land
     buffers: tuple = ()  # the two flat buffers the views above belong to
@@ -80,14 +84,24 @@ class Unit:
 
 
 def units_of(model: nn.Module) -> list[Unit]:
-    """The model's trainable parameters in the order the next forward uses them: everything outside the
-    decoder blocks first (waited for at the root, where the forward starts), then each block."""
+    """The model's trainable parameters in the order the next forward uses them.
+
+    The input embeddings come first (waited for as the forward starts), then each decoder block,
+    then the rest (final norm, output head: waited for once the last block has run, since a
+    fused loss may read the head's weight without calling it). Under FSDP the root's weights are
+    gathered as the forward starts, so everything outside the blocks comes first there.
+    """
     blocks = decoder_layers(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     in_blocks = {id(p) for p in blocks.parameters()}
-    outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
-    units = [Unit(model, outside)] if outside else []
-    units += [Unit(block, trainable) for block in blocks if (trainable := [p for p in block.parameters() if p.requires_grad])]
-    return units
+    outside = [p for p in trainable if id(p) not in in_blocks]
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    first = {id(p) for p in embeddings.parameters()} if embeddings is not None and not isinstance(model, FSDPModule) else None
+    start = [p for p in outside if first is None or id(p) in first]
+    rest = [p for p in outside if first is not None and id(p) not in first]
+    units = [Unit(model, start)] if start else []
+    units += [Unit(block, params) for block in blocks if (params := [p for p in block.parameters() if p.requires_grad])]
+    return units + ([Unit(blocks[-1], rest, after=True)] if rest else [])
 
 
 class HostAdamW(Optimizer):
@@ -98,7 +112,7 @@ class HostAdamW(Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 decoupled: bool = True):
+                 decoupled: bool = True, host_threads: int | None = None):
         self.units = units_of(model)
         params = [p for p in model.parameters() if p.requires_grad]  # the model's order, as torch's AdamW has them
         # torch's own defaults for these settings (amsgrad, fused, ...): the checkpoint's groups are then AdamW's
@@ -110,20 +124,27 @@ class HostAdamW(Optimizer):
         if self.cuda:
             self.device = params[0].device
             self.to_host, self.to_device = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        # the host step's CPU threads: one core left to the thread that launches the GPU's work
+        self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
         self.worker: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.hooks = [unit.module.register_forward_pre_hook(self._forward_hook(unit), prepend=True) for unit in self.units]
+        self.waited = 0.0  # seconds the forward has waited for the host, all steps together
+        self.hooks = [self._hook(unit) for unit in self.units]
 
-    def _forward_hook(self, unit: Unit):
-        def wait_for_weights(module, args):
-            self._wait(unit)
-        return wait_for_weights
+    def _hook(self, unit: Unit):
+        if unit.after:
+            return unit.module.register_forward_hook(lambda module, args, output: self._wait(unit))
+        # ahead of FSDP's own pre-forward hook, which gathers the weights
+        return unit.module.register_forward_pre_hook(lambda module, args: self._wait(unit), prepend=True)
 
     def _wait(self, unit: Unit) -> None:
         """Before a unit computes: its new weights are on the GPU (or the GPU's stream will wait for them)."""
         if not unit.pending:
             return
-        unit.ready.wait()
+        if not unit.ready.is_set():
+            start = time.perf_counter()
+            unit.ready.wait()
+            self.waited += time.perf_counter() - start
         if self.error is not None:
             cause = f"{type(self.error).__name__}: {(str(self.error).splitlines() or [''])[0]}"
             raise RuntimeError(f"--optimizer.on_host: the host's optimizer step failed ({cause})") from self.error
@@ -196,6 +217,7 @@ class HostAdamW(Optimizer):
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)
+            torch.set_num_threads(self.host_threads)  # this thread's own (OpenMP's per-thread setting)
             for unit, groups in work:
                 if unit.on_host is not None:
                     unit.on_host.synchronize()

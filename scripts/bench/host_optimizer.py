@@ -1,0 +1,102 @@
+"""Where --optimizer.on_host's time goes: one model, one process, the same batches under each setting.
+
+    python scripts/bench/host_optimizer.py --config configs/transformer_1B.json --seq 32768 --ac-blocks 15
+
+Runs, in turn: torch's fused AdamW on the GPU; flame's host optimizer (flame.components.host_optimizer)
+with its default threads and with the ones --threads lists; each without activation checkpointing
+and with full AC of the first --ac-blocks blocks. Per setting, one JSON line: the median step and
+how long the forward waited for the host, per step. The loop is
+scripts/bench/plain_loop.py's (bf16 autocast, flame's batches and model inputs).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torchtitan.config import ActivationCheckpoint
+from transformers import AutoModelForCausalLM
+
+from flame import batch_context
+from flame.batch_context import BatchContext
+from flame.components.host_optimizer import HostAdamW
+from flame.distributed.parallelize import checkpoint_blocks
+from flame.models import attention, load_model_config, model_inputs
+from flame.models.inputs import is_fla_config
+from flame.models.registry import decoder_layers
+from scripts.bench.batches import packed_batches
+
+
+def timed_steps(model, optimizer, batches, warmup: int) -> list[float]:
+    times = []
+    for step, (batch, labels) in enumerate(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ids, targets, kwargs = model_inputs(model, batch, labels)
+        with batch_context.computing(BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(ids, **kwargs).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            del logits
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()  # the host optimizer's step is still in flight: the next forward waits for it
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--seq", type=int, default=32768, help="tokens of the one varlen row a step")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--ac-blocks", type=int, default=0, help="also run with full AC of the first N blocks")
+    parser.add_argument("--threads", type=int, nargs="*", default=[], help="host thread counts to try besides the default")
+    args = parser.parse_args()
+
+    config = load_model_config(args.config)
+    options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
+    model = AutoModelForCausalLM.from_config(config, **options).cuda()
+    batches = packed_batches(args.warmup + args.steps, 1, args.seq, args.context, device="cuda")
+    settings = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    for ac in ([0, args.ac_blocks] if args.ac_blocks else [0]):
+        if ac:
+            checkpoint_blocks(decoder_layers(model), _full_ac(ac), model_compile_enabled=False)
+        for threads in [None, "gpu", *args.threads]:
+            torch.cuda.reset_peak_memory_stats()
+            if threads == "gpu":
+                optimizer = torch.optim.AdamW(model.parameters(), **settings, fused=True)
+            else:
+                optimizer = HostAdamW(model, **settings, host_threads=threads)
+            times = timed_steps(model, optimizer, batches, args.warmup)
+            row = {"ac_blocks": ac, "optimizer": "AdamW on the GPU" if threads == "gpu" else "host",
+                   "threads": None if threads == "gpu" else optimizer.host_threads,
+                   "step_ms": round(1000 * statistics.median(times), 1),
+                   "tokens_per_s": round(args.seq / statistics.median(times)),
+                   "peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1)}
+            if threads != "gpu":
+                row["forward_waited_ms"] = round(1000 * optimizer.waited / len(batches), 1)
+                for hook in optimizer.hooks:
+                    hook.remove()
+            print(json.dumps(row), flush=True)
+            del optimizer
+            torch.cuda.empty_cache()
+        print(f"done: AC of {ac} blocks", file=sys.stderr, flush=True)
+
+
+def _full_ac(blocks: int) -> ActivationCheckpoint:
+    ac = ActivationCheckpoint(mode="full")
+    ac.blocks = blocks  # flame's field (flame.config): full AC of the first N blocks
+    return ac
+
+
+if __name__ == "__main__":
+    main()
