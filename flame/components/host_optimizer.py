@@ -129,6 +129,8 @@ class HostAdamW(Optimizer):
         self.worker: threading.Thread | None = None
         self.error: BaseException | None = None
         self.waited = 0.0  # seconds the forward has waited for the host, all steps together
+        self.stepping = 0.0  # seconds the host thread spent in AdamW, all steps together
+        self.copying = 0.0  # seconds it waited for gradients to reach the host, all steps together
         self.hooks = [self._hook(unit) for unit in self.units]
 
     def _hook(self, unit: Unit):
@@ -219,10 +221,14 @@ class HostAdamW(Optimizer):
                 torch.cuda.set_device(self.device)
             torch.set_num_threads(self.host_threads)  # this thread's own (OpenMP's per-thread setting)
             for unit, groups in work:
+                start = time.perf_counter()
                 if unit.on_host is not None:
                     unit.on_host.synchronize()
+                copied = time.perf_counter()
                 for hyper, indices in groups.items():
                     self._update(unit, hyper, indices)
+                self.copying += copied - start
+                self.stepping += time.perf_counter() - copied
                 indices = [i for group in groups.values() for i in group]
                 if self.cuda:
                     with torch.cuda.stream(self.to_device):

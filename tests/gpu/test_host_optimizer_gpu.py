@@ -8,10 +8,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flame.components.host_optimizer import HostAdamW
 from tests.conftest import (
     TINY_DECODER,
-    assert_same_curve,
     base_args,
     check,
-    metrics,
+    losses,
     torchrun,
 )
 
@@ -58,10 +57,12 @@ def test_a_run_on_host_trains_and_its_checkpoint_resumes_without_it(tmp_path, ti
     args = ["--optimizer.lr=1e-2", "--checkpoint.interval=10"]
     check(torchrun(base_args(tiny_model, corpus, host, steps=20) + args + ["--optimizer.on_host"]))
     check(torchrun(base_args(tiny_model, corpus, plain, steps=20) + args))
-    curve = metrics(host)
-    assert curve[20]["loss_metrics/global_avg_loss"] < curve[1]["loss_metrics/global_avg_loss"] - 0.7
-    assert_same_curve(curve, metrics(plain), rel=1e-2)  # bf16 autocast; torch's CPU and CUDA AdamW kernels
+    curve, reference = losses(host), losses(plain)
+    assert curve[20] < curve[1] - 0.7
+    # bf16 autocast, and torch's CPU and CUDA AdamW kernels round apart: the losses agree, the gradient
+    # norms drift further (1.3% at step 15 of 20)
+    assert curve == pytest.approx(reference, rel=5e-3)
     resumed = tmp_path / "resumed"
     check(torchrun(base_args(tiny_model, corpus, resumed, steps=20) + args + [
         f"--checkpoint.initial_load_path={host / 'checkpoint' / 'step-10'}", "--checkpoint.no-initial_load_model_only"]))
-    assert_same_curve(metrics(resumed), curve, rel=1e-2, steps=[11, 15, 20])
+    assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=5e-3)
