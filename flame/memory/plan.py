@@ -43,6 +43,11 @@ MATMUL_SHARE = 0.54
 # ... and the host's time per pass (0.076 s over 24 blocks) was this many of the probe's launches
 # (6.4 us there) per decoder block, forward and backward
 LAUNCHES_PER_BLOCK_PASS = 500
+# --optimizer.on_host, calibrated on an H100 (fla transformer 1B, one row of 32K tokens): the host's AdamW
+# took 0.243-0.267 s a step beside the loop against 0.194 s at the probe's rate, and the next forward
+# (priced 0.191 s) hid 0.115-0.121 s of it
+HOST_STEP_SLOWDOWN = 1.3
+FORWARD_HIDES = 0.6
 INTERCONNECT_GBPS = 100.0  # FSDP's gathers between GPUs (NVLink-class): not measured; only orders layouts that gather more
 ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest layouts that fit
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
@@ -255,17 +260,20 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
 def host_step(job: Job, hardware: Hardware, hidden_by: float) -> float:
     """The seconds of ``--optimizer.on_host``'s step the next forward (``hidden_by`` seconds) does not hide.
 
-    Unit by unit (each block, and the rest of the model first), the gradients go down, the host
-    steps and the weights go up: a pipeline as fast as its slowest stage, filled by one unit's three
-    stages, which the forward's start waits for (flame.components.host_optimizer).
+    Unit by unit (the embeddings, each block, the head), the gradients go down, the host steps
+    and the weights go up (flame.components.host_optimizer): a pipeline as slow as its slowest
+    stage, the host's AdamW, and filled by one unit's three stages, which the forward's start
+    waits for. Calibrated on an H100 (fla transformer 1B, one row of 32K; docs/perf-log.md,
+    2026-11-27): AdamW ran ``HOST_STEP_SLOWDOWN`` times slower beside the training loop than the
+    probe measured it alone, and the forward hid ``FORWARD_HIDES`` of its time from it (the
+    launching thread waits for each block's weights, so the GPU cannot run ahead).
     """
     weights = job.params / job.weight_shards
     link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
     copy = 4 * weights / link if link else math.inf
-    stages = (copy, weights / hardware.host_adam_params_per_s, copy)
-    units = len(job.activations.blocks) + 1
-    filled = sum(stages) / units
-    return max(filled, max(stages) + filled - hidden_by)
+    stages = (copy, HOST_STEP_SLOWDOWN * weights / hardware.host_adam_params_per_s, copy)
+    filled = sum(stages) / (len(job.activations.blocks) + 2)
+    return max(filled, max(stages) + filled - FORWARD_HIDES * hidden_by)
 
 
 def recompute_share(ac: str, blocks: int) -> float:
