@@ -209,7 +209,7 @@ class MemoryEstimation:
 @dataclass
 class Memory:
     plan: Literal["auto", "off"] = "off"
-    """auto: fit the job into GPU memory before it starts: estimate each part (README: Memory plan) and, if the job does not fit as configured, take the fastest layout that fits (AC of every 4th, 3rd, 2nd block or all; FSDP resharding; CPU offload; micro-batches; and their mixes), priced from this machine's measured rates; settings you give are kept. off (default until the estimates are checked on GPUs) = change nothing; giving a budget turns it on"""
+    """auto: fit the job into GPU memory before it starts: estimate each part (README: Memory plan) and, if the job does not fit as configured, take the fastest layout that fits (full AC of the first K blocks or of all; FSDP resharding; CPU offload; the optimizer state on the host; micro-batches; and their mixes), priced from this machine's measured rates; settings you give are kept. off (default until the estimates are checked on GPUs) = change nothing; giving a budget turns it on"""
     gpu_budget_gib: str = "auto"
     """GPU memory one process may use, in GiB; auto = the GPU's memory less 1 GiB (CUDA context, NCCL). On a CPU machine auto plans nothing; a number plans as for a GPU of that size"""
     host_budget_gib: str = "auto"

@@ -265,7 +265,8 @@ SUITES = {
     "memory": Suite(
         "one GPU, --memory.plan auto: the plan's estimate beside the measured peak for each activation checkpointing "
         "plan (none, op-level selective, full) at 340M and 1B; then the budgets: 1B under --memory.gpu_budget_gib 24 "
-        "against its unconstrained run, 340M at 64K tokens under 16, and transformer_7B with no memory flag "
+        "against its unconstrained run (and under 16 on each of 2 GPUs, FSDP), 340M at 64K tokens under 16, and "
+        "transformer_7B with no memory flag "
         "(CPU offload on one GPU) at 256K tokens a step; each run prints the plan it chose. The plan's prices against "
         "measured speed: this machine's rates, then llama 340M's 4 rows of 8K under each layout by hand and under a "
         "30 GiB budget",
@@ -279,6 +280,8 @@ SUITES = {
             Run("full", 1, ("--activation_checkpoint.mode", "full"),
                 only=("transformer_340M", "gla_340M", "gated_deltanet_340M", "transformer_1B")),
             Run("budget24", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_1B",)),
+            # FSDP over 2 GPUs: the weights, gradients and state halve on each rank, the activations do not
+            Run("fsdp2_budget16", 2, ("--memory.gpu_budget_gib", "16"), only=("transformer_1B",)),
             Run("budget16_64k", 1, ("--memory.gpu_budget_gib", "16", "--training.seq_len", "65536"),
                 only=("transformer_340M",)),
             # the plan's prices and estimates against measured speed and peaks: 4 rows of 8K, each layout given (the plan

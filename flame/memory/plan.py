@@ -10,7 +10,7 @@ them count as live at once: with gradient accumulation they are, and without it 
 upper bound.
 
 ``choose`` keeps the job as configured when it fits. Otherwise it weighs every layout the job
-may take (activation checkpointing of every 4th, 3rd or 2nd block, or all; FSDP
+may take (full activation checkpointing of the first K blocks, for any K, or of all; FSDP
 resharding after the forward; CPU offload of parameters, gradients and optimizer state; the
 optimizer state alone on the host, stepped there while the next forward runs;
 splitting each batch into micro-batches; and their combinations), prices each from this

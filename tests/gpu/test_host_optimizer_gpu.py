@@ -66,3 +66,15 @@ def test_a_run_on_host_trains_and_its_checkpoint_resumes_without_it(tmp_path, ti
     check(torchrun(base_args(tiny_model, corpus, resumed, steps=20) + args + [
         f"--checkpoint.initial_load_path={host / 'checkpoint' / 'step-10'}", "--checkpoint.no-initial_load_model_only"]))
     assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=5e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_shards_on_the_host_train_the_plain_fsdp_losses(tmp_path, tiny_model, corpus):
+    """Each rank steps its own shards on the host (DTensor state); the root's weights wait at the forward's start."""
+    host, plain = tmp_path / "host", tmp_path / "plain"
+    args = ["--optimizer.lr=1e-2", "--checkpoint.no-enable"]
+    check(torchrun(base_args(tiny_model, corpus, host, steps=20) + args + ["--optimizer.on_host"], nproc=2))
+    check(torchrun(base_args(tiny_model, corpus, plain, steps=20) + args, nproc=2))
+    curve = losses(host)
+    assert curve[20] < curve[1] - 0.7
+    assert curve == pytest.approx(losses(plain), rel=5e-3)
