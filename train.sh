@@ -115,7 +115,7 @@ plan=$(mktemp)
 trap 'rm -f "$plan"' EXIT
 "$python" -m flame.launch --world-size $((NGPU * NNODE)) --node-rank "$NODE_RANK" --env-file "$plan" -- "$@" || exit $?
 # shellcheck disable=SC1090
-source "$plan" # FLAME_DUMP_FOLDER, FLAME_CHECKPOINT
+source "$plan" # FLAME_DUMP_FOLDER, FLAME_CHECKPOINT; PYTORCH_CUDA_ALLOC_CONF under the memory plan
 
 logs=$FLAME_DUMP_FOLDER/logs
 if [ "$NNODE" -gt 1 ]; then

@@ -439,3 +439,20 @@ def test_ranks_that_plan_apart_stop_before_the_first_step(tiny_model, corpus, tm
     assert "--training.gradient_accumulation_steps 1 on rank 0, 2 on rank 1" in log
     assert "set FLAME_HARDWARE on every node" in log
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
+
+
+def test_train_sh_gives_planned_ranks_an_allocator_whose_reserve_follows_their_tensors(long_model, tmp_path,
+                                                                                        monkeypatch):
+    from flame import launch
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    env = tmp_path / "plan.sh"
+
+    def exported(*flags):
+        assert launch.main(["--world-size", "1", "--env-file", str(env), "--",
+                            *job_args(long_model, f"--job.dump_folder={tmp_path / 'run'}", *flags)]) == 0
+        return "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in env.read_text()
+
+    assert exported("--memory.plan=auto") and not exported("--memory.plan=off")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's own is kept
+    assert not exported("--memory.plan=auto")

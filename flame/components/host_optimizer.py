@@ -48,10 +48,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's part, on the host) as the state of ``param``: a DTensor placed like it when it is one."""
+    """``local`` (this rank's part, on the host) as the state of ``param``: a DTensor placed like it when it is one.
+
+    Built on the parameter's own spec, as FSDP2's CPU offload builds its host shards:
+    ``DTensor.from_local`` would move the host tensor to the mesh's GPU.
+    """
     if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
+        return DTensor(local, param._spec, requires_grad=False)
     return local
 
 
