@@ -95,13 +95,14 @@ def units_of(model: nn.Module) -> list[Unit]:
     gathered as the forward starts, so everything outside the blocks comes first there.
     """
     blocks = decoder_layers(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
     in_blocks = {id(p) for p in blocks.parameters()}
-    outside = [p for p in trainable if id(p) not in in_blocks]
+    outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    first = {id(p) for p in embeddings.parameters()} if embeddings is not None and not isinstance(model, FSDPModule) else None
-    start = [p for p in outside if first is None or id(p) in first]
-    rest = [p for p in outside if first is not None and id(p) not in first]
+    if embeddings is None or isinstance(model, FSDPModule):
+        start, rest = outside, []
+    else:
+        first = {id(p) for p in embeddings.parameters()}
+        start, rest = [p for p in outside if id(p) in first], [p for p in outside if id(p) not in first]
     units = [Unit(model, start)] if start else []
     units += [Unit(block, params) for block in blocks if (params := [p for p in block.parameters() if p.requires_grad])]
     return units + ([Unit(blocks[-1], rest, after=True)] if rest else [])
@@ -194,7 +195,7 @@ class HostAdamW(Optimizer):
             live = [i for i, p in enumerate(unit.params) if p.grad is not None]
             for i in live:
                 param = unit.params[i]
-                if param not in self.state or not self.state[param]:
+                if not self.state.get(param):
                     local = torch.zeros_like(unit.host_params[i])
                     self.state[param] = {"step": torch.tensor(0.0), **{name: _like(param, local.clone()) for name in STATE}}
             if self.cuda:
