@@ -116,7 +116,7 @@ def test_on_host_trains_adamws_curve_alone_and_under_fsdp_and_resumes_without_it
     assert expected[4]["loss_metrics/global_avg_loss"] < expected[1]["loss_metrics/global_avg_loss"] - 0.2
     assert_same_curve(metrics(host.dump), expected, rel=0)  # the same fused AdamW kernel, on the same CPU
     # FSDP shards the state (DTensors on the host); the first block alone recomputed
-    assert "Applied full activation checkpointing to 1 of 2 blocks" in fsdp2.result.stdout + fsdp2.result.stderr
+    assert "Applied full activation checkpointing to the first 1 of 2 blocks" in fsdp2.result.stdout + fsdp2.result.stderr
     assert_same_curve(metrics(fsdp2.dump), expected, rel=FSDP_SUMS)
     # its checkpoint is AdamW's: resumed without the flag, steps 3-4 repeat bit for bit
     resumed = host.dump.parent / "resumed"

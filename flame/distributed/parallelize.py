@@ -47,7 +47,8 @@ def checkpoint_blocks(layers: nn.ModuleList, ac_config, model_compile_enabled: b
             block, ac_config, base_fqn=f"layers.{index}", model_compile_enabled=model_compile_enabled
         ) if index < count else block,
     )
-    logger.info(f"Applied {ac_config.mode} activation checkpointing to {count} of {len(layers)} blocks")
+    which = f"the first {count} of {len(layers)}" if count < len(layers) else str(count)
+    logger.info(f"Applied {ac_config.mode} activation checkpointing to {which} blocks")
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
