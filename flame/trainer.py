@@ -339,6 +339,8 @@ class Trainer(TorchtitanTrainer):
             logger.warning(f"step {self.step}: {problem}; update skipped ({kind}; {self.skipped_steps} skipped so far)")
             self.optimizers.zero_grad()
             return
+        if self.checkpointer.recorder is not None:  # the last save's manifest, which makes its step complete
+            self.checkpointer.recorder.wait()
         steps = complete_steps(os.path.join(self.job_config.job.dump_folder, self.job_config.checkpoint.folder))
         saved = f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
         if skips:

@@ -239,7 +239,8 @@ def test_a_step_waiting_for_its_evaluation_is_not_purged(tmp_path):
     from flame.components.checkpoint import FlameCheckpointManager
     from flame.components.evaluation import BackgroundEvaluations
 
-    config = SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path)), eval=SimpleNamespace(interval=0))
+    # tasks: the evaluation's log line names them (without, it fails at once, and its step stops being pending)
+    config = SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path)), eval=SimpleNamespace(interval=0, tasks="t"))
     messages = []
     log = SimpleNamespace(info=messages.append, warning=messages.append)
     evaluations = BackgroundEvaluations(config, "cpu", log)
