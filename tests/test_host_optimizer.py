@@ -27,7 +27,7 @@ from tests.conftest import (
     parse_job,
     train_job,
 )
-from tests.test_memory_plan import H100, job_args, long_model  # noqa: F401 - the fixture, for the plan's tests
+from tests.test_memory_plan import H100, job_args
 
 SINGLE = ("--optimizer.lr=1e-2", "--checkpoint.interval=2", "--training.batch_size=4")
 FSDP2 = ("--optimizer.lr=1e-2", "--checkpoint.interval=2", "--training.batch_size=2",
@@ -143,8 +143,8 @@ def test_flags_that_cannot_combine_with_them_are_refused(tiny_model, corpus, tmp
         checkpoint_blocks(layers, SimpleNamespace(mode="full", blocks=3), model_compile_enabled=False)
 
 
-def test_the_plan_steps_the_optimizer_on_the_host_where_that_fits_and_costs_least(long_model, monkeypatch):  # noqa: F811
-    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+def test_the_plan_steps_the_optimizer_on_the_host_where_that_fits_and_costs_least(tiny_model, monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args(tiny_model, "--memory.plan=off"))
     job = dataclasses.replace(memory.job_of(config, 1), can_offload=True, can_step_on_host=True, compute_bytes=2,
                               autocast_copies=True)  # one GPU in bf16
     start = memory.layout_of(config)

@@ -43,7 +43,8 @@ from flame.models.registry import decoder_layers
 STATE = ("exp_avg", "exp_avg_sq")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, else the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -173,7 +174,7 @@ class HostAdamW(Optimizer):
 
     def _host_copies(self, unit: Unit) -> None:
         """The unit's pinned buffers, the weights copied into them (first step, and after a checkpoint loaded)."""
-        locals_ = [_local(p) for p in unit.params]
+        locals_ = [local_part(p) for p in unit.params]
         weights, unit.host_params = _flat(locals_, pin=self.cuda)
         grads, unit.host_grads = _flat(locals_, pin=self.cuda)
         unit.buffers = (weights, grads)
@@ -201,13 +202,13 @@ class HostAdamW(Optimizer):
             if self.cuda:
                 with torch.cuda.stream(self.to_host):
                     for i in live:
-                        grad = _local(unit.params[i].grad)
+                        grad = local_part(unit.params[i].grad)
                         unit.host_grads[i].copy_(grad, non_blocking=True)
                         grad.record_stream(self.to_host)  # zero_grad may drop it before the copy ran
                     unit.on_host = self.to_host.record_event()
             else:
                 for i in live:
-                    unit.host_grads[i].copy_(_local(unit.params[i].grad))
+                    unit.host_grads[i].copy_(local_part(unit.params[i].grad))
             groups = defaultdict(list)  # the hyperparameters as of now: the LR schedule moves on before the thread runs
             for i in live:
                 group = settings[id(unit.params[i])]
@@ -237,11 +238,11 @@ class HostAdamW(Optimizer):
                 if self.cuda:
                     with torch.cuda.stream(self.to_device):
                         for i in indices:
-                            _local(unit.params[i]).copy_(unit.host_params[i], non_blocking=True)
+                            local_part(unit.params[i]).copy_(unit.host_params[i], non_blocking=True)
                         unit.updated = self.to_device.record_event()
                 else:
                     for i in indices:
-                        _local(unit.params[i]).copy_(unit.host_params[i])
+                        local_part(unit.params[i]).copy_(unit.host_params[i])
                 unit.ready.set()
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread, by the next forward or settle
             self.error = error
@@ -253,7 +254,7 @@ class HostAdamW(Optimizer):
         states = [self.state[unit.params[i]] for i in indices]
         step = adamw if self.decoupled else adam
         step([unit.host_params[i] for i in indices], [unit.host_grads[i] for i in indices],
-             [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+             [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states], [],
              [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
              weight_decay=weight_decay, eps=eps, maximize=False)
 
@@ -284,7 +285,7 @@ class HostAdamW(Optimizer):
     def _on_host(param: torch.Tensor, value):
         if not torch.is_tensor(value):
             return value
-        host = _local(value).detach().to("cpu", torch.float32, copy=True)  # a copy: never the checkpoint's tensor
+        host = local_part(value).detach().to("cpu", torch.float32, copy=True)  # a copy: never the checkpoint's tensor
         return _like(param, host) if isinstance(value, DTensor) else host
 
 

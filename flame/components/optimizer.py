@@ -46,7 +46,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from flame.components.host_optimizer import HostOptimizersContainer
+from flame.components.host_optimizer import HostOptimizersContainer, local_part
 from flame.models.registry import decoder_layers
 
 # Newton-Schulz runs on stacks of matrices of one shape and layout (one gather and one batched matmul
@@ -71,10 +71,6 @@ def newton_schulz(stack: torch.Tensor, coefficients: tuple[float, float, float],
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _layout(param: torch.Tensor) -> tuple:
@@ -133,7 +129,7 @@ class Muon(torch.optim.Muon):
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
             if params:
-                self._update(group, params, [_local(g) for g in grads], [_local(b) for b in buffers])
+                self._update(group, params, [local_part(g) for g in grads], [local_part(b) for b in buffers])
         return loss
 
     def _update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -153,7 +149,7 @@ class Muon(torch.optim.Muon):
             if k + 1 < len(chunks):  # the next stack's gather runs during this one's iteration
                 gathered = _gather([updates[i] for i in chunks[k + 1]], params[chunks[k + 1][0]])
             ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            local = [_local(params[i]) for i in chunk]
+            local = [local_part(params[i]) for i in chunk]
             torch._foreach_mul_(local, 1 - lr * group["weight_decay"])
             torch._foreach_add_(local, _own_shards(ortho, like), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], like.shape))
 

@@ -101,16 +101,18 @@ def job_of(config, world_size: int) -> Job:
     # eager HF blocks on a GPU run flame's fused norms and MLPs (flame.models.builder), which keep less
     fused = device.CUDA and config.model.fused_kernels and not config.compile.enable and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
+    pipelined = p.pipeline_parallel_degree > 1
     return Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
         compute_bytes=dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
         tokens_per_row=t.seq_len // p.context_parallel_degree,
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
         can_offload=device.CUDA and (fsdp or world_size == 1),
-        can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and p.pipeline_parallel_degree == 1,
+        can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and not pipelined,
         autocast_copies=not fsdp and dtype_bytes(dtype) < 4, fused_loss=device.fused_cross_entropy_enabled(
             config, model_config.vocab_size), dense_attention=attention == "sdpa",
-        tensor_parallel=p.tensor_parallel_degree, pipelined=p.pipeline_parallel_degree > 1, activations=activations.measure(model_config, dtype, fused),
+        tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
+        activations=activations.measure(model_config, dtype, fused),
     )
 
 

@@ -6,8 +6,8 @@ Runs, in turn: torch's fused AdamW on the GPU; flame's host optimizer (flame.com
 with its default threads and with the ones --threads lists; each without activation checkpointing
 and with full AC of the first --ac-blocks blocks. Per setting, one JSON line: the median step and,
 per step, how long the forward waited for the host (waited), the host's AdamW (stepping), and the
-host thread's wait for the gradients (copying). The loop is
-scripts/bench/plain_loop.py's (bf16 autocast, flame's batches and model inputs).
+host thread's wait for the gradients (copying). Each step's forward and
+backward are scripts/bench/plain_loop.py's (bf16 autocast, flame's batches and model inputs).
 """
 
 import argparse
@@ -17,18 +17,16 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torchtitan.config import ActivationCheckpoint
 from transformers import AutoModelForCausalLM
 
-from flame import batch_context
-from flame.batch_context import BatchContext
 from flame.components.host_optimizer import HostAdamW
 from flame.distributed.parallelize import checkpoint_blocks
-from flame.models import attention, load_model_config, model_inputs
+from flame.models import attention, load_model_config
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers
 from scripts.bench.batches import packed_batches
+from scripts.bench.plain_loop import forward_backward
 
 
 def timed_steps(model, optimizer, batches, warmup: int) -> list[float]:
@@ -36,13 +34,7 @@ def timed_steps(model, optimizer, batches, warmup: int) -> list[float]:
     check of the gradient norm), so the host optimizer's step overlaps the next forward as in a run."""
     times, last = [], None
     for step, (batch, labels) in enumerate(batches):
-        ids, targets, kwargs = model_inputs(model, batch, labels)
-        with batch_context.computing(BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(ids, **kwargs).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            del logits
-            loss.backward()
+        forward_backward(model, batch, labels, "cuda")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         torch.cuda.synchronize()
         now = time.perf_counter()

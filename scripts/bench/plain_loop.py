@@ -35,6 +35,18 @@ from scripts.bench.batches import packed_batches
 PEAK_FLOPS = 989e12  # H100/H200 bf16 dense, as flame's MFU
 
 
+def forward_backward(model, batch: dict, labels: torch.Tensor, device: str) -> torch.Tensor:
+    """One batch's forward and backward as flame's trainer hands it to the model (its inputs, the batch's
+    documents for the attention kernels), in bf16 autocast on CUDA; returns the loss."""
+    ids, targets, kwargs = model_inputs(model, batch, labels)
+    with batch_context.computing(BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(ids, **kwargs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+    return loss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="model config JSON")
@@ -64,13 +76,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        ids, targets, kwargs = model_inputs(model, batch, labels)
-        # the batch's longest document for the attention kernels, as flame's trainer gives it
-        with batch_context.computing(BatchContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])):
-            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
-                logits = model(ids, **kwargs).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            loss.backward()
+        loss = forward_backward(model, batch, labels, args.device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
