@@ -111,36 +111,19 @@ if [ "$NNODE" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
   exit 2
 fi
 
-plan=$(mktemp)
-trap 'rm -f "$plan"' EXIT
-"$python" -m flame.launch --world-size $((NGPU * NNODE)) --node-rank "$NODE_RANK" --env-file "$plan" -- "$@" || exit $?
-# shellcheck disable=SC1090
-source "$plan" # FLAME_DUMP_FOLDER, FLAME_CHECKPOINT; PYTORCH_CUDA_ALLOC_CONF under the memory plan
-
-logs=$FLAME_DUMP_FOLDER/logs
 if [ "$NNODE" -gt 1 ]; then
   # c10d rendezvous, hosted by node 0 (explicitly: MASTER_ADDR may be an address its hostname
   # does not resolve to); torchrun numbers the nodes itself, so NODE_RANK only picks the host
   rendezvous=(--nnodes "$NNODE" --rdzv_backend c10d --rdzv_id "${SLURM_JOB_ID:-flame}"
     --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR to node 0 for a multi-node run}:${MASTER_PORT:-29500}"
     --rdzv_conf "is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)")
-  logs+=/node$NODE_RANK
 else
   rendezvous=(--standalone)
 fi
-# flame.supervise runs torchrun's agent tied to this script, and on node 0 holds the dump folder's
-# lock for the run and the export
-launch=("$python" -m flame.supervise --dump-folder "$FLAME_DUMP_FOLDER" --node-rank "$NODE_RANK")
-if [ "$FLAME_CHECKPOINT" = 1 ] && [ "$NODE_RANK" = 0 ]; then
-  launch+=(--export-hf "${export_args[@]}")
-fi
-launch+=(-- "${rendezvous[@]}" --nproc_per_node "$NGPU" --log-dir "$logs" --redirects 3 --tee 3
+# flame.supervise checks the job, then runs torchrun's agent tied to this script (the ranks' logs
+# in <dump_folder>/logs), and on node 0 holds the dump folder's lock for the run and the export
+launch=("$python" -m flame.supervise --world-size $((NGPU * NNODE)) --nodes "$NNODE" --node-rank "$NODE_RANK")
+[ "${FLAME_DRY_RUN:-0}" = 1 ] && launch+=(--dry-run)
+launch+=("${export_args[@]}" -- "${rendezvous[@]}" --nproc_per_node "$NGPU" --redirects 3 --tee 3
   --local-ranks-filter "$LOG_RANK" -m flame.train "$@")
-if [ "${FLAME_DRY_RUN:-0}" = 1 ]; then
-  echo "flame: dry run, node $NODE_RANK of $NNODE would run: $(printf '%q ' "${launch[@]}")"
-  exit 0
-fi
-FLAME_PARENT_PID=$$ "${launch[@]}" || exit $? # its own messages say what failed
-if [ "$FLAME_CHECKPOINT" != 1 ]; then
-  echo "flame: this run saves no checkpoint (--checkpoint.enable off, or --checkpoint.load_only), so there is nothing to export to HF"
-fi
+FLAME_PARENT_PID=$$ "${launch[@]}" # its own messages say what failed

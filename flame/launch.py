@@ -1,25 +1,25 @@
-"""Pre-launch check for train.sh: validate the whole job in one process, print what the launcher needs.
+"""The pre-launch check of a job: validate the whole job in one process, before any rank starts.
 
-    python -m flame.launch --world-size 8 [--node-rank 0] --env-file plan.sh -- <train flags> && source plan.sh
+    python -m flame.launch --world-size 8 [--node-rank 0] -- <train flags>     (check only; exit 0 or 2)
 
-Parses the config exactly as the ranks will (so TOML-only settings count). On node 0, refuses at
-once a dump folder that another run holds (flame.dump_folder: it looks, takes nothing, writes
-nothing; the launcher takes the lock after this check). Then it loads the
+train.sh's launcher (flame.supervise) runs ``check`` in a process forked from it before it starts
+torchrun's agent. It parses the config exactly as the ranks will (so TOML-only settings count). On
+node 0 it refuses at once a dump folder that another run holds (flame.dump_folder: it looks, takes
+nothing, writes nothing; the launcher takes the lock after this check). Then it loads the
 tokenizer, the model config, the metadata of the checkpoint the run would load and every data
 source, and checks the libraries flame changes (flame.compat.check): bad input, or a library
-flame's changes no longer fit, fails here, in seconds, before torchrun starts any process.
-Built-in corpora are built here once, not by every rank, and flame's shipped autotune choices
-are copied into this node's Triton cache (flame.autotune). Writes shell assignments to --env-file:
-FLAME_DUMP_FOLDER, FLAME_CHECKPOINT (1 if checkpoints are saved) and, under the memory plan,
-PYTORCH_CUDA_ALLOC_CONF for the ranks (``PLANNED_ALLOCATOR``).
+flame's changes no longer fit, fails here, in seconds, before any rank exists. Built-in corpora
+are built here once, not by every rank, and flame's shipped autotune choices are copied into this
+node's Triton cache (flame.autotune). What the launcher needs from the job comes back as a
+``LaunchPlan``.
 """
 
 import argparse
 import os
-import shlex
 import sys
+from dataclasses import dataclass
 
-if __name__ == "__main__":  # train.sh's preflight: before the imports below load transformers' model classes
+if __name__ == "__main__":  # before the imports below load transformers' model classes
     from flame.compat.transformers import scikit_learn_imported_when_used
 
     scikit_learn_imported_when_used()
@@ -36,36 +36,55 @@ from flame.preflight import check_job
 PLANNED_ALLOCATOR = "expandable_segments:True"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, required=True, help="processes the job will run (NGPU x NNODE)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's NODE_RANK (node 0 holds the lock)")
-    parser.add_argument("--env-file", required=True, help="where to write the shell assignments")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    os.environ["WORLD_SIZE"] = str(args.world_size)
-    try:
-        config = FlameConfigManager().parse_args(train_args)
-        if args.node_rank == 0:  # the other nodes join node 0's run, which holds the lock
-            dump_folder.check_free(config.job.dump_folder)
-        compat.check(config)
-        check_job(config)
-    except ConfigError as error:
-        print(f"flame: error: {error}", file=sys.stderr)
-        return 2
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher needs from a checked job."""
+
+    dump_folder: str
+    saves_checkpoints: bool  # False under --checkpoint.no-enable or load_only: nothing to export to HF
+    allocator: str | None  # PYTORCH_CUDA_ALLOC_CONF for the ranks, None to leave the environment's
+
+    def log_folder(self, node_rank: int, nodes: int) -> str:
+        """Where torchrun's agent writes the ranks' logs: one folder per node when there are several."""
+        logs = os.path.join(self.dump_folder, "logs")
+        return os.path.join(logs, f"node{node_rank}") if nodes > 1 else logs
+
+
+def check(train_args: list[str], world_size: int, node_rank: int = 0) -> LaunchPlan:
+    """Check the job ``train_args`` describes for ``world_size`` processes; raise ConfigError on bad input."""
+    os.environ["WORLD_SIZE"] = str(world_size)
+    config = FlameConfigManager().parse_args(train_args)
+    if node_rank == 0:  # the other nodes join node 0's run, which holds the lock
+        dump_folder.check_free(config.job.dump_folder)
+    compat.check(config)
+    check_job(config)
     try:  # a cache that cannot be written only costs the benchmarks the choices would have saved
         if copied := autotune.install():
             print(f"flame: {copied} shipped autotune choices copied into Triton's cache ({autotune.triton_cache_dir()})")
     except OSError as error:
         print(f"flame: warning: the shipped autotune choices were not installed ({error}); fla's kernels tune "
               "on first use instead", file=sys.stderr)
-    with open(args.env_file, "w") as f:
-        f.write(f"FLAME_DUMP_FOLDER={shlex.quote(config.job.dump_folder)}\n")
-        saves = config.checkpoint.enable and not config.checkpoint.load_only  # load_only: loads, never saves
-        f.write(f"FLAME_CHECKPOINT={int(saves)}\n")
-        if config.memory.plan == "auto" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-            f.write(f"export PYTORCH_CUDA_ALLOC_CONF={PLANNED_ALLOCATOR}\n")
+    planned = config.memory.plan == "auto" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    return LaunchPlan(
+        dump_folder=config.job.dump_folder,
+        saves_checkpoints=config.checkpoint.enable and not config.checkpoint.load_only,  # load_only never saves
+        allocator=PLANNED_ALLOCATOR if planned else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, required=True, help="processes the job will run (NGPU x NNODE)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's NODE_RANK (node 0 holds the lock)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    try:
+        plan = check(train_args, args.world_size, args.node_rank)
+    except ConfigError as error:
+        print(f"flame: error: {error}", file=sys.stderr)
+        return 2
+    print(f"flame: the job checks out; it writes to {plan.dump_folder}")
     return 0
 
 

@@ -1,31 +1,39 @@
-"""train.sh's launcher on each node: torchrun's agent, living exactly as long as train.sh and the run.
+"""train.sh's launcher on each node: the job's check, then torchrun's agent, living exactly as long as train.sh.
 
-    FLAME_PARENT_PID=$$ python -m flame.supervise --dump-folder exp/run --node-rank 0 [--export-hf] \\
-        -- <torchrun arguments>
+    FLAME_PARENT_PID=$$ python -m flame.supervise --world-size 2 [--nodes 1] [--node-rank 0] [--sample PROMPT] \\
+        [--dry-run] -- <torchrun arguments> -m flame.train <train flags>
 
-torchrun starts every rank in a session of its own, so killing train.sh (even its whole process
-group, with ``kill -9``) would leave the ranks training on, beside any run started next. This
-process ties the run's processes to train.sh:
+One process per node does the whole launch, so that what every rank imports is imported once:
 
-- it asks the kernel for SIGTERM when train.sh (its parent) exits: torchrun's own handler then
-  stops the ranks; it runs torchrun's agent in this very process (torch.distributed.run.main);
-- every rank asks for SIGKILL when the agent exits (flame.train calls ``die_with_parent`` before
-  anything else), which covers an agent killed outright;
-- on node 0 it holds the dump folder's lock for the run's life (flame.dump_folder), the HF
-  export after training included (--export-hf), and picks the attempt number, passed to the
-  ranks as FLAME_ATTEMPT; after training it records the attempt's command line and draws
-  <dump_folder>/curves.png (flame.plot). Other nodes neither lock, number nor draw.
+- it imports what the ranks import (torch, torchtitan, transformers, flame's trainer: ``warm_up``),
+  then forks the job's check from itself (flame.launch.check: bad input fails here, before any rank
+  exists), then runs torchrun's agent in this very process, which forks the ranks from it too. A
+  rank then starts at its config instead of at its imports. Forking needs a process that has not
+  started CUDA, so nothing imported here may touch the GPU (fla asks it for its name, so fla is
+  imported by the check and the ranks, never here); if something did, the ranks are spawned
+  (started fresh, as bare torchrun starts them) and the launcher says why;
+- torchrun starts every rank in a session of its own, so killing train.sh (even its whole process
+  group, with ``kill -9``) would leave the ranks training on, beside any run started next. This
+  process asks the kernel for SIGTERM when train.sh (its parent) exits: torchrun's own handler then
+  stops the ranks; every rank asks for SIGKILL when the agent exits (flame.train.run_rank calls
+  ``die_with_parent`` first), which covers an agent killed outright;
+- on node 0 it holds the dump folder's lock for the run's life, the HF export after training
+  included (when the run saves checkpoints), and picks the attempt number, passed to the ranks as
+  FLAME_ATTEMPT; after training it records the attempt's command line and draws
+  <dump_folder>/curves.png (flame.plot). Other nodes neither lock, number, draw nor export.
 
 Linux only (prctl PR_SET_PDEATHSIG); elsewhere the processes run untied, as under bare torchrun.
 """
 
 import argparse
 import ctypes
+import multiprocessing
 import os
 import shlex
 import signal
 import sys
 import traceback
+import uuid
 
 from flame.dump_folder import DumpFolderLock
 from flame.errors import ConfigError
@@ -55,13 +63,93 @@ def die_with_parent(sig: signal.Signals, parent: int | None = None) -> None:
         sys.exit(128 + sig)  # a signal this process handles or ignores
 
 
-def train(torchrun_args: list[str]) -> int:
-    """Run torchrun's agent in this process: 0 when every rank finished, else 1 (after torchrun's report)."""
-    from torch.distributed import run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+def warm_up() -> str:
+    """Import what every rank imports; the start method that keeps it for the ranks: fork, or spawn and why not.
+
+    torch asks NVML, not CUDA, whether there is a GPU (PYTORCH_NVML_BASED_CUDA_CHECK): CUDA started in
+    this process would fail in every process forked from it.
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    from flame.compat.transformers import scikit_learn_imported_when_used
+
+    scikit_learn_imported_when_used()  # first, as in a rank: before transformers' model classes load
+    import flame.train
+    import flame.trainer  # noqa: F401  (what flame.train imports once the config parses)
+
+    if why := cuda_started():
+        print(f"flame: warning: the ranks start fresh (spawned), each importing torch again: {why}", file=sys.stderr)
+        return "spawn"
+    return "fork"
+
+
+def cuda_started() -> str | None:
+    """Why this process may not fork processes that use the GPU (it started CUDA), or None."""
+    if "fla" in sys.modules:
+        return "fla was imported before the ranks started, and its import starts CUDA"
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "torch started CUDA before the ranks started"
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None  # no NVIDIA driver on this machine
+    count = ctypes.c_int()
+    not_initialized = 3  # CUDA_ERROR_NOT_INITIALIZED: what the driver answers before anything called cuInit
+    if libcuda.cuDeviceGetCount(ctypes.byref(count)) != not_initialized:
+        return "a library imported before the ranks started initialized the CUDA driver"
+    return None
+
+
+def check_the_job(train_args: list[str], world_size: int, node_rank: int):
+    """flame.launch.check in a process forked from this one: its LaunchPlan, or the exit status of a refusal.
+
+    What the check imports (fla starts CUDA) and loads (datasets, tokenizers) stays out of the
+    process the ranks are forked from.
+    """
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    checker = context.Process(target=_check_in_child, args=(send, train_args, world_size, node_rank, os.getpid()),
+                              name="flame-check")
+    checker.start()
+    send.close()
+    try:
+        outcome = receive.recv()
+    except EOFError:  # it died without an answer: its traceback is on stderr
+        outcome = 1
+    checker.join()
+    return outcome
+
+
+def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int, parent: int) -> None:
+    die_with_parent(signal.SIGTERM, parent)
+    from flame import launch
 
     try:
-        run.main(torchrun_args)
+        send.send(launch.check(train_args, world_size, node_rank))
+    except ConfigError as error:
+        print(f"flame: error: {error}", file=sys.stderr)
+        send.send(2)
+
+
+def train(torchrun_args: list[str], start_method: str) -> int:
+    """Run torchrun's agent in this process: 0 when every rank finished, else 1 (after torchrun's report).
+
+    ``torchrun_args`` are torchrun's own command line, ending ``-m flame.train <train flags>``; the
+    agent starts each rank as ``flame.train.run_rank(<train flags>)`` by ``start_method``.
+    """
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import elastic_launch
+
+    from flame.train import run_rank
+
+    try:
+        args = run.parse_args(["--start-method", start_method, *torchrun_args])
+        if args.standalone:  # as torchrun does: a rendezvous on this host, under a fresh id
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        config, _, _ = run.config_from_args(args)
+        elastic_launch(config=config, entrypoint=run_rank)(*args.training_script_args)
     except Exception as error:  # a rank failed (torchrun's ChildFailedError names it), or a signal stopped the agent
         traceback.print_exc()
         logs = torchrun_args[torchrun_args.index("--log-dir") + 1] if "--log-dir" in torchrun_args else "torchrun's log folder"
@@ -91,18 +179,34 @@ def record_the_run(dump_folder: str, attempt: int, torchrun_args: list[str]) -> 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGTERM)  # first: train.sh may be killed at any moment
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dump-folder", required=True, help="the run's --job.dump_folder")
+    parser.add_argument("--world-size", type=int, required=True, help="processes the job runs (NGPU x NNODE)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (NNODE)")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's NODE_RANK: node 0 holds the lock")
-    parser.add_argument("--export-hf", action="store_true", help="after training, export the latest checkpoint to HF")
-    parser.add_argument("--sample", metavar="PROMPT", help="then print a continuation of PROMPT by the export")
-    parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
+    parser.add_argument("--sample", metavar="PROMPT", help="after the HF export, print a continuation of PROMPT by it")
+    parser.add_argument("--dry-run", action="store_true", help="check the job, print the torchrun command, start nothing")
+    parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- then torchrun's arguments, -m flame.train <flags>")
     args = parser.parse_args(argv)
     torchrun_args = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
+    script = torchrun_args.index("-m") if "-m" in torchrun_args else len(torchrun_args)
+    if torchrun_args[script + 1:script + 2] != ["flame.train"]:
+        parser.error("torchrun's arguments must end with -m flame.train <train flags>")
+    train_args = torchrun_args[script + 2:]
+
+    start_method = warm_up()
+    plan = check_the_job(train_args, args.world_size, args.node_rank)
+    if isinstance(plan, int):
+        return plan
+    torchrun_args[script:script] = ["--log-dir", plan.log_folder(args.node_rank, args.nodes)]
+    if args.dry_run:
+        print(f"flame: dry run, node {args.node_rank} of {args.nodes} would run: {shlex.join(['torchrun', *torchrun_args])}")
+        return 0
+    if plan.allocator:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = plan.allocator  # before any rank starts CUDA
 
     lock = None
     if args.node_rank == 0:
-        lock = DumpFolderLock(args.dump_folder, shlex.join(["torchrun", *torchrun_args]))
-        try:
+        lock = DumpFolderLock(plan.dump_folder, shlex.join(["torchrun", *torchrun_args]))
+        try:  # the check only looked: another run may have taken the folder since
             lock.acquire()
         except (ConfigError, OSError) as error:
             print(f"flame: error: {error}", file=sys.stderr)
@@ -112,21 +216,25 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("FLAME_ATTEMPT", None)
     os.environ[PARENT_PID] = str(os.getpid())  # the ranks' parent: torchrun's agent, this process
     try:
-        status = train(torchrun_args)
-        if lock is not None:  # node 0, whatever the outcome: a diverged run's curves are the ones to look at
-            record_the_run(args.dump_folder, lock.attempt, torchrun_args)
-        if status == 0 and args.export_hf:  # under the lock still: no other run may purge the step it reads
-            from flame.compat.transformers import scikit_learn_imported_when_used
+        status = train(torchrun_args, start_method)
+        if lock is None:
+            return status
+        record_the_run(plan.dump_folder, lock.attempt, torchrun_args)  # whatever the outcome: a diverged run's curves
+        if status != 0:
+            return status
+        if not plan.saves_checkpoints:
+            print("flame: this run saves no checkpoint (--checkpoint.enable off, or --checkpoint.load_only), "
+                  "so there is nothing to export to HF")
+            return 0
+        from flame.utils.convert_dcp_to_hf import main as export
 
-            scikit_learn_imported_when_used()  # before the export loads transformers' model classes
-            from flame.utils.convert_dcp_to_hf import main as export
-
-            status = export(["--path", args.dump_folder, *(["--sample", args.sample] if args.sample else [])])
+        return export(  # under the lock: no other run may purge the step it reads
+            ["--path", plan.dump_folder, *(["--sample", args.sample] if args.sample else [])])
     finally:
         if lock is not None:
             lock.release()
-    return status
 
 
 if __name__ == "__main__":
+    sys.argv[0] = "bash train.sh"  # tyro's error for a misspelt flag ends "For full helptext, run <argv[0]> --help"
     sys.exit(main())

@@ -1,6 +1,9 @@
 """flame's entry point: parse the job config, build the Trainer, train, close.
 
     torchrun ... -m flame.train --job.config_file configs/debug.toml --training.steps 100
+
+train.sh's launcher starts its ranks at ``run_rank`` instead, forked from a process that has
+imported this module already (flame.supervise).
 """
 
 import signal
@@ -85,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.destroy_process_group()
     logger.info("Training finished")
     return 0
+
+
+def run_rank(*argv: str) -> None:
+    """A rank started by train.sh's launcher (flame.supervise), forked from it: ``python -m flame.train`` without the imports."""
+    from flame.supervise import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
+    if status := main(list(argv)):
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def finished(tmp_path_factory):
 
 
 def preflight(args: list[str], world: int, tmp_path, capfd) -> tuple[int, str]:
-    code = launch.main(["--world-size", str(world), "--env-file", str(tmp_path / "plan.sh"), "--", *args])
+    code = launch.main(["--world-size", str(world), "--", *args])
     return code, capfd.readouterr().err  # the file descriptor: library loggers write there too
 
 

@@ -42,7 +42,7 @@ def preflight(tiny_model, corpus, dump, capsys, *flags) -> tuple[int, str]:
     """train.sh's preflight (flame.launch) of resuming ``dump``: its exit status and stderr."""
     from flame import launch
 
-    code = launch.main(["--world-size", "2", "--env-file", str(dump.parent / "plan.sh"), "--",
+    code = launch.main(["--world-size", "2", "--",
                         *args(tiny_model, corpus, dump, *flags)])
     return code, capsys.readouterr().err
 

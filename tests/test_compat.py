@@ -46,7 +46,7 @@ def test_a_missing_private_torchtitan_name_stops_the_launch(monkeypatch, capsys)
 
     monkeypatch.delattr(CheckpointManager, "_purge_stale_checkpoints")
     monkeypatch.setenv("WORLD_SIZE", "1")  # flame.launch sets it; restored after the test
-    code = launch.main(["--world-size", "1", "--env-file", "/dev/null", "--", "--model.config=configs/llama_4M.json",
+    code = launch.main(["--world-size", "1", "--", "--model.config=configs/llama_4M.json",
                         "--model.tokenizer_path=builtin:python-stdlib-bpe", "--training.dataset=builtin:python-stdlib"])
     error = capsys.readouterr().err
     assert code == 2 and error.count("\n") == 1

@@ -71,9 +71,7 @@ def test_the_seed_command_line_passes_preflight_with_local_data(tmp_path, monkey
     args = replaced(replaced(SEED_COMMAND, "--training.dataset", str(data)), "--model.tokenizer_path", TOKENIZER)
     monkeypatch.setattr(device, "CUDA", True)
     monkeypatch.chdir(tmp_path)
-    plan = tmp_path / "plan.sh"
-    assert launch.main(["--world-size", "8", "--env-file", str(plan), "--", *args]) == 0
-    assert "FLAME_CHECKPOINT=1" in plan.read_text()
+    assert launch.check(args, world_size=8).saves_checkpoints
 
 
 @pytest.mark.parametrize(

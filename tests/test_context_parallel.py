@@ -170,7 +170,7 @@ def _preflight_error(tmp_path, capsys, model_config: dict | str, *flags: str, wo
         path.write_text(json.dumps(model_config))
     args = [f"--model.config={path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
             "--training.dataset=builtin:python-stdlib", "--training.seq_len=64", "--training.batch_size=1", *flags]
-    code = launch.main(["--world-size", str(world_size), "--env-file", str(tmp_path / "env"), "--", *args])
+    code = launch.main(["--world-size", str(world_size), "--", *args])
     error = capsys.readouterr().err.strip()
     assert code == 2, error
     return error

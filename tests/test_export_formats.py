@@ -121,8 +121,7 @@ def test_export_as_llama_refuses_what_llama_cannot_express(fla_transformer, tmp_
 def test_an_llama_export_is_refused_at_preflight_for_another_model(tmp_path, tiny_model, corpus, capsys):
     from flame import launch
 
-    env = tmp_path / "plan.sh"
-    status = launch.main(["--world-size", "1", "--env-file", str(env), "--", f"--model.config={tiny_model}",
+    status = launch.main(["--world-size", "1", "--", f"--model.config={tiny_model}",
                           f"--model.tokenizer_path={TOKENIZER}", f"--training.dataset={corpus}",
                           f"--job.dump_folder={tmp_path / 'dump'}", "--checkpoint.export_as", "llama"])
     assert status == 2 and not (tmp_path / "dump").exists()

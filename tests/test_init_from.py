@@ -180,7 +180,7 @@ def test_bad_init_from_is_a_one_line_error_that_writes_nothing(tmp_path, capsys,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = [*flags, f"--model.tokenizer_path={TOKENIZER}", "--training.dataset=builtin:python-stdlib",
             "--training.seq_len=64", "--checkpoint.enable", f"--job.dump_folder={dump}"]
-    assert launch.main(["--world-size", "1", "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    assert launch.main(["--world-size", "1", "--", *args]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("flame: error: ") and "\n" not in error
     assert message.format(**paths) in error

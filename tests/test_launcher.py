@@ -172,18 +172,23 @@ def test_a_second_run_on_the_dump_folder_is_refused_in_one_line_and_the_first_go
     assert (dump / LOCK_FILE).read_text() == "", "the lock is free once the run ended"
 
 
-def test_the_launcher_refuses_a_dump_folder_locked_after_the_preflight(tmp_path):
-    # between the preflight's look and the launcher's lock another run may have taken the folder
+def test_the_launcher_refuses_a_dump_folder_locked_after_the_check(tmp_path, monkeypatch, capsys):
+    from flame import supervise
+    from flame.launch import LaunchPlan
+
+    # between the check's look and the launcher's lock another run may have taken the folder
+    monkeypatch.setattr(supervise, "warm_up", lambda: "fork")
+    monkeypatch.setattr(supervise, "check_the_job", lambda *args: LaunchPlan(str(tmp_path), True, None))
+    monkeypatch.setattr(supervise, "die_with_parent", lambda *args: None)  # this is pytest's process
     lock = DumpFolderLock(str(tmp_path), "torchrun -m flame.train (the test)")
     lock.acquire()
     try:
-        command = [sys.executable, "-m", "flame.supervise", "--dump-folder", str(tmp_path), "--",
-                   "--standalone", "--nproc_per_node", "1", "--no-python", "true"]
-        result = subprocess.run(command, cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=120)
+        status = supervise.main(["--world-size", "1", "--", "--standalone", "--nproc_per_node", "1",
+                                 "-m", "flame.train", f"--job.dump_folder={tmp_path}"])
     finally:
         lock.release()
-    assert result.returncode == 2
-    line, = result.stderr.strip().splitlines()
+    assert status == 2
+    line, = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"flame: error: --job.dump_folder {tmp_path} is in use by another run "
                            f"(host {socket.gethostname()}, pid {os.getpid()}, since "), line
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
@@ -222,3 +227,33 @@ def test_the_lock_of_a_run_that_is_gone_is_taken_over_with_a_warning(background_
     assert warnings == [f"flame: warning: taking over the lock of {dump} from a run that is gone (host "
                         f"{holder['host']}, pid {holder['pid']}, since {since}): it has ended (its lock is free)"]
     assert (dump / LOCK_FILE).read_text() == ""
+
+
+def test_the_launcher_imports_what_ranks_import_but_not_fla_so_that_it_can_fork_them():
+    # fla's import asks the GPU for its name, which starts CUDA: a process forked after it cannot use the GPU
+    probe = ("import json, sys; from flame import supervise; method = supervise.warm_up(); "
+             "print(json.dumps([method, 'fla' in sys.modules, 'flame.trainer' in sys.modules, 'torchtitan.train' in sys.modules]))")
+    result = check(subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=flame_env(), capture_output=True,
+                                  text=True, timeout=300))
+    assert json.loads(result.stdout.splitlines()[-1]) == ["fork", False, True, True]
+
+
+def test_ranks_forked_by_the_launcher_train_as_spawned_ones_do(tmp_path, tiny_model, corpus):
+    def launch(name: str, cuda_started: str | None) -> tuple[Path, str]:
+        dump = tmp_path / name
+        code = (f"import sys; from flame import supervise; supervise.cuda_started = lambda: {cuda_started!r}; "
+                "sys.exit(supervise.main(sys.argv[1:]))")
+        command = [sys.executable, "-c", code, "--world-size", "2", "--", "--standalone", "--nproc_per_node", "2",
+                   "-m", "flame.train", *base_args(tiny_model, corpus, dump, steps=3), "--checkpoint.no-enable"]
+        result = check(subprocess.run(command, cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=300))
+        return dump, result.stderr
+
+    forked, forked_log = launch("forked", None)
+    spawned, spawned_log = launch("spawned", "a GPU library was imported")  # as if CUDA had started
+    assert "start fresh" not in forked_log
+    assert ("flame: warning: the ranks start fresh (spawned), each importing torch again: a GPU library was "
+            "imported") in spawned_log
+    forked, spawned = metrics(forked), metrics(spawned)
+    assert sorted(forked) == [1, 2, 3]
+    loss = "loss_metrics/global_avg_loss"
+    assert [forked[step][loss] for step in forked] == [spawned[step][loss] for step in forked]

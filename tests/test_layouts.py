@@ -147,7 +147,7 @@ def preflight_error(tmp_path, capsys, monkeypatch, model: str, world_size: int, 
     args = [f"--model.config={model}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
             "--training.dataset=builtin:python-stdlib", "--training.seq_len=64", *flags]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))  # launch sets it; restored after the test
-    assert launch.main(["--world-size", str(world_size), "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    assert launch.main(["--world-size", str(world_size), "--", *args]) == 2
     return capsys.readouterr().err.strip()
 
 

@@ -188,7 +188,7 @@ def test_bad_lora_settings_are_one_line_errors_before_training(tmp_path, capsys,
     args = [f"--model.config={tiny_model}", f"--model.tokenizer_path={TOKENIZER}",
             "--training.dataset=builtin:python-stdlib", "--training.seq_len=64", *flags]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    assert launch.main(["--world-size", str(world_size), "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    assert launch.main(["--world-size", str(world_size), "--", *args]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("flame: error: ") and "\n" not in error
     assert message in error

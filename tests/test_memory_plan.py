@@ -446,12 +446,10 @@ def test_train_sh_gives_planned_ranks_an_allocator_whose_reserve_follows_their_t
     from flame import launch
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    env = tmp_path / "plan.sh"
 
     def exported(*flags):
-        assert launch.main(["--world-size", "1", "--env-file", str(env), "--",
-                            *job_args(long_model, f"--job.dump_folder={tmp_path / 'run'}", *flags)]) == 0
-        return "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in env.read_text()
+        plan = launch.check(job_args(long_model, f"--job.dump_folder={tmp_path / 'run'}", *flags), world_size=1)
+        return plan.allocator == "expandable_segments:True"
 
     assert exported("--memory.plan=auto") and not exported("--memory.plan=off")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's own is kept

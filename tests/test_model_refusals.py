@@ -32,7 +32,7 @@ def preflight_error(tmp_path, capsys, model_config: dict, *flags: str) -> str:
     path.write_text(json.dumps(model_config))
     args = [f"--model.config={path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
             "--training.dataset=builtin:python-stdlib", *flags]
-    assert launch.main(["--world-size", "1", "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    assert launch.main(["--world-size", "1", "--", *args]) == 2
     return capsys.readouterr().err.strip()
 
 

@@ -109,7 +109,7 @@ def preflight_error(tmp_path, capsys, model: str, *flags: str, world_size: int =
 
     args = [f"--model.config={model}", f"--model.tokenizer_path={TOKENIZER}", "--training.dataset=builtin:python-stdlib",
             "--training.seq_len=64", *flags]
-    assert launch.main(["--world-size", str(world_size), "--env-file", str(tmp_path / "plan"), "--", *args]) == 2
+    assert launch.main(["--world-size", str(world_size), "--", *args]) == 2
     return capsys.readouterr().err.strip()
 
 

@@ -282,7 +282,7 @@ def preflight(tmp_path, capfd, tiny_model, dataset: str, *extra: str) -> str | N
     """train.sh's preflight on a job over ``dataset``: its one-line error, or None when it is not one."""
     args = ["--model.config", tiny_model, "--model.tokenizer_path", TOKENIZER, "--training.dataset", dataset,
             "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "dump"), *extra]
-    code = launch.main(["--world-size", "1", "--env-file", str(tmp_path / "plan.sh"), "--", *args])
+    code = launch.main(["--world-size", "1", "--", *args])
     line = one_line_error(code, capfd.readouterr().err)
     assert not (tmp_path / "dump").exists()
     return line

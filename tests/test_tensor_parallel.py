@@ -155,7 +155,7 @@ def preflight_error(tmp_path, capsys, monkeypatch, model_config: dict, *flags: s
     args = [f"--model.config={path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
             "--training.dataset=builtin:python-stdlib", "--training.seq_len=64", *TP2, *flags]
     monkeypatch.setenv("WORLD_SIZE", "2")  # launch sets it; restored after the test
-    assert launch.main(["--world-size", "2", "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    assert launch.main(["--world-size", "2", "--", *args]) == 2
     return capsys.readouterr().err.strip()
 
 

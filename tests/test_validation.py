@@ -206,7 +206,7 @@ def test_bad_validation_settings_are_one_line_errors_before_training(tmp_path, c
     args = [f"--model.config={tiny_model}", f"--model.tokenizer_path={TOKENIZER}", f"--training.dataset={corpus}",
             "--training.seq_len=64", f"--job.dump_folder={tmp_path / 'dump'}", *flags]
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert launch.main(["--world-size", "1", "--env-file", str(tmp_path / "env"), "--", *args]) == 2
+    assert launch.main(["--world-size", "1", "--", *args]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("flame: error: ") and "\n" not in error
     assert message in error

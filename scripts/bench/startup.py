@@ -30,10 +30,13 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_1 = re.compile(r"\bstep +1/\d+")
 
 PROBE = '''
-import atexit, json, os, time
+import json, os, time
 _out = os.environ.get("FLAME_STARTUP_PROBE")
 if _out:
     _stats = {"compiled": 0, "compile_s": 0.0, "autotuned": 0, "autotune_s": 0.0}
+    def _dump():  # at every event: a rank forked by train.sh's launcher ends without running atexit
+        with open(f"{_out}.{os.getpid()}.json", "w") as f:
+            json.dump(_stats, f)
     try:
         from triton import knobs
         from triton.runtime import autotuner
@@ -44,6 +47,7 @@ if _out:
             if not cache_hit:
                 _stats["compiled"] += 1
                 _stats["compile_s"] += times.total / 1e6
+                _dump()
         knobs.compilation.listener = _listener
         _check = autotuner.Autotuner.check_disk_cache
         def _timed_check(self, tuning_key, configs, bench_fn):
@@ -52,13 +56,9 @@ if _out:
             if not hit:
                 _stats["autotuned"] += 1
                 _stats["autotune_s"] += time.time() - start
+                _dump()
             return hit
         autotuner.Autotuner.check_disk_cache = _timed_check
-    def _dump():
-        if _stats["compiled"] or _stats["autotuned"]:
-            with open(f"{_out}.{os.getpid()}.json", "w") as f:
-                json.dump(_stats, f)
-    atexit.register(_dump)
 '''
 
 
