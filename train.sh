@@ -21,7 +21,7 @@
 #                ranks). faulthandler reads a busy rank's frames while they change and can crash it,
 #                so set it just before a point where you would stop the run anyway
 #
-# A run that seems stuck: pkill -USR1 -P "$(pgrep -d, -f flame.supervise)" makes every rank
+# A run that seems stuck: pkill -USR1 '^flame-rank' makes every rank
 # print its Python stacks to its stderr.log and go on.
 #
 # Multi-node: run train.sh on every node with the same arguments and its NODE_RANK. Inside a

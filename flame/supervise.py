@@ -39,6 +39,10 @@ from flame.dump_folder import DumpFolderLock
 from flame.errors import ConfigError
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
+# A rank's process name (ps, pgrep, pkill without -f): forked ranks keep the launcher's command line,
+# so this is what tells them from the launcher; data-loader workers rename themselves pt_data_worker.
+RANK_NAME = "flame-rank"
 PARENT_PID = "FLAME_PARENT_PID"  # set by a parent for its child: the pid the child must find as its parent
 
 
@@ -61,6 +65,12 @@ def die_with_parent(sig: signal.Signals, parent: int | None = None) -> None:
         print(f"flame: the process that started this one (pid {expected}) has ended; stopping", file=sys.stderr)
         os.kill(os.getpid(), sig)
         sys.exit(128 + sig)  # a signal this process handles or ignores
+
+
+def name_rank(local_rank: str) -> None:
+    """Name this process flame-rank<local rank> (Linux; elsewhere nothing): ``pkill -USR1 '^flame-rank'``."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, f"{RANK_NAME}{local_rank}".encode(), 0, 0, 0)
 
 
 def warm_up() -> str:

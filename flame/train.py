@@ -6,6 +6,7 @@ train.sh's launcher starts its ranks at ``run_rank`` instead, forked from a proc
 imported this module already (flame.supervise).
 """
 
+import os
 import signal
 
 if __name__ == "__main__":  # a rank: first of all (importing torch takes seconds), die with torchrun's agent
@@ -17,7 +18,6 @@ if __name__ == "__main__":  # a rank: first of all (importing torch takes second
     scikit_learn_imported_when_used()  # before the imports below load transformers' model classes
 
 import faulthandler
-import os
 import sys
 import time
 import traceback
@@ -27,6 +27,7 @@ from torchtitan.tools.logging import init_logger, logger
 
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError, DataError, UpdatesFailingError
+from flame.supervise import name_rank
 
 
 def arrange_stack_dumps() -> None:
@@ -38,6 +39,7 @@ def arrange_stack_dumps() -> None:
     machines where SIGUSR1 reaches the data-loader workers but not the ranks' main processes.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    name_rank(os.environ.get("LOCAL_RANK", ""))  # answering SIGUSR1 now: what pkill -USR1 '^flame-rank' finds
     if at := os.environ.get("FLAME_DUMP_STACKS_AT"):  # train.sh: its start + FLAME_DUMP_STACKS_AFTER
         faulthandler.dump_traceback_later(max(float(at) - time.time(), 0.1))
 

@@ -60,6 +60,13 @@ def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 3
         time.sleep(0.2)
 
 
+def process_name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # ended meanwhile
+        return None
+
+
 def trains(dump: Path) -> bool:
     """Whether the run on ``dump`` has logged a training step."""
     path = dump / "metrics.jsonl"
@@ -102,12 +109,14 @@ def kill_train_sh_while_it_trains(dump: Path, model: str, data: str) -> subproce
     try:
         wait_for(lambda: trains(dump), "a training step", launcher)
         before = run_processes(dump)
+        names = [name for name in map(process_name, before) if name]
         os.killpg(launcher.pid, signal.SIGKILL)  # train.sh, torchrun's agent; the ranks run in sessions of their own
         result = finish(launcher)
         deadline = time.monotonic() + 15  # a rank ends at once; its data-loader workers notice within 5 s
         while run_processes(dump) and time.monotonic() < deadline:
             time.sleep(0.2)
-        (dump.parent / "pids.json").write_text(json.dumps({"before": before, "after": run_processes(dump)}))
+        (dump.parent / "pids.json").write_text(json.dumps({"before": before, "names": names,
+                                                           "after": run_processes(dump)}))
         return result
     finally:
         for pid in run_processes(dump):
@@ -121,6 +130,9 @@ def test_kill_9_of_train_sh_s_process_group_ends_every_rank(background_runs):
     pids = json.loads((dump.parent / "pids.json").read_text())
     assert pids["before"], "the rank ran"
     assert pids["after"] == [], "a rank outlived its launcher"
+    # README "If a run seems stuck": pkill -USR1 '^flame-rank' finds the rank, not the launcher whose
+    # command line it shares, nor the data-loader workers
+    assert pids["names"].count("flame-rank0") == 1 and len(pids["names"]) > 1, pids["names"]
 
 
 def second_run_while_the_first_trains(dump: Path, model: str, data: str) -> subprocess.CompletedProcess:
