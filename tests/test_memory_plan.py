@@ -1,5 +1,6 @@
 """The memory plan (--memory.plan): what it measures, what it chooses as the budget shrinks, what it keeps."""
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -147,6 +148,44 @@ def test_a_meta_forward_that_reaches_a_triton_kernel_stops_there_and_the_plan_ta
     assert "the meta forward reached Triton kernel layer_norm_fwd_kernel" in profile.method  # fla's fused norm
     assert KernelInterface.__getitem__ is launch
     assert _get_current_dispatch_mode() is None
+
+
+def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_machine(tmp_path, monkeypatch):
+    """fla's Triton kernels cannot run on meta tensors: the plan measures such a model on the GPU, with the
+    meta forward's hooks, and caches it. Here the probe runs on the CPU (HF's eager attention keeps the same
+    tensors there as on meta) and the meta forward is refused as a Triton kernel refuses it."""
+    config = tiny_llama(2)
+    config._attn_implementation = "eager"
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    on_meta = activations.measure(config, torch.float32)
+    assert on_meta.method.startswith("measured (meta-device forward")
+
+    @contextlib.contextmanager
+    def refused():
+        raise activations.compat.triton.KernelLaunchRefused("Triton kernel chunk_fwd (the test)")
+        yield
+
+    monkeypatch.setattr(activations.compat.triton, "kernel_launches_refused", refused)
+    monkeypatch.setattr(activations, "probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(activations, "PROBE_LENGTHS", activations.LENGTHS)  # the meta forward's lengths: same fit
+    monkeypatch.setenv("FLAME_CACHE", str(tmp_path))
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    probed = activations.measure(config, torch.float32)
+    assert probed.method == "measured (on the cpu: forward at 32, 64, 128 tokens, saved tensors)"
+    assert dataclasses.replace(probed, method="") == dataclasses.replace(on_meta, method="")
+    cached, = (tmp_path / "activations").glob("*.json")
+
+    def measured_again(*args):
+        raise AssertionError("measured again: the cached probe was not read")
+
+    monkeypatch.setattr(activations, "probe", measured_again)
+    monkeypatch.setattr(activations, "_PROFILES", {})  # a new process: the ranks read what the check measured
+    assert activations.measure(config, torch.float32) == probed
+    cached.write_text("{}")  # from an older flame: measured again, and a failing probe leaves the formula
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    fallback = activations.measure(config, torch.float32)
+    assert fallback.method.startswith("formula (17 x hidden per token per block; the meta forward reached Triton "
+                                      "kernel chunk_fwd (the test); the GPU probe failed: AssertionError: measured again")
 
 
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):

@@ -16,27 +16,44 @@ attention weights that PyTorch's math SDPA path (the one meta tensors take) keep
 flash-style kernels (flame's ``varlen`` and ``flex`` attention) keep a per-row logsumexp instead,
 so the planner counts ``c`` only for ``sdpa`` attention.
 
+Models whose forward cannot run on meta tensors (fla's Triton kernels) are measured the same way
+on the GPU instead (``probed``): the whole model materialized there in the compute dtype, its
+forward at three row lengths up to 4K tokens (one document a row), the saved tensors counted by
+the same hooks, then the model freed. It runs once per machine: the result is cached
+under ``$FLAME_CACHE/activations`` by model config, dtype, GPU and library versions (the job's
+check measures it, its ranks read it). Where there is no GPU, or the probe fails, a stated
+formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``); the plan's table says which applies.
+
 Not counted: kernels' temporary workspaces, the internal buffers of fla's Triton kernels,
-cuBLAS/NCCL workspaces. Models whose forward cannot run on meta tensors (fla's Triton kernels)
-get a stated formula instead (``FALLBACK_TENSORS_PER_HIDDEN``); the plan says which applies.
+cuBLAS/NCCL workspaces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
+import json
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
-from flame import compat
+from flame import compat, device
+from flame.data import builtin
 from flame.models.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.registry import decoder_layers, meta_model
 
 LENGTHS = (32, 64, 128)  # three row lengths fit a + b·T + c·T² exactly; short enough for learned position tables
+# the GPU probe's rows: long enough for kernels that work in chunks of 64, short enough that a 7B's
+# forward (weights and what it saves) fits an 80 GB GPU
+PROBE_LENGTHS = (1024, 2048, 4096)
 # per token per block, in units of hidden_size x dtype bytes, when the forward cannot run on meta tensors:
 # about 17 hidden-sized tensors per block (q, k, v, attention output, the MLP's 4x-wide inputs and
 # products, norms' inputs), the usual count for a transformer block without its T x T weights
@@ -101,7 +118,8 @@ class _SelectiveCounter(TorchDispatchMode):
         return out
 
 
-def _saved_per_block(model: nn.Module, tokens: int, save_list: set) -> tuple[list[int], list[int], int, int]:
+def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
+                     where: torch.device | str = "meta") -> tuple[list[int], list[int], int, int]:
     """(bytes each block saves, bytes op-level SAC keeps of each, bytes saved outside blocks, block input bytes)."""
     layers = decoder_layers(model)
     weights = {p.untyped_storage()._cdata for p in model.parameters()} | {
@@ -142,7 +160,7 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set) -> tuple[lis
 
     handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(layers)]
     handles += [block.register_forward_hook(leave) for block in layers]
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=where)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(input_ids=ids)
@@ -157,9 +175,9 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set) -> tuple[lis
     return per_block, selective, outside, state["input"]
 
 
-def _fit(values: list[float]) -> Quadratic:
-    """The b·T + c·T² through three measurements at LENGTHS (exact: three points, three coefficients)."""
-    (t1, t2, t3), (y1, y2, y3) = LENGTHS, values
+def _fit(values: list[float], lengths: tuple[int, int, int] = LENGTHS) -> Quadratic:
+    """The b·T + c·T² through three measurements at ``lengths`` (exact: three points, three coefficients)."""
+    (t1, t2, t3), (y1, y2, y3) = lengths, values
     # second divided difference gives c; then b from the first two points
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
@@ -187,20 +205,102 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool) -> Activ
     if fused:
         use_fused_kernels(model)
     blocks = len(decoder_layers(model))
-    save_list = compat.torchtitan.op_sac_save_list()
     try:
         with compat.triton.kernel_launches_refused(), kept_as_on_cuda() if fused else nullcontext():
-            runs = [_saved_per_block(model, tokens, save_list) for tokens in LENGTHS]
+            profile = _profile(model, LENGTHS, "meta", "meta-device forward, saved tensors"
+                               + (", flame's fused norms and MLPs" if fused else ""))
     except Exception as error:  # noqa: BLE001 - any kernel that needs real memory (Triton) lands here
         refused = isinstance(error, compat.triton.KernelLaunchRefused)
-        return _formula(config, dtype, blocks, f"reached {error}" if refused else f"failed: {type(error).__name__}")
-    per_block = tuple(_fit([run[0][i] for run in runs]) for i in range(blocks))
-    selective = tuple(_fit([run[1][i] for run in runs]) for i in range(blocks))
-    rest = _fit([run[2] for run in runs])
-    block_input = runs[-1][3] / LENGTHS[-1]
-    kernels = ", flame's fused norms and MLPs" if fused else ""
-    return ActivationProfile(per_block, selective, block_input, rest,
-                             f"measured (meta-device forward, saved tensors{kernels})")
+        why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
+        if (where := probe_device()) is None:
+            return _formula(config, dtype, blocks, why)
+        try:
+            return probed(config, dtype, where)
+        except Exception as error:  # noqa: BLE001 - out of memory, or a kernel that refuses this GPU
+            return _formula(config, dtype, blocks, f"{why}; the GPU probe failed: {type(error).__name__}: {error}")
+    return profile
+
+
+def _profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str) -> ActivationProfile:
+    """``model``'s forward at each of ``lengths`` tokens on ``where``, its saved tensors fitted per block."""
+    save_list = compat.torchtitan.op_sac_save_list()
+    runs = [_saved_per_block(model, tokens, save_list, where) for tokens in lengths]
+    blocks = len(decoder_layers(model))
+    per_block = tuple(_fit([run[0][i] for run in runs], lengths) for i in range(blocks))
+    selective = tuple(_fit([run[1][i] for run in runs], lengths) for i in range(blocks))
+    rest = _fit([run[2] for run in runs], lengths)
+    block_input = runs[-1][3] / lengths[-1]
+    return ActivationProfile(per_block, selective, block_input, rest, f"measured ({method})")
+
+
+def probe_device() -> torch.device | None:
+    """Where a model whose forward cannot run on meta tensors is measured: this process's GPU, else nowhere."""
+    if not (device.CUDA and torch.cuda.is_available()):
+        return None
+    # this rank's GPU: the ranks have not picked theirs yet, and memory on GPU 0 would crowd rank 0
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device) -> ActivationProfile:
+    """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures)."""
+    path = probe_cache_path(config, dtype, where)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _read(path)
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # none yet, or from an older flame: measure
+        profile = probe(config, dtype, where, PROBE_LENGTHS)
+        staging = path.with_suffix(".partial")
+        staging.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+        staging.replace(path)  # a reader never sees half of it
+        return profile
+
+
+def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
+          lengths: tuple[int, int, int] = PROBE_LENGTHS) -> ActivationProfile:
+    """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed."""
+    # torchtitan's side of flame: only jobs that plan get here
+    from flame.models.builder import reinitialize
+
+    where = torch.device(where)
+    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):  # the job's RNG stream untouched
+        model = meta_model(config).to(dtype)  # materialized in the compute dtype: no float32 copy on the GPU
+        model.to_empty(device=where)
+        reinitialize(model)
+        model.train()
+        name = torch.cuda.get_device_name(where) if where.type == "cuda" else str(where)
+        try:
+            return _profile(model, lengths, where,
+                            f"on the {name}: forward at {', '.join(map(str, lengths))} tokens, saved tensors")
+        finally:
+            del model
+            if where.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device) -> Path:
+    """The cached probe of ``config`` in ``dtype`` on this kind of GPU, with these kernel libraries."""
+    versions = []
+    for package in ("torch", "triton", "flash-linear-attention", "fla-core", "transformers"):
+        try:
+            versions.append(f"{package}={metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package}=none")
+    name = torch.cuda.get_device_name(where) if where.type == "cuda" else str(where)
+    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), name, versions, PROBE_LENGTHS])
+    return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _read(path: Path) -> ActivationProfile:
+    data = json.loads(path.read_text())
+    return ActivationProfile(
+        blocks=tuple(Quadratic(**b) for b in data["blocks"]),
+        selective=tuple(Quadratic(**b) for b in data["selective"]),
+        block_input=float(data["block_input"]), rest=Quadratic(**data["rest"]),
+        method=data["method"],
+    )
 
 
 def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str) -> ActivationProfile:
