@@ -31,7 +31,6 @@ cuBLAS/NCCL workspaces.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -47,6 +46,7 @@ from transformers import PretrainedConfig
 
 from flame import compat, device
 from flame.data import builtin
+from flame.memory.measured_once import measured_once
 from flame.models.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.registry import decoder_layers, meta_model
 
@@ -243,19 +243,8 @@ def probe_device() -> torch.device | None:
 
 def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device) -> ActivationProfile:
     """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures)."""
-    path = probe_cache_path(config, dtype, where)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _read(path)
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # none yet, or from an older flame: measure
-        profile = probe(config, dtype, where, PROBE_LENGTHS)
-        staging = path.with_suffix(".partial")
-        staging.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
-        staging.replace(path)  # a reader never sees half of it
-        return profile
+    return measured_once(probe_cache_path(config, dtype, where), _read,
+                         lambda: probe(config, dtype, where, PROBE_LENGTHS))
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,

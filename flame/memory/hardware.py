@@ -25,13 +25,12 @@ instead: copy one node's to the others so that every node of a job prices alike.
 from __future__ import annotations
 
 import bisect
-import fcntl
 import json
 import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from flame import device
 from flame.data import builtin
 from flame.errors import ConfigError
+from flame.memory.measured_once import UNREADABLE, measured_once, write
 
 ROWS = (256, 1024, 4096, 16384)  # the matmul rows measured; between them the rate is interpolated in log(M)
 WIDTH = 4096  # the matmuls' inner and outer size: a 1B-7B model's hidden size
@@ -146,27 +146,10 @@ def load(dtype: torch.dtype) -> Hardware:
     if given := os.environ.get("FLAME_HARDWARE"):
         try:
             return read(Path(given))
-        except (OSError, ValueError, TypeError, KeyError) as error:
+        except UNREADABLE as error:
             raise ConfigError(f"FLAME_HARDWARE={given} is not a rates file flame wrote ({type(error).__name__}: {error}): "
                               f"point it at one under {cache_path(dtype).parent}, or unset it to measure") from None
-    path = cache_path(dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return read(path)
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # none yet, or from an older flame: measure again
-        return _measure_into(path, dtype)
-
-
-def _measure_into(path: Path, dtype: torch.dtype) -> Hardware:
-    """Measure now and write the cache file whole (a reader never sees half of it)."""
-    measured = probe(dtype)
-    staging = path.with_suffix(".partial")
-    staging.write_text(json.dumps(asdict(measured), indent=1))
-    staging.replace(path)
-    return measured
+    return measured_once(cache_path(dtype), read, lambda: probe(dtype))
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -184,7 +167,7 @@ def main() -> None:
     start = time.perf_counter()
     path = cache_path(DTYPES[name])
     path.parent.mkdir(parents=True, exist_ok=True)
-    measured = _measure_into(path, DTYPES[name])
+    measured = write(path, probe(DTYPES[name]))
     print(f"{measured.describe()}\nmeasured in {time.perf_counter() - start:.1f} s, cached in {path}")
 
 
