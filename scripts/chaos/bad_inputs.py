@@ -340,7 +340,7 @@ def run_case(case: Case, work: Path, finished: Path, python: str, timeout: int) 
     seconds = time.perf_counter() - start
     after = fingerprint(finished)
     changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
-    started = (folder / "run" / "logs").exists()  # train.sh makes it just before torchrun starts
+    started = (folder / "run" / "logs").exists()  # torchrun's agent makes it as it starts the ranks
     return Outcome(case, result.returncode, seconds, result.stderr, result.stdout, changed, started)
 
 

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("name", ["gla", "transformer", "gated_deltanet"])
 def test_the_probe_counts_what_an_fla_forward_keeps_on_the_gpu(name):
-    config = load_model_config(str(ROOT / "configs" / "tiny" / f"{name}.json"))
+    # the 340M's blocks, two of them: the shapes whose kernel choices flame ships (no autotuning here)
+    config = load_model_config(str(ROOT / "configs" / f"{name}_340M.json"))
+    config.num_hidden_layers = 2
     profile = activations.probe(config, torch.bfloat16, "cuda", activations.PROBE_LENGTHS)
     assert profile.method.startswith("measured (on the NVIDIA")
 
