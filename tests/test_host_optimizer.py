@@ -17,7 +17,9 @@ from flame import memory
 from flame.components.host_optimizer import HostAdamW, units_of
 from flame.distributed.parallelize import checkpoint_blocks
 from flame.errors import ConfigError
-from flame.memory.plan import Layout, candidates, choose, estimate, gpu_bytes, price
+from flame.memory.layout import Layout
+from flame.memory.plan import candidates, choose, estimate, gpu_bytes
+from flame.memory.price import price
 from tests.conftest import (
     TINY_DECODER,
     assert_same_curve,

@@ -15,18 +15,18 @@ from flame import memory
 from flame.errors import ConfigError
 from flame.memory import activations, hardware
 from flame.memory.hardware import Hardware
+from flame.memory.layout import Layout
 from flame.memory.plan import (
     GIB,
     PRICE_TOLERANCE,
-    Layout,
     activation_bytes,
     candidates,
     choose,
     estimate,
     gpu_bytes,
-    price,
     table,
 )
+from flame.memory.price import price
 from flame.models import load_model_config
 from flame.models.registry import decoder_layers, meta_model, register_all
 from tests.conftest import (

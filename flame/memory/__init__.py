@@ -2,9 +2,10 @@
 
 ``apply`` runs in ``flame.config_manager.finalize``, in train.sh's preflight and on every rank
 alike, so every process takes the same plan and a job that cannot fit stops in one line before
-anything is built. The estimate and the choice are ``flame.memory.plan``'s; the activations are
-measured by ``flame.memory.activations``, and the machine's rates that price the layouts by
-``flame.memory.hardware`` (the preflight measures them, the ranks read its cache). Rank 0 logs
+anything is built. The estimate and the choice are ``flame.memory.plan``'s, the layouts' prices
+``flame.memory.price``'s; the activations are measured by ``flame.memory.activations``, and the
+machine's rates that price the layouts by ``flame.memory.hardware`` (the preflight measures them,
+the ranks read its cache). Rank 0 logs
 the plan's table; the trainer logs the measured peak beside the estimate after the first logged
 step (GPU only), and, with several ranks, checks that all of them took the same plan.
 """
@@ -18,17 +19,15 @@ from torchtitan.tools.logging import logger
 
 from flame import device
 from flame.errors import ConfigError
-from flame.memory.plan import (
+from flame.memory.layout import (
     FIRST,
-    GIB,
     Job,
     Layout,
-    choose,
     count_params,
     dtype_bytes,
     first_blocks,
-    table,
 )
+from flame.memory.plan import GIB, choose, table
 
 HOST_SHARE = 0.9  # of the available RAM: the rest for the data loaders, page cache and the OS
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers

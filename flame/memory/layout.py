@@ -1,0 +1,86 @@
+"""What the memory plan knows of a job, and the settings it may change in it (a ``Layout``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from flame.memory.activations import ActivationProfile
+
+FIRST = "first:"  # Layout.ac "first:K": full AC of the first K blocks only (--activation_checkpoint.blocks K)
+
+
+def first_blocks(ac: str) -> int | None:
+    """K of a ``first:K`` setting (full AC of the first K blocks), else None."""
+    return int(ac[len(FIRST):]) if ac.startswith(FIRST) else None
+
+
+def describe_ac(ac: str) -> str:
+    """A ``Layout.ac`` setting in words."""
+    if (count := first_blocks(ac)) is not None:
+        return f"full AC of the first {count} blocks" if count > 1 else "full AC of the first block"
+    return {"none": "no AC", "full": "full AC", "op": "op-level selective AC",
+            "memory_budget": "compiler-chosen AC (memory_budget)"}.get(ac, f"selective AC every {ac} blocks")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The settings the plan may change."""
+
+    # none, full, first:K (full AC of the first K blocks), op (op-level selective), every-N (selective, an int N),
+    # memory_budget
+    ac: str = "none"
+    reshard: bool = True  # FSDP frees each block's gathered weights after its forward
+    offload: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host
+    micro_batches: int = 1  # the rows of training.batch_size split over this many accumulation steps
+    host_optimizer: bool = False  # --optimizer.on_host: the optimizer state on the host, stepped there
+
+    def describe(self) -> str:
+        parts = [describe_ac(self.ac)]
+        if self.offload:
+            parts.append("CPU offload")
+        if self.host_optimizer:
+            parts.append("optimizer on the host")
+        if self.micro_batches > 1:
+            parts.append(f"{self.micro_batches} micro-batches")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the estimate needs to know about the job, apart from the layout the plan changes."""
+
+    params: int  # every parameter of the model
+    matrix_params: int  # the decoder blocks' 2-D weights (what Muon updates)
+    block_params: int  # the largest decoder block's parameters
+    vocab_size: int
+    compute_bytes: int  # bytes per element of the compute dtype
+    optimizer: str
+    rows: int  # training.batch_size (per rank, before any split into micro-batches)
+    tokens_per_row: int  # seq_len over the context-parallel degree
+    weight_shards: int  # FSDP shards x tensor- and pipeline-parallel degree
+    fsdp: bool
+    can_offload: bool  # a GPU job under FSDP, or of one process (FSDP wraps it alone to offload it)
+    can_step_on_host: bool  # a GPU job with AdamW or Adam, not pipelined (--optimizer.on_host)
+    autocast_copies: bool  # no FSDP and a bf16/fp16 compute dtype: autocast keeps a cast copy of each weight
+    fused_loss: bool
+    dense_attention: bool  # sdpa keeps the T x T weights; flash-style kernels do not
+    tensor_parallel: int
+    pipelined: bool  # stages split the blocks: AC of the first K blocks is not offered
+    activations: ActivationProfile = field(repr=False)
+
+
+def count_params(model: nn.Module, blocks: nn.ModuleList) -> tuple[int, int, int]:
+    """(all parameters, the blocks' matrices, the largest block's parameters), tied weights once."""
+    total = sum(p.numel() for p in model.parameters())
+    matrices = sum(p.numel() for p in blocks.parameters() if p.dim() == 2)
+    largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
+    return total, matrices, largest
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
