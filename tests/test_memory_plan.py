@@ -175,7 +175,10 @@ def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_
     assert dataclasses.replace(probed, method="") == dataclasses.replace(on_meta, method="")
     cached, = (tmp_path / "activations").glob("*.json")
 
+    probes = []
+
     def measured_again(*args):
+        probes.append(args)
         raise AssertionError("measured again: the cached probe was not read")
 
     monkeypatch.setattr(activations, "probe", measured_again)
@@ -186,6 +189,8 @@ def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_
     fallback = activations.measure(config, torch.float32)
     assert fallback.method.startswith("formula (17 x hidden per token per block; the meta forward reached Triton "
                                       "kernel chunk_fwd (the test); the GPU probe failed: AssertionError: measured again")
+    monkeypatch.setattr(activations, "_PROFILES", {})  # cached too: every rank plans alike, none probes again
+    assert activations.measure(config, torch.float32) == fallback and len(probes) == 1
 
 
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):

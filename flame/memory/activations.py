@@ -214,10 +214,7 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool) -> Activ
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
         if (where := probe_device()) is None:
             return _formula(config, dtype, blocks, why)
-        try:
-            return probed(config, dtype, where)
-        except Exception as error:  # noqa: BLE001 - out of memory, or a kernel that refuses this GPU
-            return _formula(config, dtype, blocks, f"{why}; the GPU probe failed: {type(error).__name__}: {error}")
+        return probed(config, dtype, where, blocks, why)
     return profile
 
 
@@ -241,10 +238,20 @@ def probe_device() -> torch.device | None:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device) -> ActivationProfile:
-    """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures)."""
-    return measured_once(probe_cache_path(config, dtype, where), _read,
-                         lambda: probe(config, dtype, where, PROBE_LENGTHS))
+def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, blocks: int,
+           why_not_meta: str) -> ActivationProfile:
+    """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures).
+
+    A probe that fails (out of memory, a kernel that refuses this GPU) leaves the formula, cached
+    as well: every rank then plans from the same numbers, and none tries again.
+    """
+    def measure() -> ActivationProfile:
+        try:
+            return probe(config, dtype, where, PROBE_LENGTHS)
+        except Exception as error:  # noqa: BLE001
+            return _formula(config, dtype, blocks, f"{why_not_meta}; the GPU probe failed: {type(error).__name__}: {error}")
+
+    return measured_once(probe_cache_path(config, dtype, where), _read, measure)
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
