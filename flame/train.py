@@ -6,7 +6,6 @@ train.sh's launcher starts its ranks at ``run_rank`` instead, forked from a proc
 imported this module already (flame.supervise).
 """
 
-import os
 import signal
 
 if __name__ == "__main__":  # a rank: first of all (importing torch takes seconds), die with torchrun's agent
@@ -18,6 +17,7 @@ if __name__ == "__main__":  # a rank: first of all (importing torch takes second
     scikit_learn_imported_when_used()  # before the imports below load transformers' model classes
 
 import faulthandler
+import os
 import sys
 import time
 import traceback
