@@ -5,18 +5,19 @@
 
 One process per node does the whole launch, so that what every rank imports is imported once:
 
-- it imports what the ranks import (torch, torchtitan, transformers, flame's trainer: ``warm_up``),
-  then forks the job's check from itself (flame.launch.check: bad input fails here, before any rank
-  exists), then runs torchrun's agent in this very process, which forks the ranks from it too. A
-  rank then starts at its config instead of at its imports. Forking needs a process that has not
-  started CUDA, so nothing imported here may touch the GPU (fla asks it for its name, so fla is
-  imported by the check and the ranks, never here); if something did, the ranks are spawned
-  (started fresh, as bare torchrun starts them) and the launcher says why;
-- torchrun starts every rank in a session of its own, so killing train.sh (even its whole process
-  group, with ``kill -9``) would leave the ranks training on, beside any run started next. This
-  process asks the kernel for SIGTERM when train.sh (its parent) exits: torchrun's own handler then
-  stops the ranks; every rank asks for SIGKILL when the agent exits (flame.train.run_rank calls
-  ``die_with_parent`` first), which covers an agent killed outright;
+- it imports what the config needs and forks the job's check from itself (flame.launch.check:
+  bad input fails there, before any rank exists, and ends this process at once), imports the
+  rest of what the ranks import beside it (torch, torchtitan, transformers, flame's trainer:
+  ``warm_up``), then runs torchrun's agent in this very process, which forks the ranks from it
+  too. A rank then starts at its config instead of at its imports. Forking needs a process that
+  has not started CUDA, so nothing imported here may touch the GPU (fla asks it for its name, so
+  fla is imported by the check and the ranks, never here); if something did, the ranks are
+  spawned (started fresh, as bare torchrun starts them) and the launcher says why;
+- the run's processes end with train.sh, however it ends: this process asks the kernel for
+  SIGTERM when train.sh (its parent) exits, and torchrun's own handler then stops the ranks;
+  every rank asks for SIGKILL when the agent exits (flame.train.run_rank calls
+  ``die_with_parent`` first), which covers an agent killed outright (bare torchrun starts its
+  ranks in sessions of their own, which nothing of this kind ties to the launch);
 - on node 0 it holds the dump folder's lock for the run's life, the HF export after training
   included (when the run saves checkpoints), and picks the attempt number, passed to the ranks as
   FLAME_ATTEMPT; after training it records the attempt's command line and draws
@@ -24,6 +25,8 @@ One process per node does the whole launch, so that what every rank imports is i
 
 Linux only (prctl PR_SET_PDEATHSIG); elsewhere the processes run untied, as under bare torchrun.
 """
+
+from __future__ import annotations
 
 import argparse
 import ctypes
@@ -34,9 +37,13 @@ import signal
 import sys
 import traceback
 import uuid
+from typing import TYPE_CHECKING
 
 from flame.dump_folder import DumpFolderLock
 from flame.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flame.launch import LaunchPlan
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_NAME = 15
@@ -73,8 +80,8 @@ def name_rank(local_rank: str) -> None:
         ctypes.CDLL(None).prctl(PR_SET_NAME, f"{RANK_NAME}{local_rank}".encode(), 0, 0, 0)
 
 
-def warm_up() -> str:
-    """Import what every rank imports; the start method that keeps it for the ranks: fork, or spawn and why not.
+def import_config() -> None:
+    """Import what the job's check parses the config with; it is forked with them, the ranks later with more.
 
     torch asks NVML, not CUDA, whether there is a GPU (PYTORCH_NVML_BASED_CUDA_CHECK): CUDA started in
     this process would fail in every process forked from it.
@@ -83,6 +90,12 @@ def warm_up() -> str:
     from flame.compat.transformers import scikit_learn_imported_when_used
 
     scikit_learn_imported_when_used()  # first, as in a rank: before transformers' model classes load
+    import flame.config_manager  # noqa: F401
+
+
+def warm_up() -> str:
+    """Import what every rank imports; the start method that keeps it for the ranks: fork, or spawn and why not."""
+    import_config()
     import flame.train
     import flame.trainer  # noqa: F401  (what flame.train imports once the config parses)
 
@@ -111,35 +124,47 @@ def cuda_started() -> str | None:
     return None
 
 
-def check_the_job(train_args: list[str], world_size: int, node_rank: int):
-    """flame.launch.check in a process forked from this one: its LaunchPlan, or the exit status of a refusal.
+class JobCheck:
+    """flame.launch.check in a process forked from this one, while this one imports the rest for the ranks.
 
     What the check imports (fla starts CUDA) and loads (datasets, tokenizers) stays out of the
-    process the ranks are forked from.
+    process the ranks are forked from. A refusal ends this process at once, whatever it is
+    importing: the check prints why, then sends ``REFUSED``, so a misspelt flag costs the config's
+    imports, not the trainer's.
     """
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    checker = context.Process(target=_check_in_child, args=(send, train_args, world_size, node_rank, os.getpid()),
-                              name="flame-check")
-    checker.start()
-    send.close()
-    try:
-        outcome = receive.recv()
-    except EOFError:  # it died without an answer: its traceback is on stderr
-        outcome = 1
-    checker.join()
-    return outcome
+
+    REFUSED = signal.SIGUSR2
+
+    def __init__(self, train_args: list[str], world_size: int, node_rank: int):
+        signal.signal(self.REFUSED, lambda *_: os._exit(2))  # the check has printed the error: nothing to clean up
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._process = context.Process(target=_check_in_child, name="flame-check",
+                                        args=(send, train_args, world_size, node_rank, os.getpid()))
+        self._process.start()
+        send.close()
+
+    def outcome(self) -> LaunchPlan | int:
+        """The checked job's LaunchPlan, or the exit status of a check that failed without refusing (1)."""
+        try:
+            outcome = self._receive.recv()
+        except EOFError:  # it died without an answer: its traceback is on stderr
+            outcome = 1
+        self._process.join()
+        signal.signal(self.REFUSED, signal.SIG_DFL)  # the ranks, forked from here, keep the default
+        return outcome
 
 
 def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int, parent: int) -> None:
+    signal.signal(JobCheck.REFUSED, signal.SIG_DFL)
     die_with_parent(signal.SIGTERM, parent)
     from flame import launch
 
     try:
         send.send(launch.check(train_args, world_size, node_rank))
     except ConfigError as error:
-        print(f"flame: error: {error}", file=sys.stderr)
-        send.send(2)
+        print(f"flame: error: {error}", file=sys.stderr, flush=True)
+        os.kill(parent, JobCheck.REFUSED)
 
 
 def train(torchrun_args: list[str], start_method: str) -> int:
@@ -202,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("torchrun's arguments must end with -m flame.train <train flags>")
     train_args = torchrun_args[script + 2:]
 
+    import_config()
+    check = JobCheck(train_args, args.world_size, args.node_rank)
     start_method = warm_up()
-    plan = check_the_job(train_args, args.world_size, args.node_rank)
+    plan = check.outcome()
     if isinstance(plan, int):
         return plan
     torchrun_args[script:script] = ["--log-dir", plan.log_folder(args.node_rank, args.nodes)]
