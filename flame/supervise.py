@@ -106,19 +106,17 @@ def warm_up() -> str:
 
 
 def cuda_started() -> str | None:
-    """Why this process may not fork processes that use the GPU (it started CUDA), or None."""
-    if "fla" in sys.modules:
-        return "fla was imported before the ranks started, and its import starts CUDA"
-    import torch
+    """Why this process may not fork processes that use the GPU (something here started CUDA), or None.
 
-    if torch.cuda.is_initialized():
-        return "torch started CUDA before the ranks started"
+    The driver itself tells: before anything in the process called cuInit (torch's CUDA init,
+    fla's import asking the GPU its name), it answers CUDA_ERROR_NOT_INITIALIZED.
+    """
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None  # no NVIDIA driver on this machine
     count = ctypes.c_int()
-    not_initialized = 3  # CUDA_ERROR_NOT_INITIALIZED: what the driver answers before anything called cuInit
+    not_initialized = 3  # CUDA_ERROR_NOT_INITIALIZED
     if libcuda.cuDeviceGetCount(ctypes.byref(count)) != not_initialized:
         return "a library imported before the ranks started initialized the CUDA driver"
     return None

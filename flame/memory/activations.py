@@ -255,7 +255,7 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, bl
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
-          lengths: tuple[int, int, int] = PROBE_LENGTHS) -> ActivationProfile:
+          lengths: tuple[int, int, int]) -> ActivationProfile:
     """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed."""
     # torchtitan's side of flame: only jobs that plan get here
     from flame.models.builder import reinitialize
@@ -266,10 +266,9 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
         model.to_empty(device=where)
         reinitialize(model)
         model.train()
-        name = torch.cuda.get_device_name(where) if where.type == "cuda" else str(where)
         try:
             return _profile(model, lengths, where,
-                            f"on the {name}: forward at {', '.join(map(str, lengths))} tokens, saved tensors")
+                            f"on the {_device_name(where)}: forward at {', '.join(map(str, lengths))} tokens, saved tensors")
         finally:
             del model
             if where.type == "cuda":
@@ -284,9 +283,12 @@ def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.
             versions.append(f"{package}={metadata.version(package)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{package}=none")
-    name = torch.cuda.get_device_name(where) if where.type == "cuda" else str(where)
-    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), name, versions, PROBE_LENGTHS])
+    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), _device_name(where), versions, PROBE_LENGTHS])
     return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _device_name(where: torch.device) -> str:
+    return torch.cuda.get_device_name(where) if where.type == "cuda" else str(where)
 
 
 def _read(path: Path) -> ActivationProfile:
