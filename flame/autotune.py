@@ -32,13 +32,28 @@ CHOICE_SUFFIX = ".autotune.json"
 
 
 def triton_cache_dir() -> Path:
-    """Where Triton caches kernels on this machine (TRITON_CACHE_DIR, else Triton's default)."""
-    try:
-        from triton import knobs
+    """Where Triton caches kernels on this machine: TRITON_CACHE_DIR, else Triton's default folder.
 
-        return Path(knobs.cache.dir)
-    except ImportError:  # no Triton: the path its default would be
-        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    Triton's default is <TRITON_HOME, else the home folder>/.triton/cache; read here without
+    importing Triton, which the launcher does not need.
+    """
+    if folder := os.environ.get("TRITON_CACHE_DIR"):
+        return Path(folder)
+    return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+
+
+def share_triton_cache() -> Path:
+    """Pin TRITON_CACHE_DIR for this process and every process it starts; returns the folder.
+
+    The rule: fla's kernels and torch.compile's must use one Triton cache. Where the variable is
+    unset, torch's inductor sets it to a folder of its own (/tmp/torchinductor_<user>/triton/<gpu>)
+    as it loads its first compiled kernel. Every fla kernel that autotunes after that moment looks
+    for its choice there: it misses the shipped choices (installed in Triton's default folder),
+    benchmarks again (minutes at step 1 for gla), and ``collect`` never sees what it chose.
+    """
+    folder = triton_cache_dir()
+    os.environ["TRITON_CACHE_DIR"] = str(folder)
+    return folder
 
 
 def triton_version() -> str:

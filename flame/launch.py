@@ -29,12 +29,6 @@ from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError
 from flame.preflight import check_job
 
-# Under the memory plan the ranks' CUDA allocator maps memory in growing segments instead of fixed
-# blocks: what it reserves then follows what the tensors take, which the plan's 10% margin covers
-# (fla transformer 1B, FSDP over 2 GPUs: 17.3 GiB reserved for 13.1 allocated without it, 15.6 with it;
-# docs/perf-log.md, 2026-11-27). A PYTORCH_CUDA_ALLOC_CONF of the user's own is left as it is.
-PLANNED_ALLOCATOR = "expandable_segments:True"
-
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -42,7 +36,6 @@ class LaunchPlan:
 
     dump_folder: str
     saves_checkpoints: bool  # False under --checkpoint.no-enable or load_only: nothing to export to HF
-    allocator: str | None  # PYTORCH_CUDA_ALLOC_CONF for the ranks, None to leave the environment's
 
     def log_folder(self, node_rank: int, nodes: int) -> str:
         """Where torchrun's agent writes the ranks' logs: one folder per node when there are several."""
@@ -53,22 +46,21 @@ class LaunchPlan:
 def check(train_args: list[str], world_size: int, node_rank: int = 0) -> LaunchPlan:
     """Check the job ``train_args`` describes for ``world_size`` processes; raise ConfigError on bad input."""
     os.environ["WORLD_SIZE"] = str(world_size)
-    config = FlameConfigManager().parse_args(train_args)
-    if node_rank == 0:  # the other nodes join node 0's run, which holds the lock
-        dump_folder.check_free(config.job.dump_folder)
-    compat.check(config)
-    check_job(config)
+    # first: the memory plan's GPU probe (while parsing) runs fla's kernels and reads their choices too
     try:  # a cache that cannot be written only costs the benchmarks the choices would have saved
         if copied := autotune.install():
             print(f"flame: {copied} shipped autotune choices copied into Triton's cache ({autotune.triton_cache_dir()})")
     except OSError as error:
         print(f"flame: warning: the shipped autotune choices were not installed ({error}); fla's kernels tune "
               "on first use instead", file=sys.stderr)
-    planned = config.memory.plan == "auto" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    config = FlameConfigManager().parse_args(train_args)
+    if node_rank == 0:  # the other nodes join node 0's run, which holds the lock
+        dump_folder.check_free(config.job.dump_folder)
+    compat.check(config)
+    check_job(config)
     return LaunchPlan(
         dump_folder=config.job.dump_folder,
         saves_checkpoints=config.checkpoint.enable and not config.checkpoint.load_only,  # load_only never saves
-        allocator=PLANNED_ALLOCATOR if planned else None,
     )
 
 

@@ -87,6 +87,9 @@ def import_config() -> None:
     this process would fail in every process forked from it.
     """
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    from flame import autotune
+
+    autotune.share_triton_cache()  # the check installs the shipped choices where the ranks will read them
     from flame.compat.transformers import scikit_learn_imported_when_used
 
     scikit_learn_imported_when_used()  # first, as in a rank: before transformers' model classes load
@@ -235,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(f"flame: dry run, node {args.node_rank} of {args.nodes} would run: {shlex.join(['torchrun', *torchrun_args])}")
         return 0
-    if plan.allocator:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = plan.allocator  # before any rank starts CUDA
 
     lock = None
     if args.node_rank == 0:

@@ -25,6 +25,7 @@ import traceback
 import torch
 from torchtitan.tools.logging import init_logger, logger
 
+from flame import autotune
 from flame.config_manager import FlameConfigManager
 from flame.errors import ConfigError, DataError, UpdatesFailingError
 from flame.supervise import name_rank
@@ -47,6 +48,7 @@ def arrange_stack_dumps() -> None:
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     arrange_stack_dumps()
+    autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
     try:
         config = FlameConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as error:

@@ -53,3 +53,16 @@ def test_the_shipped_choices_install_into_tritons_cache_from_the_command_line(tm
     keys = {(choice.parent.name, choice.name) for choice in shipped}
     assert f"{len(keys)} shipped autotune choices copied into {tmp_path}" in out
     assert {(p.parent.name, p.name) for p in tmp_path.glob(f"*/*{autotune.CHOICE_SUFFIX}")} == keys
+
+
+def test_the_pinned_cache_is_tritons_own_default_and_reaches_child_processes(tmp_path):
+    # inductor moves an unset TRITON_CACHE_DIR to a folder of its own at its first kernel, away from the
+    # installed choices: flame pins Triton's default first, and the folder must be the one Triton reads
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"} | {"TRITON_HOME": str(tmp_path)}
+    script = ("import os, subprocess, sys; from flame import autotune; from triton import knobs; "
+              "folder = autotune.share_triton_cache(); print(folder); print(knobs.cache.dir); "
+              "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"TRITON_CACHE_DIR\"])'], "
+              "capture_output=True, text=True, check=True).stdout.strip())")
+    pinned, tritons, childs = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                             check=True).stdout.split()
+    assert pinned == tritons == childs == str(tmp_path / ".triton" / "cache")

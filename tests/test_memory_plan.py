@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -18,8 +19,10 @@ from flame.memory.hardware import Hardware
 from flame.memory.layout import Layout
 from flame.memory.plan import (
     GIB,
+    MARGIN,
     PRICE_TOLERANCE,
     activation_bytes,
+    activation_moments,
     candidates,
     choose,
     estimate,
@@ -150,6 +153,21 @@ def test_a_meta_forward_that_reaches_a_triton_kernel_stops_there_and_the_plan_ta
     assert _get_current_dispatch_mode() is None
 
 
+def probe_on_the_cpu(monkeypatch, cache) -> None:
+    """The meta forward refused as a Triton kernel refuses it, and the GPU probe run on the CPU instead (HF's
+    eager attention keeps there what it keeps on meta), at the meta forward's lengths (the same fit)."""
+    @contextlib.contextmanager
+    def refused():
+        raise activations.compat.triton.KernelLaunchRefused("Triton kernel chunk_fwd (the test)")
+        yield
+
+    monkeypatch.setattr(activations.compat.triton, "kernel_launches_refused", refused)
+    monkeypatch.setattr(activations, "probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(activations, "PROBE_LENGTHS", activations.LENGTHS)
+    monkeypatch.setenv("FLAME_CACHE", str(cache))
+    monkeypatch.setattr(activations, "_PROFILES", {})
+
+
 def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_machine(tmp_path, monkeypatch):
     """fla's Triton kernels cannot run on meta tensors: the plan measures such a model on the GPU, with the
     meta forward's hooks, and caches it. Here the probe runs on the CPU (HF's eager attention keeps the same
@@ -160,18 +178,9 @@ def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_
     on_meta = activations.measure(config, torch.float32)
     assert on_meta.method.startswith("measured (meta-device forward")
 
-    @contextlib.contextmanager
-    def refused():
-        raise activations.compat.triton.KernelLaunchRefused("Triton kernel chunk_fwd (the test)")
-        yield
-
-    monkeypatch.setattr(activations.compat.triton, "kernel_launches_refused", refused)
-    monkeypatch.setattr(activations, "probe_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(activations, "PROBE_LENGTHS", activations.LENGTHS)  # the meta forward's lengths: same fit
-    monkeypatch.setenv("FLAME_CACHE", str(tmp_path))
-    monkeypatch.setattr(activations, "_PROFILES", {})
+    probe_on_the_cpu(monkeypatch, tmp_path)
     probed = activations.measure(config, torch.float32)
-    assert probed.method == "measured (on the cpu: forward at 32, 64, 128 tokens, saved tensors)"
+    assert probed.method == "measured (on the cpu, float32 weights: forward at 32, 64, 128 tokens, saved tensors)"
     assert dataclasses.replace(probed, method="") == dataclasses.replace(on_meta, method="")
     cached, = (tmp_path / "activations").glob("*.json")
 
@@ -191,6 +200,52 @@ def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_
                                       "kernel chunk_fwd (the test); the GPU probe failed: AssertionError: measured again")
     monkeypatch.setattr(activations, "_PROFILES", {})  # cached too: every rank plans alike, none probes again
     assert activations.measure(config, torch.float32) == fallback and len(probes) == 1
+
+
+def test_the_probe_runs_the_jobs_precision_autocast_keeps_a_float32_residual_stream(tmp_path, monkeypatch):
+    """A job without FSDP keeps float32 weights and computes under autocast: its residual stream and the
+    norm inputs saved from it stay float32. The probe measures in that precision (cached apart from the
+    bf16 one); in bf16 weights, as FSDP gathers them, every saved tensor is bf16."""
+    config = tiny_llama(2)
+    config._attn_implementation = "eager"
+
+    probe_on_the_cpu(monkeypatch, tmp_path)
+    amp = activations.measure(config, torch.bfloat16, autocast=True)
+    bf16 = activations.measure(config, torch.bfloat16)
+    assert "float32 weights under bfloat16 autocast" in amp.method and "bfloat16 weights" in bf16.method
+    assert len(list((tmp_path / "activations").glob("*.json"))) == 2
+    hidden = config.hidden_size
+    for amp_block, bf16_block in zip(amp.blocks, bf16.blocks):
+        # at least the block's input and its first norm's input, two more bytes an element each
+        assert amp_block.linear >= bf16_block.linear + 2 * hidden * 2
+
+
+def test_the_peak_is_the_forwards_end_or_the_backward_not_both(long_model, monkeypatch):
+    """At the forward's end the loss's logits are live and the gradients not yet allocated (unless a step
+    accumulates them); in the backward the gradients are and the logits are not. Counting both at once
+    overestimated full AC by a sixth on the GPU (gla 340M)."""
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    job = dataclasses.replace(memory.job_of(config, 1), fused_loss=True)
+
+    def parts(job, layout):
+        return {part.name: part for part in estimate(job, layout)}
+
+    # no AC: the activations are the same at both moments; the loss's chunk of logits outweighs the gradients
+    wide = dataclasses.replace(job, vocab_size=64 * job.params // min(job.rows * job.tokens_per_row, 8192))
+    at_end = parts(wide, Layout())
+    assert "the forward's end" in at_end["activations"].note
+    assert at_end["gradients"].bytes == 0 and "allocated in the backward" in at_end["gradients"].note
+    accumulating = parts(dataclasses.replace(wide, accumulates=True), Layout())
+    assert accumulating["gradients"].bytes == 4 * job.params
+    assert not job.expandable_segments  # a CPU job: the default segments' margin
+    assert gpu_bytes(accumulating.values()) == pytest.approx(gpu_bytes(at_end.values()) + (1 + MARGIN) * 4 * job.params)
+    # full AC with a small vocabulary: the last block's recompute in the backward is the peak, without the logits
+    narrow = dataclasses.replace(job, vocab_size=8)
+    in_backward = parts(narrow, Layout(ac="full"))
+    forward_end, backward = activation_moments(narrow, "full")
+    assert backward > forward_end and "the backward's peak" in in_backward["activations"].note
+    assert in_backward["activations"].bytes == pytest.approx(narrow.rows * backward)
+    assert in_backward["gradients"].bytes == 4 * job.params and "logits are freed" in in_backward["loss"].note
 
 
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):
@@ -265,7 +320,7 @@ def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_s
     assert shown.splitlines()[-1].startswith("next cheapest that fit: full AC, CPU offload, 8 micro-batches ")
     assert shown.splitlines()[-1].count(" s, ") == 1
     for part in ("parameters", "gradients", "optimizer state", "FSDP all-gather buffers", "activations",
-                 "logits and loss", "allocator margin", "host (CPU offload)",
+                 "loss", "allocator margin", "host (CPU offload)",
                  "plan: full AC of the first block, CPU offload, 8 micro-batches",
                  "its step priced: passes", "rates measured on NVIDIA H100 80GB HBM3"):
         assert part in shown
@@ -485,16 +540,25 @@ def test_ranks_that_plan_apart_stop_before_the_first_step(tiny_model, corpus, tm
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
 
 
-def test_train_sh_gives_planned_ranks_an_allocator_whose_reserve_follows_their_tensors(long_model, tmp_path,
-                                                                                        monkeypatch):
-    from flame import launch
-
+def test_planned_jobs_take_an_allocator_whose_reserve_follows_their_tensors_and_a_margin_to_match(long_model,
+                                                                                                   monkeypatch):
+    """On a GPU the plan sets expandable segments for its own process (the check, every rank, however
+    started) before CUDA starts, and counts 5% for fragmentation; a user's own allocator setting is kept,
+    with the default segments' 10%."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(memory.device, "CUDA", True)
+    monkeypatch.setattr(memory, "budgets", lambda config: (None, None))  # no GPU here to measure
 
-    def exported(*flags):
-        plan = launch.check(job_args(long_model, f"--job.dump_folder={tmp_path / 'run'}", *flags), world_size=1)
-        return plan.allocator == "expandable_segments:True"
+    def planned(*flags):
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        config = parse_job(monkeypatch, 1, *job_args(long_model, *flags))
+        job = memory.job_of(config, 1)
+        margin = next(part for part in estimate(job, Layout()) if part.name == "allocator margin")
+        return os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), margin.note
 
-    assert exported("--memory.plan=auto") and not exported("--memory.plan=off")
+    assert planned("--memory.plan=auto") == ("expandable_segments:True", "5% fragmentation (expandable segments)")
+    assert planned("--memory.plan=off") == (None, "10% fragmentation (the allocator's default segments)")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's own is kept
-    assert not exported("--memory.plan=auto")
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=auto"))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert not memory.job_of(config, 1).expandable_segments

@@ -113,6 +113,7 @@ def kernels_keep_their_tile_choices() -> None:
     from flame import autotune
 
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    autotune.share_triton_cache()
     autotune.install()
 
 

@@ -101,17 +101,22 @@ def job_of(config, world_size: int) -> Job:
     fused = device.CUDA and config.model.fused_kernels and not config.compile.enable and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1
+    autocast = not fsdp and dtype_bytes(dtype) < 4  # torchtitan's AMP: float32 weights, autocast keeps cast copies
     return Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
-        compute_bytes=dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
+        hidden_size=model_config.hidden_size, compute_bytes=dtype_bytes(dtype),
+        hidden_bytes=4 if autocast else dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
+        accumulates=t.gradient_accumulation_steps > 1,
         tokens_per_row=t.seq_len // p.context_parallel_degree,
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
         can_offload=device.CUDA and (fsdp or world_size == 1),
         can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and not pipelined,
-        autocast_copies=not fsdp and dtype_bytes(dtype) < 4, fused_loss=device.fused_cross_entropy_enabled(
-            config, model_config.vocab_size), dense_attention=attention == "sdpa",
+        autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(
+            config, model_config.vocab_size),
+        expandable_segments=expandable_segments(config),
+        dense_attention=attention == "sdpa",
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
-        activations=activations.measure(model_config, dtype, fused),
+        activations=activations.measure(model_config, dtype, fused, autocast),
     )
 
 
@@ -144,6 +149,21 @@ def fixed_settings(config, given: dict[str, int]) -> set[str]:
     return fixed
 
 
+# Under the memory plan, CUDA's caching allocator grows its segments in place instead of reserving fixed
+# blocks: what it reserves then follows what the tensors take (fla transformer 1B, FSDP over 2 GPUs: 17.3 GiB
+# reserved for 13.1 allocated without it, 15.6 with it; docs/perf-log.md, 2026-11-27), and the plan's margin
+# for fragmentation shrinks to match. A PYTORCH_CUDA_ALLOC_CONF of the user's own is left as it is.
+PLANNED_ALLOCATOR = "expandable_segments:True"
+
+
+def expandable_segments(config) -> bool:
+    """Whether the job's CUDA allocator grows its segments in place: the user's setting says so, or the plan sets it."""
+    own = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if own is None:
+        return device.CUDA and config.memory.plan == "auto"
+    return "expandable_segments:true" in own.replace(" ", "").lower()
+
+
 def apply(config, world_size: int, given: dict[str, int]) -> None:
     """Plan the job and set what the plan changes; refuse, in one line, a job that fits no plan."""
     m = config.memory
@@ -156,6 +176,8 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
                 raise ConfigError(f"--memory.{flag} is a budget for the memory plan, and --memory.plan is off: "
                                   "drop one of them")
         return
+    if device.CUDA:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", PLANNED_ALLOCATOR)  # before this process starts CUDA
     gpu, host = budgets(config)
     announce = os.environ.get("RANK") == "0"  # a torchrun rank 0: the preflight and the other ranks stay quiet
     if gpu is None and not announce:

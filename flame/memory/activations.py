@@ -17,11 +17,13 @@ flash-style kernels (flame's ``varlen`` and ``flex`` attention) keep a per-row l
 so the planner counts ``c`` only for ``sdpa`` attention.
 
 Models whose forward cannot run on meta tensors (fla's Triton kernels) are measured the same way
-on the GPU instead (``probed``): the whole model materialized there in the compute dtype, its
+on the GPU instead (``probed``): the whole model materialized there in the job's precision, its
 forward at three row lengths up to 4K tokens (one document a row), the saved tensors counted by
-the same hooks, then the model freed. It runs once per machine: the result is cached
-under ``$FLAME_CACHE/activations`` by model config, dtype, GPU and library versions (the job's
-check measures it, its ranks read it). Where there is no GPU, or the probe fails, a stated
+the same hooks, then the model freed. The precision matters: a job without FSDP computes under
+autocast with float32 weights, so its residual stream, and every norm input saved from it, is
+float32 (twice the bytes of the same model in bf16; gla 340M keeps 40% more). It runs once per
+machine: the result is cached under ``$FLAME_CACHE/activations`` by model config, precision, GPU
+and library versions (the job's check measures it, its ranks read it). Where there is no GPU, or the probe fails, a stated
 formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``); the plan's table says which applies.
 
 Not counted: kernels' temporary workspaces, the internal buffers of fla's Triton kernels,
@@ -48,6 +50,7 @@ from flame import compat, device
 from flame.data import builtin
 from flame.memory.measured_once import measured_once
 from flame.models.fused import kept_as_on_cuda, use_fused_kernels
+from flame.models.inputs import flattens_rows
 from flame.models.registry import decoder_layers, meta_model
 
 LENGTHS = (32, 64, 128)  # three row lengths fit a + b·T + c·T² exactly; short enough for learned position tables
@@ -161,9 +164,14 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(layers)]
     handles += [block.register_forward_hook(leave) for block in layers]
     ids = torch.zeros(1, tokens, dtype=torch.long, device=where)
+    # fla's models as the trainer calls them (flame.models.inputs): no KV cache, and their document
+    # boundaries given, so that the GPU probe's kernels tune under the keys the training's forward reads
+    inputs = {}
+    if flattens_rows(model):
+        inputs = {"use_cache": False, "cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32, device=where)}
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(input_ids=ids)
+            model(input_ids=ids, **inputs)
     finally:
         # a block that raised (a refused Triton launch) never reached its forward hook: left on the
         # stack, the counting mode would run every later op of the process through Python (a third
@@ -187,19 +195,22 @@ def _fit(values: list[float], lengths: tuple[int, int, int] = LENGTHS) -> Quadra
 _PROFILES: dict[tuple, ActivationProfile] = {}
 
 
-def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False) -> ActivationProfile:
-    """The activation profile of ``config``'s model computing in ``dtype`` (cached per config, dtype and ``fused``).
+def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False,
+            autocast: bool = False) -> ActivationProfile:
+    """The activation profile of ``config``'s model computing in ``dtype`` (cached per argument).
 
     ``fused``: the job runs an HF model's norms and MLPs on flame's fused CUDA kernels
     (flame.models.fused, eager on a GPU): the meta forward keeps what those kernels keep.
+    ``autocast``: the job keeps float32 weights and computes under autocast to ``dtype`` (no FSDP);
+    the GPU probe runs so (autocast does not reach meta tensors: the meta forward runs in ``dtype``).
     """
-    key = (config.to_json_string(use_diff=False), dtype, fused)
+    key = (config.to_json_string(use_diff=False), dtype, fused, autocast)
     if key not in _PROFILES:
-        _PROFILES[key] = _measure(config, dtype, fused)
+        _PROFILES[key] = _measure(config, dtype, fused, autocast)
     return _PROFILES[key]
 
 
-def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool) -> ActivationProfile:
+def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast: bool) -> ActivationProfile:
     model = meta_model(config).to(dtype)
     model.train()
     if fused:
@@ -214,7 +225,7 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool) -> Activ
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
         if (where := probe_device()) is None:
             return _formula(config, dtype, blocks, why)
-        return probed(config, dtype, where, blocks, why)
+        return probed(config, dtype, where, blocks, why, autocast)
     return profile
 
 
@@ -239,7 +250,7 @@ def probe_device() -> torch.device | None:
 
 
 def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, blocks: int,
-           why_not_meta: str) -> ActivationProfile:
+           why_not_meta: str, autocast: bool = False) -> ActivationProfile:
     """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures).
 
     A probe that fails (out of memory, a kernel that refuses this GPU) leaves the formula, cached
@@ -247,44 +258,58 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, bl
     """
     def measure() -> ActivationProfile:
         try:
-            return probe(config, dtype, where, PROBE_LENGTHS)
+            return probe(config, dtype, where, PROBE_LENGTHS, autocast)
         except Exception as error:  # noqa: BLE001
             return _formula(config, dtype, blocks, f"{why_not_meta}; the GPU probe failed: {type(error).__name__}: {error}")
 
-    return measured_once(probe_cache_path(config, dtype, where), _read, measure)
+    return measured_once(probe_cache_path(config, dtype, where, autocast), _read, measure)
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
-          lengths: tuple[int, int, int]) -> ActivationProfile:
-    """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed."""
+          lengths: tuple[int, int, int], autocast: bool = False) -> ActivationProfile:
+    """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed.
+
+    ``autocast``: float32 weights, the forward under autocast to ``dtype`` (the job's AMP); else the
+    weights in ``dtype``, as FSDP's mixed precision gathers them. Autocast's weight copies are kept
+    for the backward too, but they do not grow with the row: the fit's per-token terms leave them out.
+    """
     # torchtitan's side of flame: only jobs that plan get here
     from flame.models.builder import reinitialize
 
     where = torch.device(where)
     with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):  # the job's RNG stream untouched
-        model = meta_model(config).to(dtype)  # materialized in the compute dtype: no float32 copy on the GPU
+        model = meta_model(config)
+        if not autocast:
+            model = model.to(dtype)
         model.to_empty(device=where)
         reinitialize(model)
         model.train()
+        precision = f"float32 weights under {dtype_name(dtype)} autocast" if autocast else f"{dtype_name(dtype)} weights"
         try:
-            return _profile(model, lengths, where,
-                            f"on the {_device_name(where)}: forward at {', '.join(map(str, lengths))} tokens, saved tensors")
+            with torch.autocast(where.type, dtype) if autocast else nullcontext():
+                return _profile(model, lengths, where, f"on the {_device_name(where)}, {precision}: forward at "
+                                f"{', '.join(map(str, lengths))} tokens, saved tensors")
         finally:
             del model
             if where.type == "cuda":
                 torch.cuda.empty_cache()
 
 
-def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device) -> Path:
-    """The cached probe of ``config`` in ``dtype`` on this kind of GPU, with these kernel libraries."""
+def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool) -> Path:
+    """The cached probe of ``config`` in this precision on this kind of GPU, with these kernel libraries."""
     versions = []
     for package in ("torch", "triton", "flash-linear-attention", "fla-core", "transformers"):
         try:
             versions.append(f"{package}={metadata.version(package)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{package}=none")
-    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), _device_name(where), versions, PROBE_LENGTHS])
+    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), autocast, _device_name(where), versions,
+                      PROBE_LENGTHS])
     return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _device_name(where: torch.device) -> str:

@@ -58,9 +58,12 @@ class Job:
     matrix_params: int  # the decoder blocks' 2-D weights (what Muon updates)
     block_params: int  # the largest decoder block's parameters
     vocab_size: int
+    hidden_size: int
     compute_bytes: int  # bytes per element of the compute dtype
+    hidden_bytes: int  # bytes per element of the residual stream: float32 under autocast, else the compute dtype
     optimizer: str
     rows: int  # training.batch_size (per rank, before any split into micro-batches)
+    accumulates: bool  # the job's own gradient accumulation: gradients live through every forward
     tokens_per_row: int  # seq_len over the context-parallel degree
     weight_shards: int  # FSDP shards x tensor- and pipeline-parallel degree
     fsdp: bool
@@ -68,6 +71,7 @@ class Job:
     can_step_on_host: bool  # a GPU job with AdamW or Adam, not pipelined (--optimizer.on_host)
     autocast_copies: bool  # no FSDP and a bf16/fp16 compute dtype: autocast keeps a cast copy of each weight
     fused_loss: bool
+    expandable_segments: bool  # PyTorch's allocator grows segments in place: little fragmentation
     dense_attention: bool  # sdpa keeps the T x T weights; flash-style kernels do not
     tensor_parallel: int
     pipelined: bool  # stages split the blocks: AC of the first K blocks is not offered

@@ -5,9 +5,14 @@ the optimizer's fp32 state (AdamW/Adam: two moments; Muon: one momentum for the 
 AdamW's two for the rest), FSDP's all-gather buffers (one block's weights in the compute dtype,
 twice: the block computing and the one prefetched; every block's once FSDP keeps them gathered
 after the forward), autocast's weight copies (no FSDP, bf16), the activations
-(``flame.memory.activations``: measured), the loss's logits, and an allocator margin. All of
-them count as live at once: with gradient accumulation they are, and without it the sum is an
-upper bound.
+(``flame.memory.activations``: measured), the loss's logits, and an allocator margin.
+
+A step peaks at one of two moments, and the estimate is the larger: the forward's end, where
+every block's kept activations and the loss's chunk of logits are live and the gradients are
+not yet allocated (unless a step accumulates them over micro-batches); and the backward of the
+last blocks, where the gradients are allocated, a checkpointed block is recomputed and the
+logits are gone. Summing both moments' parts overestimated full AC by a sixth (gla 340M on an
+H100: docs/perf-log.md, 2026-11-27).
 
 ``choose`` keeps the job as configured when it fits. Otherwise it weighs every layout the job
 may take (full activation checkpointing of the first K blocks, for any K, or of all; FSDP
@@ -34,7 +39,10 @@ if TYPE_CHECKING:
     from flame.memory.hardware import Hardware
 
 GIB = 1024**3
-MARGIN = 0.10  # the caching allocator's fragmentation: 10% over what the tensors themselves take
+# the caching allocator's fragmentation over what the tensors take: up to 32% measured with its default
+# segments (FSDP's gathers on other streams), 0.2-3.3% with expandable segments (the plan's default allocator)
+MARGIN = 0.10
+EXPANDABLE_MARGIN = 0.05
 FUSED_LOSS_CHUNK = 8192  # flame.components.loss's fused cross entropy computes this many tokens' logits at a time
 ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest layouts that fit
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
@@ -49,18 +57,16 @@ class Part:
 
 
 def estimate(job: Job, layout: Layout) -> list[Part]:
-    """What one rank holds at its peak, part by part."""
+    """What one rank holds at its peak, part by part (the larger of the two moments in the module's doc)."""
     weights = job.params / job.weight_shards
     state = 8 * weights if job.optimizer != "Muon" else 4 * job.matrix_params / job.weight_shards + 8 * (
         job.params - job.matrix_params) / job.weight_shards
     kept = "host (CPU offload)" if layout.offload else "GPU"
     moments = "one momentum for matrices, AdamW's two for the rest" if job.optimizer == "Muon" else "two moments"
-    parts = [
-        Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank"),
-        Part("gradients", 4 * weights, kept, "fp32"),
-        Part("optimizer state", state, "host (stepped there)" if layout.host_optimizer else kept,
-             f"{job.optimizer}: fp32, {moments}"),
-    ]
+    parts = [Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank")]
+    gradients = Part("gradients", 4 * weights, kept, "fp32")
+    parts.append(Part("optimizer state", state, "host (stepped there)" if layout.host_optimizer else kept,
+                      f"{job.optimizer}: fp32, {moments}"))
     if layout.host_optimizer:
         parts.append(Part("host step buffers", 8 * weights, "host (pinned)", "fp32 copies of the weights and gradients"))
     if job.fsdp or layout.offload:
@@ -69,19 +75,37 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         parts.append(Part("FSDP all-gather buffers", gathered * job.compute_bytes / job.tensor_parallel, "GPU", why))
     elif job.autocast_copies:
         parts.append(Part("autocast weight copies", job.params * job.compute_bytes, "GPU", "one per weight"))
+
     rows = job.rows // layout.micro_batches
-    parts.append(Part("activations", rows * activation_bytes(job, layout.ac) / job.tensor_parallel, "GPU",
-                      _recomputed(layout.ac)))
-    tokens = rows * job.tokens_per_row
-    if job.fused_loss:
-        logits = 2 * 4 * min(tokens, FUSED_LOSS_CHUNK) * job.vocab_size
-        parts.append(Part("loss (fused, chunked)", logits, "GPU", f"{FUSED_LOSS_CHUNK} tokens' fp32 logits + gradient"))
+    forward_end, backward = (rows * moment / job.tensor_parallel for moment in activation_moments(job, layout.ac))
+    logits, loss_kept, loss_note = _loss(job, rows * job.tokens_per_row)
+    accumulating = layout.micro_batches > 1 or job.accumulates
+    gpu_gradients = gradients.bytes if kept == "GPU" else 0.0
+    at_forward_end = forward_end + logits + (gpu_gradients if accumulating else 0.0)
+    if at_forward_end >= backward + gpu_gradients:
+        if not accumulating and kept == "GPU":
+            gradients = Part("gradients", 0.0, kept, "fp32, allocated in the backward, after this peak")
+        parts += [gradients, Part("activations", forward_end, "GPU", _recomputed(layout.ac) + "; the forward's end"),
+                  Part("loss", logits + loss_kept, "GPU", loss_note)]
     else:
-        logits = tokens * job.vocab_size * (job.compute_bytes + 8)
-        parts.append(Part("logits and loss", logits, "GPU", "logits, their fp32 copy and its gradient"))
-    on_gpu = sum(part.bytes for part in parts if part.where == "GPU")
-    parts.append(Part("allocator margin", MARGIN * on_gpu, "GPU", f"{MARGIN:.0%} fragmentation"))
+        parts += [gradients, Part("activations", backward, "GPU", _recomputed(layout.ac) + "; the backward's peak"),
+                  Part("loss", loss_kept, "GPU", "the head's gradients, kept for the backward (the logits are freed)")]
+    margin = EXPANDABLE_MARGIN if job.expandable_segments else MARGIN
+    allocator = "expandable segments" if job.expandable_segments else "the allocator's default segments"
+    parts.append(Part("allocator margin", margin * gpu_bytes(parts), "GPU", f"{margin:.0%} fragmentation ({allocator})"))
     return parts
+
+
+def _loss(job: Job, tokens: int) -> tuple[float, float, str]:
+    """(bytes only the forward's end holds, bytes kept into the backward, the note) of the loss over ``tokens``."""
+    if job.fused_loss:
+        # flame.components.loss: each chunk's fp32 logits and their gradient, then freed; the hidden states'
+        # gradient (in their dtype) and the head's fp32 weight gradient kept for the backward
+        logits = 2 * 4 * min(tokens, FUSED_LOSS_CHUNK) * job.vocab_size
+        kept = tokens * job.hidden_size * job.hidden_bytes + 4 * job.vocab_size * job.hidden_size / job.tensor_parallel
+        return logits, kept, f"fused, chunked: {FUSED_LOSS_CHUNK} tokens' fp32 logits and gradient, the head's gradients"
+    # the logits are kept for the backward, with their fp32 copy and its gradient
+    return 0.0, tokens * job.vocab_size * (job.compute_bytes + 8), "logits, their fp32 copy and its gradient"
 
 
 def _recomputed(ac: str) -> str:
@@ -91,13 +115,13 @@ def _recomputed(ac: str) -> str:
             "memory_budget": "counted as kept (the compiler decides)"}.get(ac, f"every {ac}th block recomputed")
 
 
-def activation_bytes(job: Job, ac: str) -> float:
-    """Bytes one row's activations peak at under activation checkpointing ``ac``.
+def activation_moments(job: Job, ac: str) -> tuple[float, float]:
+    """Bytes one row's activations take at the forward's end, and at their peak in the backward, under ``ac``.
 
     Each block keeps something through the forward (everything; its input under full AC; its
     input and the matmul outputs under op-level AC); its backward then needs all of its
     activations (recomputed when checkpointed) while the blocks before it still hold what they
-    kept, and the blocks after it have freed theirs. The peak is the largest of those moments.
+    kept, and the blocks after it have freed theirs.
     """
     profile, tokens = job.activations, job.tokens_per_row
     square = job.dense_attention
@@ -118,7 +142,13 @@ def activation_bytes(job: Job, ac: str) -> float:
     for kept_here, whole in zip(kept, blocks):
         peak = max(peak, before + whole)
         before += kept_here
-    return profile.rest.at(tokens, square) + max(peak, before)
+    rest = profile.rest.at(tokens, square)
+    return rest + before, rest + peak
+
+
+def activation_bytes(job: Job, ac: str) -> float:
+    """The larger of ``activation_moments``: what one row's activations peak at under ``ac``."""
+    return max(activation_moments(job, ac))
 
 
 def gpu_bytes(parts: list[Part]) -> float:
