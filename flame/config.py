@@ -148,6 +148,8 @@ class Optimizer:
     """Alias of optimizer.implementation: fused when true, foreach when false"""
     on_host: bool = False
     """AdamW/Adam: keep the optimizer state (8 bytes a parameter) in host memory and step it there, overlapped with the next forward; the GPU keeps the weights and gradients. The memory plan turns it on when that is the cheapest layout that fits (README: Memory plan)"""
+    gpu_blocks: int = 0
+    """With optimizer.on_host: the input embeddings and the first K decoder blocks keep their state on the GPU and step there, so the host starts on the blocks the next forward reaches later and the forward waits less (8 bytes a parameter of those blocks back on the GPU; 0: all on the host)"""
 
 
 @dataclass

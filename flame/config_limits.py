@@ -70,7 +70,12 @@ def _check_checkpointed_blocks(config: Any) -> None:
 
 def _check_host_optimizer(config: Any) -> None:
     """--optimizer.on_host steps AdamW or Adam on the host, one model at a time."""
+    if config.optimizer.gpu_blocks < 0:
+        raise ConfigError(f"--optimizer.gpu_blocks {config.optimizer.gpu_blocks}: a count of decoder blocks, 0 or more")
     if not config.optimizer.on_host:
+        if config.optimizer.gpu_blocks:
+            raise ConfigError("--optimizer.gpu_blocks keeps some of the optimizer state on the GPU when the rest is on "
+                              "the host: add --optimizer.on_host, or drop gpu_blocks")
         return
     if config.optimizer.name == "Muon":
         raise ConfigError("--optimizer.on_host steps AdamW or Adam on the host; Muon orthogonalizes whole matrices on "

@@ -17,11 +17,11 @@ from transformers import PretrainedConfig
 
 from flame import compat, device
 from flame.checkpoints import check_checkpoint, check_checkpoint_fits_model
-from flame.config_manager import fsdp_enabled
 from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
 from flame.data.validation import validation_plan
 from flame.distributed.context_parallel import check_context_parallel
+from flame.distributed.degrees import fsdp_enabled
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
 from flame.errors import ConfigError

@@ -304,6 +304,20 @@ SUITES = {
                  "configs/transformer_1B.json", "configs/transformer_7B.json", "configs/llama_340M.json"),
         steps=10, tokens=32768, timeout=500, baseline="none",
     ),
+    "profile": Suite(
+        "one GPU: where flame's training step spends its time, eager and compiled: the last of --steps steps "
+        "under torch's profiler, its GPU kernels summed by kind and the time the GPU waited on the host "
+        "(scripts/bench/trace_summary.py); the same job as the peers suite, without its timing (the profiler slows "
+        "the step it records)",
+        report="profiles",
+        per_config=(Run("eager", 1), Run("compiled", 1, (COMPILE_FLAG,))),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "{half}", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", *NO_CHECKPOINT, "--profiling.enable_profiling",
+               "--profiling.profile_freq", "{steps}"),
+        configs=("configs/transformer_340M.json", "configs/llama_340M.json", "configs/gla_340M.json"),
+        steps=10, tokens=32768, timeout=300,
+    ),
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",

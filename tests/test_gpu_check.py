@@ -264,3 +264,49 @@ def test_the_peers_table_sets_the_three_sides_side_by_side(tmp_path):
     notes = "\n".join(table[5:])
     assert "transformer_340M eager: torchtitan's columns are llama_340M's run" in notes
     assert "transformer_340M-flame-compiled: stopped at its limit" in notes and "WARNING" not in notes
+
+
+def test_a_profiled_step_is_summed_by_kernel_kind_with_the_gpus_idle_time(tmp_path):
+    from scripts.bench import trace_summary
+
+    # the events as torch's profiler writes them for CUDA (Chrome trace, microseconds): two streams overlap
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#10", "ts": 0, "dur": 1000, "pid": 1, "tid": 1},
+        kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 100, 300),
+        kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", 400, 100),
+        kernel("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90>>", 500, 50),
+        kernel("chunk_gla_fwd_kernel_o", 550, 50),
+        kernel("layer_norm_fwd_kernel_row", 700, 20),  # after 100 us with nothing on the GPU
+        kernel("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 720, 30),
+        kernel("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 750, 40),
+        kernel("ncclDevKernel_AllGather_RING_LL", 760, 200),  # on another stream, beside the optimizer
+        kernel("Memcpy HtoD (Pageable -> Device)", 960, 40, cat="gpu_memcpy"),
+    ]
+    trace = tmp_path / "rank0_trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    summary = trace_summary.summarize(trace)
+    assert "1 profiled step, 0.9 ms from the first GPU kernel to the last; the GPU busy 0.8 ms (88.9%), idle 0.1 ms" \
+        in summary
+    kinds = {line[:32].strip(): line[32:].split() for line in summary.splitlines()[2:12]}
+    assert kinds["matmuls (cuBLAS, CUTLASS)"] == ["0.30", "36.1%", "1"]
+    assert kinds["attention (flash)"] == ["0.15", "18.1%", "2"]  # FlashAttention 3's CUTLASS template included
+    assert kinds["fla Triton kernels"][0] == "0.05" and kinds["norms"][0] == "0.02"
+    assert kinds["compiled (inductor's Triton)"][0] == "0.03" and kinds["optimizer"][0] == "0.04"
+    assert kinds["communication (NCCL)"][0] == "0.20" and kinds["memory copies and fills"][0] == "0.04"
+    lines = summary.splitlines()
+    longest = lines[lines.index(f"the {trace_summary.TOP} longest kernels (ms, launches, kind, name):") + 1]
+    assert longest.split()[:3] == ["0.30", "1", "matmuls"]
+
+    # a trace recorded without CUDA activity (here: the CPU's own profiler) is refused in one line
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    cpu_trace = tmp_path / "cpu_trace.json"
+    profiler.export_chrome_trace(str(cpu_trace))
+    result = subprocess.run([sys.executable, "-m", "scripts.bench.trace_summary", str(cpu_trace)], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"trace_summary: error: {cpu_trace} holds no GPU kernels: it was recorded without CUDA activity "
+        "(train.sh's --profiling.enable_profiling on a GPU records them)"]

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flame import memory
-from flame.components.host_optimizer import HostAdamW, units_of
+from flame.components.host_optimizer import HostAdamW, leading_units, units_of
 from flame.distributed.parallelize import checkpoint_blocks
 from flame.errors import ConfigError
 from flame.memory.layout import Layout
@@ -54,11 +54,15 @@ def train(model, optimizer, steps, lrs=None):
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("decoupled, reference", [(True, torch.optim.AdamW), (False, torch.optim.Adam)])
-def test_host_steps_are_torchs_fused_adamw_and_its_checkpoints_are_adamws(decoupled, reference):
+@pytest.mark.parametrize("decoupled, reference, gpu_blocks", [(True, torch.optim.AdamW, 0), (False, torch.optim.Adam, 0),
+                                                              (True, torch.optim.AdamW, 1)])
+def test_host_steps_are_torchs_fused_adamw_and_its_checkpoints_are_adamws(decoupled, reference, gpu_blocks):
+    """gpu_blocks 1: the embeddings and the first block step where their weights are (the CPU here), the rest on
+    the host's thread: the same fused AdamW either way."""
     settings = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     ours, theirs = tiny_llama(), tiny_llama()
-    host = HostAdamW(ours, **settings, decoupled=decoupled)
+    host = HostAdamW(ours, **settings, decoupled=decoupled, gpu_blocks=gpu_blocks)
+    assert host.on_device == (2 if gpu_blocks else 0)
     plain = reference(theirs.parameters(), **settings, fused=True)
     train(ours, host, 3, lrs=[2e-3, 1e-3, 5e-4])
     train(theirs, plain, 3, lrs=[2e-3, 1e-3, 5e-4])
@@ -72,7 +76,7 @@ def test_host_steps_are_torchs_fused_adamw_and_its_checkpoints_are_adamws(decoup
         for name, value in state.items():
             assert torch.equal(saved["state"][key][name].cpu(), value.cpu()), (key, name)
     # AdamW's state loads into the host optimizer (kept on the host) and the two go on alike
-    resumed = HostAdamW(ours, **settings, decoupled=decoupled)
+    resumed = HostAdamW(ours, **settings, decoupled=decoupled, gpu_blocks=gpu_blocks)
     resumed.load_state_dict(plain.state_dict())
     assert all(value.device.type == "cpu" for state in resumed.state.values() for value in state.values())
     train(ours, resumed, 2)
@@ -93,6 +97,12 @@ def test_units_come_in_the_order_the_forward_needs_them():
     assert sum(len(unit.params) for unit in units) == len(list(model.parameters()))
 
 
+def test_the_leading_units_are_the_ones_the_forward_computes_before_the_kth_block_ends():
+    model = tiny_llama()  # 2 blocks: the embeddings, block 0, block 1, then the final norm and head
+    units = units_of(model)
+    assert [leading_units(units, model, blocks) for blocks in (0, 1, 2, 5)] == [0, 2, 3, 3]  # never the head
+
+
 def test_a_failed_host_step_stops_the_next_forward_with_its_cause():
     model = tiny_llama()
     host = HostAdamW(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
@@ -107,16 +117,18 @@ def test_a_failed_host_step_stops_the_next_forward_with_its_cause():
 @pytest.mark.background_runs(
     plain=train_job(4, *SINGLE),
     host=train_job(4, *SINGLE, "--optimizer.on_host"),
+    host_gpu1=train_job(4, *SINGLE, "--optimizer.on_host", "--optimizer.gpu_blocks=1"),
     fsdp2=train_job(4, *FSDP2, "--optimizer.on_host", "--activation_checkpoint.mode=full",
                     "--activation_checkpoint.blocks=1", nproc=2),
 )
 def test_on_host_trains_adamws_curve_alone_and_under_fsdp_and_resumes_without_it(background_runs, tiny_model, corpus):
-    plain, host, fsdp2 = (background_runs[name] for name in ("plain", "host", "fsdp2"))
-    for run in (plain, host, fsdp2):
+    plain, host, host_gpu1, fsdp2 = (background_runs[name] for name in ("plain", "host", "host_gpu1", "fsdp2"))
+    for run in (plain, host, host_gpu1, fsdp2):
         check(run.result)
     expected = metrics(plain.dump)
     assert expected[4]["loss_metrics/global_avg_loss"] < expected[1]["loss_metrics/global_avg_loss"] - 0.2
     assert_same_curve(metrics(host.dump), expected, rel=0)  # the same fused AdamW kernel, on the same CPU
+    assert_same_curve(metrics(host_gpu1.dump), expected, rel=0)  # the first block's state where its weights are
     # FSDP shards the state (DTensors on the host); the first block alone recomputed
     assert "Applied full activation checkpointing to the first 1 of 2 blocks" in fsdp2.result.stdout + fsdp2.result.stderr
     assert_same_curve(metrics(fsdp2.dump), expected, rel=FSDP_SUMS)
@@ -134,6 +146,8 @@ def test_flags_that_cannot_combine_with_them_are_refused(tiny_model, corpus, tmp
     refused = [
         (["--optimizer.on_host", "--optimizer.name=Muon"], "--optimizer.on_host steps AdamW or Adam on the host"),
         (["--optimizer.on_host", "--training.enable_cpu_offload"], "both move the optimizer state to the host"),
+        (["--optimizer.gpu_blocks=2"], "add --optimizer.on_host, or drop gpu_blocks"),
+        (["--optimizer.on_host", "--optimizer.gpu_blocks=-1"], "a count of decoder blocks, 0 or more"),
         (["--activation_checkpoint.blocks=1"], "add --activation_checkpoint.mode full"),
         (["--activation_checkpoint.mode=full", "--activation_checkpoint.blocks=0"], "must be at least 1"),
     ]

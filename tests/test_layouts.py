@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flame import config_manager, device, launch
+from flame import device, launch
+from flame.distributed import degrees
 from flame.errors import ConfigError
 from flame.utils import convert_dcp_to_hf
 from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
@@ -201,7 +202,7 @@ def test_cpu_offload_needs_fsdp_or_one_process(job_args, monkeypatch):
         parse_job(monkeypatch, 2, *job_args, "--training.enable_cpu_offload", "--parallelism.data_parallel_replicate_degree=2")
     parse_job(monkeypatch, 2, *job_args, "--training.enable_cpu_offload")
     alone = parse_job(monkeypatch, 1, *job_args, "--training.enable_cpu_offload")  # FSDP over this one process
-    assert config_manager.fsdp_enabled(alone, 1) and not config_manager.fsdp_enabled(
+    assert degrees.fsdp_enabled(alone, 1) and not degrees.fsdp_enabled(
         parse_job(monkeypatch, 1, *job_args), 1)
 
 

@@ -15,6 +15,12 @@ How a step runs on a GPU:
 3. The next forward waits, before each unit, for that unit's weights (a forward pre-hook, ahead
    of FSDP's gather): block 3 computes while block 4 steps on the host.
 
+The host's AdamW is slower than the forward it hides behind (memory-bound, about 4-5 G parameters
+a second: fla transformer 1B's forward waited 0.12-0.15 s a step; docs/perf-log.md, 2026-11-27).
+``gpu_blocks`` (--optimizer.gpu_blocks K) keeps the state of the units up to the K-th decoder
+block on the GPU, stepped there by the same fused AdamW right after the backward: the host starts
+on the blocks the forward reaches later, with the first K blocks' forward as its head start.
+
 The moments are AdamW's own state (``step``, ``exp_avg``, ``exp_avg_sq``, placed like the
 parameter when it is a DTensor), so checkpoints are AdamW's: a run may resume with the flag on or
 off, on any layout. Saving or loading a checkpoint waits for the step in flight
@@ -109,16 +115,27 @@ def units_of(model: nn.Module) -> list[Unit]:
     return units + ([Unit(blocks[-1], rest, after=True)] if rest else [])
 
 
+def leading_units(units: list[Unit], model: nn.Module, blocks: int) -> int:
+    """How many of ``units`` come before the forward has run the first ``blocks`` decoder blocks (0 for none)."""
+    if blocks <= 0:
+        return 0
+    first = {id(block) for block in list(decoder_layers(model))[:blocks]}
+    reached = [index for index, unit in enumerate(units) if id(unit.module) in first and not unit.after]
+    return reached[-1] + 1 if reached else 0
+
+
 class HostAdamW(Optimizer):
     """AdamW (``decoupled=True``) or Adam over a model's parameters, its state and update on the host.
 
     The parameter groups hold the model's own parameters (the LR schedule and checkpoints see an
-    ordinary optimizer); the state is ``torch.optim.AdamW``'s, on the host.
+    ordinary optimizer); the state is ``torch.optim.AdamW``'s, on the host, but for the units up to
+    the ``gpu_blocks``-th decoder block, whose state stays on the parameters' device.
     """
 
     def __init__(self, model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 decoupled: bool = True, host_threads: int | None = None):
+                 decoupled: bool = True, host_threads: int | None = None, gpu_blocks: int = 0):
         self.units = units_of(model)
+        self.on_device = leading_units(self.units, model, gpu_blocks)  # the first units: state and step on the GPU
         params = [p for p in model.parameters() if p.requires_grad]  # the model's order, as torch's AdamW has them
         # torch's own defaults for these settings (amsgrad, fused, ...): the checkpoint's groups are then AdamW's
         like = (AdamW if decoupled else Adam)([torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
@@ -189,8 +206,10 @@ class HostAdamW(Optimizer):
         settings = {id(p): group for group in self.param_groups for p in group["params"]}
         if self.cuda:
             self.to_host.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are complete
+        for unit in self.units[: self.on_device]:
+            self._step_on_device(unit, settings)
         work = []
-        for unit in self.units:
+        for unit in self.units[self.on_device :]:
             if not unit.buffers:
                 self._host_copies(unit)
             live = [i for i, p in enumerate(unit.params) if p.grad is not None]
@@ -218,6 +237,26 @@ class HostAdamW(Optimizer):
             work.append((unit, dict(groups)))
         self.worker = threading.Thread(target=self._run, args=(work,), name="flame-host-optimizer", daemon=True)
         self.worker.start()
+
+    def _step_on_device(self, unit: Unit, settings: dict) -> None:
+        """A leading unit's step where its weights are, on the GPU's stream, before the host starts on the rest."""
+        groups = defaultdict(list)
+        for param in unit.params:
+            if param.grad is None:
+                continue
+            if not self.state.get(param):
+                local = torch.zeros_like(local_part(param), dtype=torch.float32)
+                self.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=local.device),
+                                     **{name: _like(param, local.clone()) for name in STATE}}
+            group = settings[id(param)]
+            groups[(group["lr"], *group["betas"], group["eps"], group["weight_decay"])].append(param)
+        for (lr, beta1, beta2, eps, weight_decay), params in groups.items():
+            states = [self.state[p] for p in params]
+            (adamw if self.decoupled else adam)(
+                [local_part(p) for p in params], [local_part(p.grad) for p in params],
+                [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states], [],
+                [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                weight_decay=weight_decay, eps=eps, maximize=False)
 
     @torch.no_grad()  # grad mode is per thread
     def _run(self, work: list) -> None:
@@ -275,26 +314,30 @@ class HostAdamW(Optimizer):
             by_id.update(zip(saved["params"], group["params"]))
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.state = defaultdict(dict)
+        on_device = {id(p) for unit in self.units[: self.on_device] for p in unit.params}
         for key, saved in state_dict["state"].items():
             param = by_id[key]
-            self.state[param] = {name: self._on_host(param, value) for name, value in saved.items()}
+            where = local_part(param).device if id(param) in on_device else torch.device("cpu")
+            self.state[param] = {name: self._placed(param, value, where) for name, value in saved.items()}
         for unit in self.units:
             unit.buffers = ()  # the model's weights were loaded too: copied again at the next step
 
     @staticmethod
-    def _on_host(param: torch.Tensor, value):
+    def _placed(param: torch.Tensor, value, where: torch.device):
+        """A saved state tensor as this optimizer keeps it: fp32 on ``where`` (a copy: never the checkpoint's own)."""
         if not torch.is_tensor(value):
             return value
-        host = local_part(value).detach().to("cpu", torch.float32, copy=True)  # a copy: never the checkpoint's tensor
-        return _like(param, host) if isinstance(value, DTensor) else host
+        local = local_part(value).detach().to(where, torch.float32, copy=True)
+        return _like(param, local) if isinstance(value, DTensor) else local
 
 
 class HostOptimizersContainer(OptimizersContainer):
     """torchtitan's container of one optimizer per model part, each a HostAdamW."""
 
-    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool) -> None:
+    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, gpu_blocks: int = 0) -> None:
         self.model_parts = model_parts
-        self.optimizers = [HostAdamW(model, **kwargs, decoupled=decoupled) for model in model_parts]
+        self.optimizers = [HostAdamW(model, **kwargs, decoupled=decoupled, gpu_blocks=gpu_blocks)
+                           for model in model_parts]
         self._validate_length(len(model_parts))
         self._post_init([p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]],
                         kwargs)

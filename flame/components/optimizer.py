@@ -218,7 +218,7 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_di
     o = optimizer_config
     if o.on_host:  # config_limits refuses it with Muon
         kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
-        return HostOptimizersContainer(model_parts, kwargs, decoupled=o.name == "AdamW")
+        return HostOptimizersContainer(model_parts, kwargs, decoupled=o.name == "AdamW", gpu_blocks=o.gpu_blocks)
     if o.name != "Muon":
         return torchtitan_optimizer.build_optimizers(model_parts, o, parallel_dims, ft_manager)
     implementation = o.implementation

@@ -83,7 +83,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_fsdp(model, layers, parallel_dims.get_mesh(names), job_config)
     elif parallel_dims.dp_replicate_enabled:  # replicate only (config_manager refuses it with TP/PP)
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
-    elif job_config.training.enable_cpu_offload:  # one process (config_manager.offloads_alone)
+    elif job_config.training.enable_cpu_offload:  # one process (degrees.offloads_alone)
         # torchtitan builds no mesh of size 1; FSDP over one rank shards nothing, and its
         # CPUOffloadPolicy keeps the weights, gradients and optimizer state on the host
         mesh = init_device_mesh(device.TYPE, (1,), mesh_dim_names=("fsdp",))

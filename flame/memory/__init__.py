@@ -77,10 +77,7 @@ def _available_ram() -> float | None:
 
 def job_of(config, world_size: int) -> Job:
     """The job as the estimate sees it: the model built on the meta device, the layout's degrees."""
-    from flame.config_manager import (  # it imports this module
-        data_parallel_degree,
-        fsdp_enabled,
-    )
+    from flame.distributed.degrees import data_parallel_degree, fsdp_enabled
     from flame.memory import (
         activations,  # transformers and the models: only for jobs that plan
     )

@@ -1,10 +1,12 @@
 """Where --optimizer.on_host's time goes: one model, one process, the same batches under each setting.
 
-    python scripts/bench/host_optimizer.py --config configs/transformer_1B.json --seq 32768 --ac-blocks 15
+    python scripts/bench/host_optimizer.py --config configs/transformer_1B.json --seq 32768 --ac-blocks 15 \
+        --gpu-blocks 4 6
 
 Runs, in turn: torch's fused AdamW on the GPU; flame's host optimizer (flame.components.host_optimizer)
-with its default threads and with the ones --threads lists; each without activation checkpointing
-and with full AC of the first --ac-blocks blocks. Per setting, one JSON line: the median step and,
+with its default threads, with the ones --threads lists, and with the state of the first K blocks
+kept on the GPU for each K of --gpu-blocks; each without activation checkpointing and with full AC
+of the first --ac-blocks blocks. Per setting, one JSON line: the median step and,
 per step, how long the forward waited for the host (waited), the host's AdamW (stepping), and the
 host thread's wait for the gradients (copying). Each step's forward and
 backward are scripts/bench/plain_loop.py's (bf16 autocast, flame's batches and model inputs).
@@ -55,6 +57,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--ac-blocks", type=int, default=0, help="also run with full AC of the first N blocks")
     parser.add_argument("--threads", type=int, nargs="*", default=[], help="host thread counts to try besides the default")
+    parser.add_argument("--gpu-blocks", type=int, nargs="*", default=[],
+                        help="also run with the embeddings' and first K blocks' state on the GPU, for each K")
     args = parser.parse_args()
 
     config = load_model_config(args.config)
@@ -65,17 +69,19 @@ def main() -> None:
     for ac in ([0, args.ac_blocks] if args.ac_blocks else [0]):
         if ac:
             checkpoint_blocks(decoder_layers(model), _full_ac(ac), model_compile_enabled=False)
-        for threads in [None, "gpu", *args.threads]:
+        runs = [(None, 0), ("gpu", 0), *((threads, 0) for threads in args.threads),
+                *((None, blocks) for blocks in args.gpu_blocks)]
+        for threads, gpu_blocks in runs:
             torch.cuda.reset_peak_memory_stats()
             if threads == "gpu":
                 optimizer = torch.optim.AdamW(model.parameters(), **settings, fused=True)
             else:
-                optimizer = HostAdamW(model, **settings, host_threads=threads)
+                optimizer = HostAdamW(model, **settings, host_threads=threads, gpu_blocks=gpu_blocks)
             times = timed_steps(model, optimizer, batches, args.warmup)
             if threads != "gpu":
                 optimizer.settle()  # the last step still writes the weights: before its hooks go
             row = {"ac_blocks": ac, "optimizer": "AdamW on the GPU" if threads == "gpu" else "host",
-                   "threads": None if threads == "gpu" else optimizer.host_threads,
+                   "threads": None if threads == "gpu" else optimizer.host_threads, "gpu_blocks": gpu_blocks,
                    "step_ms": round(1000 * statistics.median(times), 1),
                    "tokens_per_s": round(args.seq / statistics.median(times)),
                    "peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1)}

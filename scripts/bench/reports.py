@@ -285,6 +285,16 @@ def peers(results: list[Result], work: Path, baseline: str | None = None) -> lis
     return shown + [f"  {note}" for note in notes]
 
 
+def profiles(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """The runs' table, then each run's profiled step by kernel kind (its <name>.profile.txt, runs.py)."""
+    shown = runs(results, work, baseline)
+    for result in results:
+        summary = work / f"{result.step.name}.profile.txt"
+        if summary.is_file():
+            shown += ["", f"{result.step.name}:", *summary.read_text().splitlines()]
+    return shown
+
+
 def curves(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
     """Per config, the runs' loss curves side by side (every logged step), then per run: tokens/s and
     step time against the baseline run (second half of the steps), and the first step at which
@@ -319,4 +329,4 @@ def curves(results: list[Result], work: Path, baseline: str | None = None) -> li
     return shown
 
 
-REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers, "curves": curves}
+REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers, "curves": curves, "profiles": profiles}

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.bench import trace_summary
 from scripts.bench.plan import Step, stem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,6 +128,9 @@ def run_step(step: Step, work: Path, limit: Callable[[], float], env: dict[str, 
             if err.stat().st_size:
                 shutil.copy(err, work / f"{step.name}.rank{err.parent.name}.err")
                 note = f"ranks' stderr: {step.name}.rank*.err"
+    traces = sorted(dump.glob("profile_trace/iteration_*/rank0_trace.json"), key=lambda t: int(t.parent.name[10:]))
+    if traces:  # --profiling.enable_profiling: the last profiled step, summed by kind (the trace is hundreds of MB)
+        (work / f"{step.name}.profile.txt").write_text(trace_summary.summarize(traces[-1]) + "\n")
     for entry in dump.iterdir() if dump.is_dir() else ():
         if entry.name != "metrics.jsonl":
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

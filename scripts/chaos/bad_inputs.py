@@ -177,6 +177,8 @@ CASES: list[Case] = [
     Case("optimizer-unknown", ("--optimizer.name", "Lion"), ("--optimizer.name Lion", "AdamW")),
     Case("beta-out-of-range", ("--optimizer.beta2", "1.5"), ("--optimizer.beta2 must be a number in [0, 1)",)),
     Case("weight-decay-negative", ("--optimizer.weight_decay", "-0.1"), ("--optimizer.weight_decay",)),
+    Case("gpu-blocks-without-on-host", ("--optimizer.gpu_blocks", "4"),
+         ("--optimizer.gpu_blocks keeps some of the optimizer state on the GPU", "add --optimizer.on_host")),
     Case("muon-setting-without-muon", ("--optimizer.muon_lr", "0.02"),
          ("--optimizer.muon_lr sets the Muon optimizer", "--optimizer.name Muon")),
     Case("muon-momentum-of-one", ("--optimizer.name", "Muon", "--optimizer.muon_momentum", "1"),

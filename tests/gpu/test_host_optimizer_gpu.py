@@ -21,12 +21,14 @@ def fingerprint(unit) -> torch.Tensor:
     return torch.stack([p.detach().double().square().sum() for p in unit.params])
 
 
-def test_every_unit_computes_with_its_updated_weights_while_the_host_steps_the_next():
+@pytest.mark.parametrize("gpu_blocks", [0, 3])
+def test_every_unit_computes_with_its_updated_weights_while_the_host_steps_the_next(gpu_blocks):
+    """gpu_blocks 3: the embeddings and the first 3 blocks step on the GPU's stream, the rest on the host."""
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY_DECODER, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8},
                          vocab_size=32000, max_position_embeddings=512)
     model = LlamaForCausalLM(config).cuda()
-    host = HostAdamW(model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    host = HostAdamW(model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, gpu_blocks=gpu_blocks)
     seen = {}  # each unit's weights as its forward found them, read on the GPU's stream right after flame's wait
     for unit in host.units:
         def record(*_, unit=unit):
@@ -50,6 +52,10 @@ def test_every_unit_computes_with_its_updated_weights_while_the_host_steps_the_n
         host.zero_grad()
     host.settle()
     assert host.waited > 0 and all(buffer.is_pinned() for unit in host.units for buffer in unit.buffers)
+    on_device = {id(p) for unit in host.units[: host.on_device] for p in unit.params}
+    assert len(on_device) == (0 if not gpu_blocks else 1 + 3 * len(list(model.model.layers[0].parameters())))
+    for param, state in host.state.items():
+        assert state["exp_avg"].device.type == ("cuda" if id(param) in on_device else "cpu")
 
 
 def test_a_run_on_host_trains_and_its_checkpoint_resumes_without_it(tmp_path, tiny_model, corpus):
