@@ -19,7 +19,9 @@ from flame.distributed.parallelize import checkpoint_blocks
 from flame.errors import ConfigError
 from flame.memory.layout import Layout
 from flame.memory.plan import candidates, choose, estimate, gpu_bytes
-from flame.memory.price import price
+from flame.memory.price import host_step, price
+from flame.models import load_model_config
+from flame.models.registry import decoder_layers, meta_model
 from tests.conftest import (
     TINY_DECODER,
     assert_same_curve,
@@ -182,3 +184,18 @@ def test_the_plan_steps_the_optimizer_on_the_host_where_that_fits_and_costs_leas
     # given, it is kept; a host budget without room for it rules it out
     assert choose(job, start, {"host_optimizer"}, budget, None, rates=lambda: H100).layout != on_host
     assert not any(layout.host_optimizer for layout in candidates(job, start, set(), 0.5 * 16 * job.params))
+
+
+def test_the_plan_counts_the_state_gpu_blocks_keeps_on_the_gpu(tiny_model, monkeypatch):
+    """A given --optimizer.gpu_blocks is planned around: the embeddings' and first blocks' state on the GPU,
+    the rest (and its pinned buffers) on the host, the host's step priced for the rest alone."""
+    jobs = [memory.job_of(parse_job(monkeypatch, 1, *job_args(tiny_model, "--memory.plan=off", "--optimizer.on_host",
+                                                             f"--optimizer.gpu_blocks={k}")), 1) for k in (0, 1)]
+    model = meta_model(load_model_config(tiny_model))
+    first = model.get_input_embeddings().weight.numel() + sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    assert [job.gpu_state_params for job in jobs] == [0, first]
+    none, one = ({(p.name, p.where): p.bytes for p in estimate(job, Layout(host_optimizer=True))} for job in jobs)
+    assert ("optimizer state", "GPU") not in none and one[("optimizer state", "GPU")] == 8 * first
+    assert one[("optimizer state", "host (stepped there)")] == none[("optimizer state", "host (stepped there)")] - 8 * first
+    assert one[("host step buffers", "host (pinned)")] == none[("host step buffers", "host (pinned)")] - 8 * first
+    assert host_step(jobs[1], H100, hidden_by=0.0) < host_step(jobs[0], H100, hidden_by=0.0)

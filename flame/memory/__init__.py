@@ -108,6 +108,7 @@ def job_of(config, world_size: int) -> Job:
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
         can_offload=device.CUDA and (fsdp or world_size == 1),
         can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and not pipelined,
+        gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, fsdp),
         autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(
             config, model_config.vocab_size),
         expandable_segments=expandable_segments(config),
@@ -115,6 +116,18 @@ def job_of(config, world_size: int) -> Job:
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
         activations=activations.measure(model_config, dtype, fused, autocast),
     )
+
+
+def gpu_state_params(model, gpu_blocks: int, fsdp: bool) -> int:
+    """The parameters whose optimizer state ``--optimizer.gpu_blocks`` keeps on the GPU (with --optimizer.on_host):
+    those of the units the forward computes up to the last of those blocks (flame.components.host_optimizer)."""
+    from flame.components.host_optimizer import leading_units, units_of
+
+    units = units_of(model)
+    counted = units[: leading_units(units, model, gpu_blocks)]
+    if fsdp and counted and units[-1].after:  # under FSDP the head and the final norm join the embeddings' unit
+        counted.append(units[-1])
+    return sum(p.numel() for unit in counted for p in unit.params)
 
 
 def layout_of(config) -> Layout:

@@ -69,6 +69,7 @@ class Job:
     fsdp: bool
     can_offload: bool  # a GPU job under FSDP, or of one process (FSDP wraps it alone to offload it)
     can_step_on_host: bool  # a GPU job with AdamW or Adam, not pipelined (--optimizer.on_host)
+    gpu_state_params: int  # under --optimizer.on_host, the parameters whose state --optimizer.gpu_blocks keeps on the GPU
     autocast_copies: bool  # no FSDP and a bf16/fp16 compute dtype: autocast keeps a cast copy of each weight
     fused_loss: bool
     expandable_segments: bool  # PyTorch's allocator grows segments in place: little fragmentation

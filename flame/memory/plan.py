@@ -65,10 +65,17 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     moments = "one momentum for matrices, AdamW's two for the rest" if job.optimizer == "Muon" else "two moments"
     parts = [Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank")]
     gradients = Part("gradients", 4 * weights, kept, "fp32")
-    parts.append(Part("optimizer state", state, "host (stepped there)" if layout.host_optimizer else kept,
-                      f"{job.optimizer}: fp32, {moments}"))
     if layout.host_optimizer:
-        parts.append(Part("host step buffers", 8 * weights, "host (pinned)", "fp32 copies of the weights and gradients"))
+        # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU
+        on_gpu = 8 * job.gpu_state_params / job.weight_shards
+        parts.append(Part("optimizer state", state - on_gpu, "host (stepped there)", f"{job.optimizer}: fp32, {moments}"))
+        if on_gpu:
+            parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
+                                                                  "(--optimizer.gpu_blocks)"))
+        parts.append(Part("host step buffers", 8 * (weights - job.gpu_state_params / job.weight_shards),
+                          "host (pinned)", "fp32 copies of the weights and gradients"))
+    else:
+        parts.append(Part("optimizer state", state, kept, f"{job.optimizer}: fp32, {moments}"))
     if job.fsdp or layout.offload:
         gathered = job.params if not layout.reshard else 2 * job.block_params
         why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"

@@ -88,7 +88,7 @@ def host_step(job: Job, hardware: Hardware, hidden_by: float) -> float:
     probe measured it alone, and the forward hid ``FORWARD_HIDES`` of its time from it (the
     launching thread waits for each block's weights, so the GPU cannot run ahead).
     """
-    weights = job.params / job.weight_shards
+    weights = (job.params - job.gpu_state_params) / job.weight_shards  # --optimizer.gpu_blocks' step on the GPU
     link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
     copy = 4 * weights / link if link else math.inf
     stages = (copy, HOST_STEP_SLOWDOWN * weights / hardware.host_adam_params_per_s, copy)
