@@ -220,6 +220,35 @@ def test_the_probe_runs_the_jobs_precision_autocast_keeps_a_float32_residual_str
         assert amp_block.linear >= bf16_block.linear + 2 * hidden * 2
 
 
+def test_an_autocast_jobs_hf_model_is_probed_where_it_runs_and_keeps_its_meta_profile_if_that_fails(tmp_path,
+                                                                                                     monkeypatch):
+    """Autocast does not reach meta tensors: the meta forward keeps every tensor in bf16. On a GPU (the CPU
+    here) an autocast job's HF model is measured as it runs; a probe that fails leaves the meta profile."""
+    config = tiny_llama(2)
+    config._attn_implementation = "eager"
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    on_meta = activations.measure(config, torch.bfloat16, autocast=True)  # no GPU: the meta forward's answer
+    assert on_meta.method.startswith("measured (meta-device forward")
+    monkeypatch.setattr(activations, "probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(activations, "PROBE_LENGTHS", activations.LENGTHS)
+    monkeypatch.setenv("FLAME_CACHE", str(tmp_path / "measured"))
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    probed = activations.measure(config, torch.bfloat16, autocast=True)
+    assert probed.method.startswith("measured (on the cpu, float32 weights under bfloat16 autocast")
+    assert probed == activations.probe(config, torch.bfloat16, "cpu", activations.LENGTHS, autocast=True)
+    assert all(mine.linear > theirs.linear for mine, theirs in zip(probed.blocks, on_meta.blocks))  # the fp32 stream
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (the test)")
+
+    monkeypatch.setattr(activations, "probe", out_of_memory)
+    monkeypatch.setenv("FLAME_CACHE", str(tmp_path / "failed"))
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    fallback = activations.measure(config, torch.bfloat16, autocast=True)
+    assert dataclasses.replace(fallback, method="") == dataclasses.replace(on_meta, method="")
+    assert fallback.method.endswith("the GPU probe failed: OutOfMemoryError: CUDA out of memory (the test)")
+
+
 def test_the_peak_is_the_forwards_end_or_the_backward_not_both(long_model, monkeypatch):
     """At the forward's end the loss's logits are live and the gradients not yet allocated (unless a step
     accumulates them); in the backward the gradients are and the logits are not. Counting both at once

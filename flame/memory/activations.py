@@ -21,10 +21,13 @@ on the GPU instead (``probed``): the whole model materialized there in the job's
 forward at three row lengths up to 4K tokens (one document a row), the saved tensors counted by
 the same hooks, then the model freed. The precision matters: a job without FSDP computes under
 autocast with float32 weights, so its residual stream, and every norm input saved from it, is
-float32 (twice the bytes of the same model in bf16; gla 340M keeps 40% more). It runs once per
-machine: the result is cached under ``$FLAME_CACHE/activations`` by model config, precision, GPU
-and library versions (the job's check measures it, its ranks read it). Where there is no GPU, or the probe fails, a stated
-formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``); the plan's table says which applies.
+float32 (twice the bytes of the same model in bf16; gla 340M keeps 40% more). Autocast does not
+reach meta tensors, so on a GPU such a job's HF model is probed too, and its meta forward stays
+the answer only where the probe fails. The probe runs once per machine: the result is cached
+under ``$FLAME_CACHE/activations`` by model config, precision, GPU and library versions (the
+job's check measures it, its ranks read it). Where there is no GPU, or the probe of a model the
+meta forward could not run fails, a stated formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``);
+the plan's table says which applies.
 
 Not counted: kernels' temporary workspaces, the internal buffers of fla's Triton kernels,
 cuBLAS/NCCL workspaces.
@@ -226,6 +229,11 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
         if (where := probe_device()) is None:
             return _formula(config, dtype, blocks, why)
         return probed(config, dtype, where, blocks, why, autocast)
+    if autocast and (where := probe_device()) is not None:
+        # autocast does not reach meta tensors, so that forward kept every tensor in ``dtype``, where the job
+        # keeps its residual stream and the norm inputs saved from it in float32: measured as the job runs
+        return probed(config, dtype, where, blocks, "keeps every tensor in one dtype (autocast does not reach meta "
+                      "tensors)", autocast, fused, fallback=profile)
     return profile
 
 
@@ -249,24 +257,28 @@ def probe_device() -> torch.device | None:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, blocks: int,
-           why_not_meta: str, autocast: bool = False) -> ActivationProfile:
+def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, blocks: int, why_not_meta: str,
+           autocast: bool = False, fused: bool = False, fallback: ActivationProfile | None = None) -> ActivationProfile:
     """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures).
 
-    A probe that fails (out of memory, a kernel that refuses this GPU) leaves the formula, cached
-    as well: every rank then plans from the same numbers, and none tries again.
+    A probe that fails (out of memory, a kernel that refuses this GPU) leaves ``fallback`` (the meta
+    forward's profile) or else the formula, cached as well: every rank then plans from the same
+    numbers, and none tries again.
     """
     def measure() -> ActivationProfile:
         try:
-            return probe(config, dtype, where, PROBE_LENGTHS, autocast)
+            return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
         except Exception as error:  # noqa: BLE001
-            return _formula(config, dtype, blocks, f"{why_not_meta}; the GPU probe failed: {type(error).__name__}: {error}")
+            failed = f"the GPU probe failed: {type(error).__name__}: {error}"
+            if fallback is not None:
+                return dataclasses.replace(fallback, method=f"{fallback.method}; {failed}")
+            return _formula(config, dtype, blocks, f"{why_not_meta}; {failed}")
 
-    return measured_once(probe_cache_path(config, dtype, where, autocast), _read, measure)
+    return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
-          lengths: tuple[int, int, int], autocast: bool = False) -> ActivationProfile:
+          lengths: tuple[int, int, int], autocast: bool = False, fused: bool = False) -> ActivationProfile:
     """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed.
 
     ``autocast``: float32 weights, the forward under autocast to ``dtype`` (the job's AMP); else the
@@ -284,7 +296,10 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
         model.to_empty(device=where)
         reinitialize(model)
         model.train()
+        if fused:
+            use_fused_kernels(model)
         precision = f"float32 weights under {dtype_name(dtype)} autocast" if autocast else f"{dtype_name(dtype)} weights"
+        precision += ", flame's fused norms and MLPs" if fused else ""
         try:
             with torch.autocast(where.type, dtype) if autocast else nullcontext():
                 return _profile(model, lengths, where, f"on the {_device_name(where)}, {precision}: forward at "
@@ -295,7 +310,8 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
                 torch.cuda.empty_cache()
 
 
-def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool) -> Path:
+def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool,
+                     fused: bool = False) -> Path:
     """The cached probe of ``config`` in this precision on this kind of GPU, with these kernel libraries."""
     versions = []
     for package in ("torch", "triton", "flash-linear-attention", "fla-core", "transformers"):
@@ -303,7 +319,7 @@ def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.
             versions.append(f"{package}={metadata.version(package)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{package}=none")
-    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), autocast, _device_name(where), versions,
+    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), autocast, fused, _device_name(where), versions,
                       PROBE_LENGTHS])
     return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 

@@ -1,6 +1,7 @@
-"""The memory plan's GPU probe of fla models (flame.memory.activations.probed): what its saved-tensor hooks
-count is what a forward really keeps on the GPU, at row lengths its fit never saw, in both precisions a
-job trains in (float32 weights under autocast without FSDP; bf16 weights as FSDP gathers them)."""
+"""The memory plan's GPU probe (flame.memory.activations.probed): what its saved-tensor hooks count is what
+a forward really keeps on the GPU, at row lengths its fit never saw, in both precisions a job trains in
+(float32 weights under autocast without FSDP; bf16 weights as FSDP gathers them): fla models, and an HF
+llama on flame's fused norms and MLPs (probed under autocast, which meta tensors do not take)."""
 
 from contextlib import nullcontext
 
@@ -10,6 +11,8 @@ import torch
 from flame.memory import activations
 from flame.models import load_model_config
 from flame.models.builder import reinitialize
+from flame.models.fused import use_fused_kernels
+from flame.models.inputs import is_fla_config
 from flame.models.registry import meta_model
 from tests.conftest import ROOT
 
@@ -17,12 +20,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("autocast", [True, False], ids=["amp", "bf16"])
-@pytest.mark.parametrize("name", ["gla", "transformer", "gated_deltanet"])
-def test_the_probe_counts_what_an_fla_forward_keeps_on_the_gpu(name, autocast):
+@pytest.mark.parametrize("name", ["gla", "transformer", "gated_deltanet", "llama"])
+def test_the_probe_counts_what_a_forward_keeps_on_the_gpu(name, autocast):
     # the 340M's blocks, two of them: the shapes whose kernel choices flame ships (no autotuning here)
     config = load_model_config(str(ROOT / "configs" / f"{name}_340M.json"))
     config.num_hidden_layers = 2
-    profile = activations.probe(config, torch.bfloat16, "cuda", activations.PROBE_LENGTHS, autocast)
+    fused = not is_fla_config(config)  # an HF model's eager blocks on a GPU run flame's fused norms and MLPs
+    profile = activations.probe(config, torch.bfloat16, "cuda", activations.PROBE_LENGTHS, autocast, fused)
     assert profile.method.startswith("measured (on the NVIDIA")
 
     model = meta_model(config)
@@ -31,15 +35,19 @@ def test_the_probe_counts_what_an_fla_forward_keeps_on_the_gpu(name, autocast):
     model.to_empty(device="cuda")
     reinitialize(model)
     model.train()
+    if fused:
+        use_fused_kernels(model)
 
     def kept(tokens: int) -> int:
         """Bytes the forward leaves allocated for its backward, the logits left out."""
         ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
-        documents = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32, device="cuda")  # as the trainer gives them
+        # fla's models take their documents as the trainer gives them
+        documents = {} if fused else {"cu_seqlens": torch.tensor([0, tokens // 2, tokens], dtype=torch.int32,
+                                                                  device="cuda")}
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         with torch.autocast("cuda", torch.bfloat16) if autocast else nullcontext():
-            logits = model(input_ids=ids, cu_seqlens=documents, use_cache=False).logits
+            logits = model(input_ids=ids, use_cache=False, **documents).logits
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated() - before - logits.untyped_storage().nbytes()
 
