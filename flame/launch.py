@@ -3,14 +3,15 @@
     python -m flame.launch --world-size 8 [--node-rank 0] -- <train flags>     (check only; exit 0 or 2)
 
 train.sh's launcher (flame.supervise) runs ``check`` in a process forked from it before it starts
-torchrun's agent. It parses the config exactly as the ranks will (so TOML-only settings count). On
-node 0 it refuses at once a dump folder that another run holds (flame.dump_folder: it looks, takes
-nothing, writes nothing; the launcher takes the lock after this check). Then it loads the
+torchrun's agent. First it copies flame's shipped autotune choices into this node's Triton cache
+(flame.autotune), where the memory plan's GPU probe reads them too. It parses the config exactly
+as the ranks will (so TOML-only settings count). On node 0 it refuses at once a dump folder that
+another run holds (flame.dump_folder: it looks, takes nothing, writes nothing; the launcher takes
+the lock after this check). Then it loads the
 tokenizer, the model config, the metadata of the checkpoint the run would load and every data
 source, and checks the libraries flame changes (flame.compat.check): bad input, or a library
 flame's changes no longer fit, fails here, in seconds, before any rank exists. Built-in corpora
-are built here once, not by every rank, and flame's shipped autotune choices are copied into this
-node's Triton cache (flame.autotune). What the launcher needs from the job comes back as a
+are built here once, not by every rank. What the launcher needs from the job comes back as a
 ``LaunchPlan``.
 """
 
