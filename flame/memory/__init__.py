@@ -109,10 +109,8 @@ def job_of(config, world_size: int) -> Job:
         can_offload=device.CUDA and (fsdp or world_size == 1),
         can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and not pipelined,
         gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, fsdp),
-        autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(
-            config, model_config.vocab_size),
-        expandable_segments=expandable_segments(config),
-        dense_attention=attention == "sdpa",
+        autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(config, model_config.vocab_size),
+        expandable_segments=expandable_segments(config), dense_attention=attention == "sdpa",
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
         activations=activations.measure(model_config, dtype, fused, autocast),
     )
