@@ -124,6 +124,15 @@ def leading_units(units: list[Unit], model: nn.Module, blocks: int) -> int:
     return reached[-1] + 1 if reached else 0
 
 
+def _by_hyperparameters(unit: Unit, live: list[int], settings: dict) -> dict[tuple, list[int]]:
+    """The indices of ``live`` grouped by their group's (lr, beta1, beta2, eps, weight_decay)."""
+    groups = defaultdict(list)
+    for i in live:
+        group = settings[id(unit.params[i])]
+        groups[(group["lr"], *group["betas"], group["eps"], group["weight_decay"])].append(i)
+    return dict(groups)
+
+
 class HostAdamW(Optimizer):
     """AdamW (``decoupled=True``) or Adam over a model's parameters, its state and update on the host.
 
@@ -212,12 +221,7 @@ class HostAdamW(Optimizer):
         for unit in self.units[self.on_device :]:
             if not unit.buffers:
                 self._host_copies(unit)
-            live = [i for i, p in enumerate(unit.params) if p.grad is not None]
-            for i in live:
-                param = unit.params[i]
-                if not self.state.get(param):
-                    local = torch.zeros_like(unit.host_params[i])
-                    self.state[param] = {"step": torch.tensor(0.0), **{name: _like(param, local.clone()) for name in STATE}}
+            live = self._live(unit, unit.host_params)
             if self.cuda:
                 with torch.cuda.stream(self.to_host):
                     for i in live:
@@ -228,35 +232,39 @@ class HostAdamW(Optimizer):
             else:
                 for i in live:
                     unit.host_grads[i].copy_(local_part(unit.params[i].grad))
-            groups = defaultdict(list)  # the hyperparameters as of now: the LR schedule moves on before the thread runs
-            for i in live:
-                group = settings[id(unit.params[i])]
-                groups[(group["lr"], *group["betas"], group["eps"], group["weight_decay"])].append(i)
             unit.ready.clear()
             unit.pending = True
-            work.append((unit, dict(groups)))
+            # the hyperparameters as of now: the LR schedule moves on before the thread runs
+            work.append((unit, _by_hyperparameters(unit, live, settings)))
         self.worker = threading.Thread(target=self._run, args=(work,), name="flame-host-optimizer", daemon=True)
         self.worker.start()
 
-    def _step_on_device(self, unit: Unit, settings: dict) -> None:
-        """A leading unit's step where its weights are, on the GPU's stream, before the host starts on the rest."""
-        groups = defaultdict(list)
-        for param in unit.params:
-            if param.grad is None:
-                continue
+    def _live(self, unit: Unit, kept_like: list[torch.Tensor]) -> list[int]:
+        """The indices of the unit's parameters that have a gradient, each with its state (new ones zero, in
+        fp32 where ``kept_like``'s tensor is: the host copy, or the parameter's own device)."""
+        live = [i for i, p in enumerate(unit.params) if p.grad is not None]
+        for i in live:
+            param = unit.params[i]
             if not self.state.get(param):
-                local = torch.zeros_like(local_part(param), dtype=torch.float32)
+                local = torch.zeros_like(kept_like[i], dtype=torch.float32)
                 self.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=local.device),
                                      **{name: _like(param, local.clone()) for name in STATE}}
-            group = settings[id(param)]
-            groups[(group["lr"], *group["betas"], group["eps"], group["weight_decay"])].append(param)
-        for (lr, beta1, beta2, eps, weight_decay), params in groups.items():
-            states = [self.state[p] for p in params]
-            (adamw if self.decoupled else adam)(
-                [local_part(p) for p in params], [local_part(p.grad) for p in params],
-                [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states], [],
-                [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                weight_decay=weight_decay, eps=eps, maximize=False)
+        return live
+
+    def _step_on_device(self, unit: Unit, settings: dict) -> None:
+        """A leading unit's step where its weights are, on the GPU's stream, before the host starts on the rest."""
+        live = self._live(unit, [local_part(p) for p in unit.params])
+        for hyper, indices in _by_hyperparameters(unit, live, settings).items():
+            self._adam(hyper, [local_part(unit.params[i]) for i in indices],
+                       [local_part(unit.params[i].grad) for i in indices], [self.state[unit.params[i]] for i in indices])
+
+    def _adam(self, hyper: tuple, params: list, grads: list, states: list[dict]) -> None:
+        """torch's fused AdamW (or Adam) kernel over ``params`` where they are, with their ``states``."""
+        lr, beta1, beta2, eps, weight_decay = hyper
+        (adamw if self.decoupled else adam)(
+            params, grads, [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states],
+            [], [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+            weight_decay=weight_decay, eps=eps, maximize=False)
 
     @torch.no_grad()  # grad mode is per thread
     def _run(self, work: list) -> None:
@@ -289,13 +297,8 @@ class HostAdamW(Optimizer):
                 unit.ready.set()
 
     def _update(self, unit: Unit, hyper: tuple, indices: list[int]) -> None:
-        lr, beta1, beta2, eps, weight_decay = hyper
-        states = [self.state[unit.params[i]] for i in indices]
-        step = adamw if self.decoupled else adam
-        step([unit.host_params[i] for i in indices], [unit.host_grads[i] for i in indices],
-             [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states], [],
-             [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-             weight_decay=weight_decay, eps=eps, maximize=False)
+        self._adam(hyper, [unit.host_params[i] for i in indices], [unit.host_grads[i] for i in indices],
+                   [self.state[unit.params[i]] for i in indices])
 
     def state_dict(self):
         self.settle()

@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from importlib import metadata
@@ -228,12 +229,13 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
         if (where := probe_device()) is None:
             return _formula(config, dtype, blocks, why)
-        return probed(config, dtype, where, blocks, why, autocast)
+        return probed(config, dtype, where, autocast, fused,
+                      otherwise=lambda failed: _formula(config, dtype, blocks, f"{why}; {failed}"))
     if autocast and (where := probe_device()) is not None:
         # autocast does not reach meta tensors, so that forward kept every tensor in ``dtype``, where the job
         # keeps its residual stream and the norm inputs saved from it in float32: measured as the job runs
-        return probed(config, dtype, where, blocks, "keeps every tensor in one dtype (autocast does not reach meta "
-                      "tensors)", autocast, fused, fallback=profile)
+        return probed(config, dtype, where, autocast, fused,
+                      otherwise=lambda failed: dataclasses.replace(profile, method=f"{profile.method}; {failed}"))
     return profile
 
 
@@ -250,29 +252,27 @@ def _profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str
 
 
 def probe_device() -> torch.device | None:
-    """Where a model whose forward cannot run on meta tensors is measured: this process's GPU, else nowhere."""
+    """Where a model is measured when the meta forward cannot run it, or not in the job's precision: this
+    process's GPU, else nowhere."""
     if not (device.CUDA and torch.cuda.is_available()):
         return None
     # this rank's GPU: the ranks have not picked theirs yet, and memory on GPU 0 would crowd rank 0
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, blocks: int, why_not_meta: str,
-           autocast: bool = False, fused: bool = False, fallback: ActivationProfile | None = None) -> ActivationProfile:
+def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool, fused: bool,
+           otherwise: Callable[[str], ActivationProfile]) -> ActivationProfile:
     """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures).
 
-    A probe that fails (out of memory, a kernel that refuses this GPU) leaves ``fallback`` (the meta
-    forward's profile) or else the formula, cached as well: every rank then plans from the same
-    numbers, and none tries again.
+    A probe that fails (out of memory, a kernel that refuses this GPU) leaves ``otherwise(why)``
+    (the meta forward's profile, or the formula), cached as well: every rank then plans from the
+    same numbers, and none tries again.
     """
     def measure() -> ActivationProfile:
         try:
             return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
         except Exception as error:  # noqa: BLE001
-            failed = f"the GPU probe failed: {type(error).__name__}: {error}"
-            if fallback is not None:
-                return dataclasses.replace(fallback, method=f"{fallback.method}; {failed}")
-            return _formula(config, dtype, blocks, f"{why_not_meta}; {failed}")
+            return otherwise(f"the GPU probe failed: {type(error).__name__}: {error}")
 
     return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
 
