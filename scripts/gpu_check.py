@@ -27,6 +27,7 @@ Carry .kernel-cache/ to start with earlier machines' autotune choices.
 
 import argparse
 import os
+import queue
 import shlex
 import sys
 import threading
@@ -72,8 +73,16 @@ PEER = ("{python}", "-m", "scripts.bench.torchtitan_peer", "--config", "{config}
         "{steps}", "--log-freq", "{half}", "--device", "{device}")
 PLAIN = ("{python}", "-m", "scripts.bench.plain_loop", "--config", "{config}", "--seq", "{tokens}", "--context",
          "{context}", "--warmup", "{half}", "--steps", "{half}", "--device", "{device}")
+# the flame side of the peers and scaling suites: the peers' data, shapes, schedule and timed window
+PEER_JOB = (*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}", "--metrics.log_freq",
+            "{half}", "--lr_scheduler.warmup_steps", "{half}", "--optimizer.lr", "3e-4", "--training.num_workers", "4",
+            *NO_CHECKPOINT)
 # configs torchtitan's llama3 runs for; an fla transformer's row reads the llama run of its size (equal parameters)
 TORCHTITAN_TWINS = ("llama_340M", "llama_1B")
+
+
+# the memory suite's estimates against measured peaks: each family issue 24 names, at 340M and 1B
+ESTIMATED = ("transformer_340M", "gla_340M", "gated_deltanet_340M", "transformer_1B", "gla_1B", "gated_deltanet_1B")
 
 
 def tiny(*names: str) -> tuple[str, ...]:
@@ -127,10 +136,23 @@ SUITES = {
             Command("plain", PLAIN),
             Command("plain-compiled", (*PLAIN, "--compile"), compiled=True, on_request=True),
         ),
-        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
-               "--metrics.log_freq", "{half}", "--lr_scheduler.warmup_steps", "{half}", "--optimizer.lr", "3e-4",
-               "--training.num_workers", "4", *NO_CHECKPOINT),
+        flags=PEER_JOB,
         configs=("configs/llama_340M.json", "configs/transformer_340M.json"),
+        steps=20, tokens=32768, timeout=300,
+    ),
+    "scaling": Suite(
+        "FSDP weak scaling: flame and torchtitan's own llama3 trainer (the peers suite's method), compiled, on one GPU "
+        "and on 4, one varlen row of --tokens per GPU: tokens/s per GPU, the share of the one-GPU rate each keeps on "
+        "4, and flame/torchtitan at each size (--spread runs the one-GPU runs side by side)",
+        report="scaling",
+        per_config=(
+            Command("torchtitan-1", (*PEER, "--compile"), only=TORCHTITAN_TWINS),
+            Command("torchtitan-4", (*PEER, "--compile", "--gpus", "4"), only=TORCHTITAN_TWINS, gpus=4),
+            Run("flame-1", 1, (COMPILE_FLAG,)),
+            Run("flame-4", 4, (COMPILE_FLAG,)),
+        ),
+        flags=PEER_JOB,
+        configs=("configs/llama_340M.json", "configs/llama_1B.json"),
         steps=20, tokens=32768, timeout=300,
     ),
     "layouts": Suite(
@@ -273,12 +295,10 @@ SUITES = {
         report="runs",
         setup=(Command("hardware", ("{python}", "-m", "flame.memory.hardware"), show=r"matmul|measured in"),),
         per_config=(
-            Run("none", 1, ("--activation_checkpoint.mode", "none"), only=("transformer_340M", "gla_340M",
-                                                                         "gated_deltanet_340M", "transformer_1B")),
+            Run("none", 1, ("--activation_checkpoint.mode", "none"), only=ESTIMATED),
             Run("op", 1, ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                          "op"), only=("transformer_340M", "gla_340M", "gated_deltanet_340M", "transformer_1B")),
-            Run("full", 1, ("--activation_checkpoint.mode", "full"),
-                only=("transformer_340M", "gla_340M", "gated_deltanet_340M", "transformer_1B")),
+                          "op"), only=ESTIMATED),
+            Run("full", 1, ("--activation_checkpoint.mode", "full"), only=ESTIMATED),
             Run("budget24", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_1B",)),
             # FSDP over 2 GPUs: the weights, gradients and state halve on each rank, the activations do not
             Run("fsdp2_budget16", 2, ("--memory.gpu_budget_gib", "16"), only=("transformer_1B",)),
@@ -300,8 +320,8 @@ SUITES = {
         flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
                "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4",
                "--training.num_workers", "4", "--memory.plan", "auto", *NO_CHECKPOINT),
-        configs=("configs/transformer_340M.json", "configs/gla_340M.json", "configs/gated_deltanet_340M.json",
-                 "configs/transformer_1B.json", "configs/transformer_7B.json", "configs/llama_340M.json"),
+        configs=(*(f"configs/{name}.json" for name in ESTIMATED), "configs/transformer_7B.json",
+                 "configs/llama_340M.json"),
         steps=10, tokens=32768, timeout=500, baseline="none",
     ),
     "profile": Suite(
@@ -347,6 +367,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="more train.sh flags for every run, e.g. --flags='--training.mixed_precision_param float32'")
     parser.add_argument("--no-compile", action="store_true", help="skip compiled runs and zoo stages")
     parser.add_argument("--jobs", type=int, help="zoo processes sharing the GPU (default 4)")
+    parser.add_argument("--spread", action="store_true",
+                        help="run one-GPU steps side by side, one per visible GPU, before the steps that need more: "
+                             "peaks and losses hold, tokens/s is shared with the other runs' host work")
     parser.add_argument("--timeout", type=int, help="seconds per step, instead of the suite's")
     parser.add_argument("--budget", type=int, help="seconds for the whole check: steps are cut to fit, later ones skipped")
     parser.add_argument("--cpu", action="store_true",
@@ -376,10 +399,14 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
               "--tokens": args.tokens and not used & {"tokens", "quarter", "double", "context"},
               "--flags": args.flags and not any(isinstance(i, Run) for s in suites for i in s.per_config),
               "--jobs": args.jobs and not any(suite.parallel for suite in suites),
+              "--spread": args.spread and all(suite.parallel for suite in suites),
               "--no-compile": args.no_compile and not any(compiles(suite) for suite in suites)}
     for option, is_unused in unused.items():
         if is_unused:
             parser.error(f"{option} means nothing to suite {', '.join(args.suite)}; leave it out")
+    if args.spread and (seeded := [name for name in args.suite if SUITES[name].seeded]):
+        parser.error(f"--spread: suite {', '.join(seeded)} starts every run of a config from one seed checkpoint, "
+                     "made by the first; run it without --spread")
     missing = [config for config in args.configs or () if not (ROOT / config).is_file()]
     if missing:
         parser.error(f"--configs: {', '.join(missing)} not found (paths relative to the repository root)")
@@ -451,13 +478,13 @@ def run_suite(name: str, steps: list[Step], args: argparse.Namespace, env: dict,
     own_limit = args.timeout or suite.timeout
     lock = threading.Lock()  # parallel steps pack the same archive
 
-    def one(step: Step) -> runs.Result:
+    def one(step: Step, device: dict | None = None) -> runs.Result:
         if not args.cpu and step.gpus > gpus:
             result = runs.Result(step, None, note=f"needs {step.gpus} GPUs, {gpus} visible")
         elif budget.left() < 30:
             result = runs.Result(step, None, note="--budget spent")
         else:
-            result = runs.run_step(step, work, lambda: budget.limit(own_limit), env)
+            result = runs.run_step(step, work, lambda: budget.limit(own_limit), env | (device or {}))
         with lock:
             runs.pack(work, args.out / f"{name}.tgz")
             if not args.cpu:
@@ -468,7 +495,31 @@ def run_suite(name: str, steps: list[Step], args: argparse.Namespace, env: dict,
     if suite.parallel:
         with ThreadPoolExecutor(args.jobs or 4) as pool:
             return list(pool.map(one, steps))
+    if args.spread and gpus > 1:
+        return spread(steps, one, gpus)
     return [one(step) for step in steps]
+
+
+def spread(steps: list[Step], one, gpus: int) -> list:
+    """--spread: the steps that fit one GPU run side by side, each on a GPU of its own
+    (CUDA_VISIBLE_DEVICES), as GPUs come free; then the steps that need more, one at a time on
+    all of them. Results keep the suite's order."""
+    free = queue.Queue()
+    for index in range(gpus):
+        free.put(str(index))
+
+    def on_own_gpu(step: Step):
+        device = free.get()
+        try:
+            return one(step, {"CUDA_VISIBLE_DEVICES": device})
+        finally:
+            free.put(device)
+
+    single = [step for step in steps if step.gpus == 1]
+    with ThreadPoolExecutor(gpus) as pool:
+        done = dict(zip(map(id, single), pool.map(on_own_gpu, single)))
+    done |= {id(step): one(step) for step in steps if step.gpus > 1}
+    return [done[id(step)] for step in steps]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -310,3 +310,72 @@ def test_a_profiled_step_is_summed_by_kernel_kind_with_the_gpus_idle_time(tmp_pa
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"trace_summary: error: {cpu_trace} holds no GPU kernels: it was recorded without CUDA activity "
         "(train.sh's --profiling.enable_profiling on a GPU records them)"]
+
+
+def test_spread_runs_one_gpu_steps_side_by_side_each_on_its_own_gpu_then_the_larger_ones(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    running, seen, lock = set(), [], threading.Lock()
+
+    def fake_run_step(step, work, limit, env):
+        device = env.get("CUDA_VISIBLE_DEVICES")
+        with lock:
+            assert device not in running, f"two steps on GPU {device} at once"
+            running.add(device)
+            seen.append((step.name, device, len(running)))
+        time.sleep(0.2)
+        with lock:
+            running.discard(device)
+        return Result(step, 0, 0.2)
+
+    monkeypatch.setattr(runs, "run_step", fake_run_step)
+    monkeypatch.setattr(runs, "save_kernel_caches", lambda out: None)
+    args = gpu_check.parse_args(["--suite", "scaling", "--spread", "--work", str(tmp_path), "--out", str(tmp_path)])
+    steps = gpu_check.plan("scaling", args)
+    results = gpu_check.run_suite("scaling", steps, args, {}, gpu_check.Budget(None), gpus=4)
+    assert [r.step.name for r in results] == [s.name for s in steps]  # the suite's order
+    singles = {name: device for name, device, _ in seen if device is not None}
+    assert sorted(singles) == sorted(s.name for s in steps if s.gpus == 1) and len(set(singles.values())) == 4
+    assert max(count for *_, count in seen) == 4  # the four one-GPU runs overlapped
+    # the 4-GPU runs come after, alone, on every GPU (no CUDA_VISIBLE_DEVICES of their own)
+    assert [(name, device) for name, device, _ in seen[4:]] == [(s.name, None) for s in steps if s.gpus == 4]
+
+
+def test_spread_is_refused_where_runs_share_a_seed_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--suite", "layouts", "--spread"])
+    assert "--spread: suite layouts starts every run of a config from one seed checkpoint" in capsys.readouterr().err
+
+
+def test_the_scaling_table_sets_each_sides_share_of_its_one_gpu_rate_beside_flame_over_torchtitan(tmp_path):
+    llama = "configs/llama_340M.json"
+
+    def step(item, log="", flame_tps=None, status=0):
+        name = f"llama_340M-{item}"
+        (tmp_path / f"{name}.log").write_text(log)
+        if flame_tps:
+            (tmp_path / name).mkdir()
+            rows = [{"step": s, "throughput(tps)": tps, "mfu(%)": 30.0, "memory/max_reserved(GiB)": 30.0}
+                    for s, tps in ((10, 1.0), (20, flame_tps))]
+            (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        flame = item.startswith("flame")
+        return Result(Step("scaling", item, name, [] if flame else ["--tokens", "32768"], config=llama, train=flame,
+                           common=["--training.seq_len", "32768"] if flame else [], gpus=int(item[-1])), status, 60.0)
+
+    def torchtitan_log(tps):
+        return "".join(f"[titan] 2026-11-28 10:00:0{i},000 - root - INFO - step: {s:2}  loss: 7.1  grad_norm:  1.2  "
+                       f"memory: 40.12GiB(50.70%)  tps: {t:,}  tflops: 250.12  mfu: 25.29%\n"
+                       for i, (s, t) in enumerate(((10, 50_000), (20, tps))))
+
+    results = [step("torchtitan-1", torchtitan_log(160_000)), step("torchtitan-4", torchtitan_log(112_000)),
+               step("flame-1", flame_tps=150_000), step("flame-4", flame_tps=135_000)]
+    table = reports.scaling(results, tmp_path)
+    rows = {line.split()[2]: line.split()[3:8] for line in table[1:3]}
+    assert rows["1"] == ["160,000", "150,000", "0.94", "100%", "100%"]
+    assert rows["4"] == ["112,000", "135,000", "1.21", "70%", "90%"]
+    # a side that did not finish shows no share, and is named under the table
+    results[3] = step("flame-4", status=124)
+    table = reports.scaling(results, tmp_path)
+    assert table[2].split()[3:8] == ["112,000", "-", "-", "70%", "-"]
+    assert "llama_340M-flame-4: stopped at its limit" in table[-1]

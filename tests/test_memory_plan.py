@@ -19,7 +19,7 @@ from flame.memory.hardware import Hardware
 from flame.memory.layout import Layout
 from flame.memory.plan import (
     GIB,
-    MARGIN,
+    MARGINS,
     PRICE_TOLERANCE,
     activation_bytes,
     activation_moments,
@@ -202,6 +202,32 @@ def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_
     assert activations.measure(config, torch.float32) == fallback and len(probes) == 1
 
 
+def test_a_model_too_large_to_probe_whole_is_measured_on_its_first_blocks_repeated(tmp_path, monkeypatch):
+    """A 7B under autocast does not fit an 80 GB GPU whole (float32 weights, their copies, 4K tokens'
+    activations): out of memory, the probe measures the first three blocks and repeats the later two, which
+    for a stack of alike blocks is what the whole model's probe gives (the first keeps the embeddings' output)."""
+    config = tiny_llama(5)
+    config._attn_implementation = "eager"
+    probe_on_the_cpu(monkeypatch, tmp_path / "whole")
+    whole = activations.measure(config, torch.float32)
+    whole_probe, shapes = activations.probe, []
+
+    def out_of_memory_beyond_two_blocks(model_config, *args, **kwargs):
+        shapes.append(model_config.num_hidden_layers)
+        if model_config.num_hidden_layers > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (the test)")
+        return whole_probe(model_config, *args, **kwargs)
+
+    monkeypatch.setattr(activations, "probe", out_of_memory_beyond_two_blocks)
+    probe_on_the_cpu(monkeypatch, tmp_path / "first_blocks")
+    first = activations.measure(config, torch.float32)
+    assert shapes == [5, 3] and config.num_hidden_layers == 5  # the job's config is left whole
+    assert first.method.endswith("; the first 3 of 5 blocks, the later ones repeated: the whole model did not fit "
+                                 "the GPU)")
+    assert len(first.blocks) == 5 and first.blocks[0] != first.blocks[1]
+    assert dataclasses.replace(first, method="") == dataclasses.replace(whole, method="")
+
+
 def test_the_probe_runs_the_jobs_precision_autocast_keeps_a_float32_residual_stream(tmp_path, monkeypatch):
     """A job without FSDP keeps float32 weights and computes under autocast: its residual stream and the
     norm inputs saved from it stay float32. The probe measures in that precision (cached apart from the
@@ -267,14 +293,16 @@ def test_the_peak_is_the_forwards_end_or_the_backward_not_both(long_model, monke
     accumulating = parts(dataclasses.replace(wide, accumulates=True), Layout())
     assert accumulating["gradients"].bytes == 4 * job.params
     assert not job.expandable_segments  # a CPU job: the default segments' margin
-    assert gpu_bytes(accumulating.values()) == pytest.approx(gpu_bytes(at_end.values()) + (1 + MARGIN) * 4 * job.params)
+    assert gpu_bytes(accumulating.values()) == pytest.approx(gpu_bytes(at_end.values()) + (1 + MARGINS[(False, False)]) * 4 * job.params)
     # full AC with a small vocabulary: the last block's recompute in the backward is the peak, without the logits
     narrow = dataclasses.replace(job, vocab_size=8)
     in_backward = parts(narrow, Layout(ac="full"))
     forward_end, backward = activation_moments(narrow, "full")
     assert backward > forward_end and "the backward's peak" in in_backward["activations"].note
     assert in_backward["activations"].bytes == pytest.approx(narrow.rows * backward)
-    assert in_backward["gradients"].bytes == 4 * job.params and "logits are freed" in in_backward["loss"].note
+    # the gradients allocated so far: the last block's, whose backward comes first
+    assert in_backward["gradients"].bytes == 4 * job.block_params and "the last block's" in in_backward["gradients"].note
+    assert "logits are freed" in in_backward["loss"].note
 
 
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):
@@ -391,9 +419,11 @@ def test_a_host_bound_pass_recomputes_rather_than_splits_and_a_gpu_bound_one_spl
     assert {names[n].where for n in ("parameters", "gradients", "optimizer state")} == {"host (CPU offload)"}
     assert "autocast weight copies" not in names and names["FSDP all-gather buffers"].bytes == 2 * 2 * job.block_params
     assert "autocast weight copies" in {part.name for part in estimate(job, Layout(ac="full"))}
-    # a budget only offload fits, micro-batches given: offload, priced at the host link's rate
-    budget = gpu_bytes(estimate(job, offloaded))
-    assert choose(job, start, {"micro_batches"}, budget, None, rates=lambda: H100).layout == offloaded
+    # a budget only offload fits, micro-batches given: offload, priced at the host link's rate (weights 20 times
+    # as many: what offload frees then outweighs the larger margin FSDP's streams take)
+    heavy = dataclasses.replace(job, params=20 * job.params)
+    budget = gpu_bytes(estimate(heavy, offloaded))
+    assert choose(heavy, start, {"micro_batches"}, budget, None, rates=lambda: H100).layout == offloaded
     slow, fast = (price(job, offloaded, rates).offload for rates in (H100, FAST_LINK))
     assert slow > 10 * fast > 0
 
@@ -525,9 +555,13 @@ def test_plan_off_changes_nothing_and_takes_no_budget(long_model, monkeypatch):
 
 
 def test_micro_batched_plan_trains_the_same_loss_curve(tiny_model, corpus, tmp_path, monkeypatch, h100_rates):
-    args = base_args(tiny_model, corpus, tmp_path / "x", steps=3)[:-1]  # batch_size 2, seq_len 64
+    # 4 rows of 64 tokens: their activations and logits outweigh the gradients that micro-batches keep all step;
+    # AC given as none, which the plan keeps: micro-batches are what is left to fit the budget
+    args = [*base_args(tiny_model, corpus, tmp_path / "x", steps=3)[:-1], "--training.batch_size=4",
+            "--activation_checkpoint.mode=none"]
     off = parse_job(monkeypatch, 1, *args, f"--job.dump_folder={tmp_path / 'off'}", "--memory.plan=off")
     job = memory.job_of(off, 1)
+    assert gpu_bytes(estimate(job, Layout(micro_batches=2))) < gpu_bytes(estimate(job, Layout()))
     budget = f"--memory.gpu_budget_gib={1.001 * gpu_bytes(estimate(job, Layout(micro_batches=2))) / GIB:.9f}"
     reference, planned = two_at_a_time(
         lambda: torchrun([*args, f"--job.dump_folder={tmp_path / 'off'}", "--memory.plan=off"]),
@@ -572,21 +606,24 @@ def test_ranks_that_plan_apart_stop_before_the_first_step(tiny_model, corpus, tm
 def test_planned_jobs_take_an_allocator_whose_reserve_follows_their_tensors_and_a_margin_to_match(long_model,
                                                                                                    monkeypatch):
     """On a GPU the plan sets expandable segments for its own process (the check, every rank, however
-    started) before CUDA starts, and counts 5% for fragmentation; a user's own allocator setting is kept,
-    with the default segments' 10%."""
+    started) before CUDA starts, and counts 5% for fragmentation (20% where FSDP's streams gather and
+    reduce); a user's own allocator setting is kept, with the default segments' 10%."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(memory.device, "CUDA", True)
     monkeypatch.setattr(memory, "budgets", lambda config: (None, None))  # no GPU here to measure
 
-    def planned(*flags):
+    def planned(*flags, layout=Layout()):
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
         config = parse_job(monkeypatch, 1, *job_args(long_model, *flags))
         job = memory.job_of(config, 1)
-        margin = next(part for part in estimate(job, Layout()) if part.name == "allocator margin")
+        margin = next(part for part in estimate(job, layout) if part.name == "allocator margin")
         return os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), margin.note
 
     assert planned("--memory.plan=auto") == ("expandable_segments:True", "5% fragmentation (expandable segments)")
     assert planned("--memory.plan=off") == (None, "10% fragmentation (the allocator's default segments)")
+    # CPU offload wraps the model in FSDP, whose copies run on streams of their own
+    assert planned("--memory.plan=auto", layout=Layout(offload=True))[1] == \
+        "20% fragmentation (expandable segments, FSDP's streams)"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's own is kept
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=auto"))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

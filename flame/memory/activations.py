@@ -29,12 +29,20 @@ job's check measures it, its ranks read it). Where there is no GPU, or the probe
 meta forward could not run fails, a stated formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``);
 the plan's table says which applies.
 
-Not counted: kernels' temporary workspaces, the internal buffers of fla's Triton kernels,
-cuBLAS/NCCL workspaces.
+The GPU probe also measures what a block's backward allocates beyond what the forward kept:
+the gradients flowing through the block and its kernels' buffers (fla's chunked kernels build
+and free state tensors there: gated_deltanet 340M's take 2.8 GiB at 32K tokens, a sixth of what
+full AC keeps). The last block's backward runs at each row length, from its own output, with the
+peak of allocated memory read around it; its weights' gradients do not grow with the row, so
+the fit leaves them out (the plan counts gradients itself). The meta forward cannot measure it:
+there it counts as nothing, which HF blocks' backward comes close to (0.5 GiB for the 1B at 32K).
+
+Not counted: the forward's transient buffers, cuBLAS/NCCL workspaces.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -61,6 +69,8 @@ LENGTHS = (32, 64, 128)  # three row lengths fit a + b·T + c·T² exactly; shor
 # the GPU probe's rows: long enough for kernels that work in chunks of 64, short enough that a 7B's
 # forward (weights and what it saves) fits an 80 GB GPU
 PROBE_LENGTHS = (1024, 2048, 4096)
+PROBE_BLOCKS = 3  # blocks measured of a model too large to probe whole (_first_blocks_probed)
+PROBE_VERSION = 2  # what a cached probe holds: 2 added the backward's buffers (an older cache is measured again)
 # per token per block, in units of hidden_size x dtype bytes, when the forward cannot run on meta tensors:
 # about 17 hidden-sized tensors per block (q, k, v, attention output, the MLP's 4x-wide inputs and
 # products, norms' inputs), the usual count for a transformer block without its T x T weights
@@ -90,6 +100,7 @@ class ActivationProfile:
     block_input: float  # bytes per token of a block's input: all that full AC keeps of it
     rest: Quadratic  # embeddings, final norm, head input
     method: str  # how it was found, for the plan's table
+    backward: Quadratic = Quadratic()  # what a block's backward allocates beyond what it kept (GPU probe only)
 
     def scaled(self, blocks: int) -> ActivationProfile:
         """The same blocks, ``blocks`` of them (the first ones, repeated): for tests of the scaling."""
@@ -126,8 +137,9 @@ class _SelectiveCounter(TorchDispatchMode):
 
 
 def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
-                     where: torch.device | str = "meta") -> tuple[list[int], list[int], int, int]:
-    """(bytes each block saves, bytes op-level SAC keeps of each, bytes saved outside blocks, block input bytes)."""
+                     where: torch.device | str = "meta") -> tuple[list[int], list[int], int, int, int]:
+    """(bytes each block saves, bytes op-level SAC keeps of each, bytes saved outside blocks, block input bytes,
+    bytes the last block's backward allocates: 0 on the meta device)."""
     layers = decoder_layers(model)
     weights = {p.untyped_storage()._cdata for p in model.parameters()} | {
         b.untyped_storage()._cdata for b in model.buffers()
@@ -135,7 +147,7 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     seen: set[int] = set()
     per_block = [0] * len(layers)
     outside = 0
-    state = {"block": None, "input": 0}
+    state = {"block": None, "input": 0, "last": None}
     counter = _SelectiveCounter(save_list)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -155,11 +167,14 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
             counter.start_block(index)
             hidden = args[0] if args else kwargs.get("hidden_states")
             state["input"] = hidden.untyped_storage().nbytes()
+            state["last"] = hidden
             counter.__enter__()  # inside blocks only: the model's mask code calls .item() under any dispatch mode
 
         return hook
 
-    def leave(*_) -> None:
+    def leave(module=None, args=None, output=None) -> None:
+        if module is layers[-1]:
+            state["last"] = (state["last"], output[0] if isinstance(output, (tuple, list)) else output)
         if state["block"] is not None:
             state["block"] = None
             counter.block = None
@@ -184,7 +199,21 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
         for handle in handles:
             handle.remove()
     selective = [counter.saved.get(i, 0) for i in range(len(layers))]
-    return per_block, selective, outside, state["input"]
+    workspace = _backward_workspace(*state["last"], layers[-1]) if torch.device(where).type == "cuda" else 0
+    return per_block, selective, outside, state["input"], workspace
+
+
+def _backward_workspace(block_input: torch.Tensor, block_output: torch.Tensor, block: nn.Module) -> int:
+    """Bytes the block's backward allocates at its peak beyond what is live when it starts (its saved
+    tensors and the gradient arriving at its output): the gradients it passes on and its kernels' buffers."""
+    where = block_output.device
+    arriving = torch.ones_like(block_output)
+    torch.cuda.synchronize(where)
+    start = torch.cuda.memory_allocated(where)
+    torch.cuda.reset_peak_memory_stats(where)
+    weights = [p for p in block.parameters() if p.requires_grad]
+    torch.autograd.grad(block_output, [block_input, *weights], arriving, allow_unused=True)
+    return torch.cuda.max_memory_allocated(where) - start
 
 
 def _fit(values: list[float], lengths: tuple[int, int, int] = LENGTHS) -> Quadratic:
@@ -248,7 +277,8 @@ def _profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str
     selective = tuple(_fit([run[1][i] for run in runs], lengths) for i in range(blocks))
     rest = _fit([run[2] for run in runs], lengths)
     block_input = runs[-1][3] / lengths[-1]
-    return ActivationProfile(per_block, selective, block_input, rest, f"measured ({method})")
+    backward = _fit([run[4] for run in runs], lengths)
+    return ActivationProfile(per_block, selective, block_input, rest, f"measured ({method})", backward)
 
 
 def probe_device() -> torch.device | None:
@@ -270,11 +300,34 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, au
     """
     def measure() -> ActivationProfile:
         try:
-            return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
+            try:
+                return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
+            except torch.OutOfMemoryError:
+                return _first_blocks_probed(config, dtype, where, autocast, fused)
         except Exception as error:  # noqa: BLE001
             return otherwise(f"the GPU probe failed: {type(error).__name__}: {error}")
 
     return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
+
+
+def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool,
+                         fused: bool) -> ActivationProfile:
+    """The probe of a model that does not fit the GPU whole (a 7B under autocast: float32 weights, their
+    16-bit copies and 4K tokens' activations outgrow 80 GB): its first ``PROBE_BLOCKS`` blocks measured,
+    the ones after the first repeated for the rest. The first block keeps the embeddings' output too; the
+    next two stand for a stack of alike blocks, or of two kinds in turn (samba's)."""
+    if where.type == "cuda":
+        torch.cuda.empty_cache()
+    blocks = config.num_hidden_layers
+    shorter = copy.deepcopy(config)
+    shorter.num_hidden_layers = min(blocks, PROBE_BLOCKS)
+    profile = probe(shorter, dtype, where, PROBE_LENGTHS, autocast, fused)
+    measured = len(profile.blocks)
+    take = [index if index < measured else 1 + (index - 1) % max(1, measured - 1) for index in range(blocks)]
+    method = (f"{profile.method[:-1]}; the first {measured} of {blocks} blocks, the later ones repeated: the whole "
+              "model did not fit the GPU)")
+    return dataclasses.replace(profile, blocks=tuple(profile.blocks[i] for i in take),
+                               selective=tuple(profile.selective[i] for i in take), method=method)
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
@@ -302,8 +355,9 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
         precision += ", flame's fused norms and MLPs" if fused else ""
         try:
             with torch.autocast(where.type, dtype) if autocast else nullcontext():
+                backward = ", the last block's backward" if where.type == "cuda" else ""  # memory read on CUDA only
                 return _profile(model, lengths, where, f"on the {_device_name(where)}, {precision}: forward at "
-                                f"{', '.join(map(str, lengths))} tokens, saved tensors")
+                                f"{', '.join(map(str, lengths))} tokens, saved tensors{backward}")
         finally:
             del model
             if where.type == "cuda":
@@ -320,7 +374,7 @@ def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.
         except metadata.PackageNotFoundError:
             versions.append(f"{package}=none")
     key = json.dumps([config.to_json_string(use_diff=False), str(dtype), autocast, fused, _device_name(where), versions,
-                      PROBE_LENGTHS])
+                      PROBE_LENGTHS, PROBE_VERSION])
     return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
@@ -338,7 +392,7 @@ def _read(path: Path) -> ActivationProfile:
         blocks=tuple(Quadratic(**b) for b in data["blocks"]),
         selective=tuple(Quadratic(**b) for b in data["selective"]),
         block_input=float(data["block_input"]), rest=Quadratic(**data["rest"]),
-        method=data["method"],
+        method=data["method"], backward=Quadratic(**data["backward"]),
     )
 
 

@@ -7,12 +7,15 @@ twice: the block computing and the one prefetched; every block's once FSDP keeps
 after the forward), autocast's weight copies (no FSDP, bf16), the activations
 (``flame.memory.activations``: measured), the loss's logits, and an allocator margin.
 
-A step peaks at one of two moments, and the estimate is the larger: the forward's end, where
+A step peaks at one of these moments, and the estimate is the largest: the forward's end, where
 every block's kept activations and the loss's chunk of logits are live and the gradients are
-not yet allocated (unless a step accumulates them over micro-batches); and the backward of the
-last blocks, where the gradients are allocated, a checkpointed block is recomputed and the
-logits are gone. Summing both moments' parts overestimated full AC by a sixth (gla 340M on an
-H100: docs/perf-log.md, 2026-11-27).
+not yet allocated (unless a step accumulates them over micro-batches); the backward of a block,
+where that block's activations (recomputed when checkpointed) and its backward's buffers are
+live beside what the blocks before it kept, the logits are gone, and the gradients of this
+block and the ones after it are allocated; and the backward's end, every gradient allocated.
+Summing the moments' parts overestimated full AC by a sixth (gla 340M on an H100), and counting
+every gradient at the backward's first blocks overestimated the 1B by 4 GiB (docs/perf-log.md,
+2026-11-27 and 2026-11-28).
 
 ``choose`` keeps the job as configured when it fits. Otherwise it weighs every layout the job
 may take (full activation checkpointing of the first K blocks, for any K, or of all; FSDP
@@ -39,10 +42,10 @@ if TYPE_CHECKING:
     from flame.memory.hardware import Hardware
 
 GIB = 1024**3
-# the caching allocator's fragmentation over what the tensors take: up to 32% measured with its default
-# segments (FSDP's gathers on other streams), 0.2-3.3% with expandable segments (the plan's default allocator)
-MARGIN = 0.10
-EXPANDABLE_MARGIN = 0.05
+# the caching allocator's reserve over what the tensors take, by its segments (expandable or the default
+# ones) and whether FSDP's gathers and reductions run on streams of their own: one GPU 0.2-6.5% expandable;
+# FSDP 32% default and 17-19% expandable (fla transformer 1B over 2 GPUs; docs/perf-log.md 2026-11-27, -28)
+MARGINS = {(True, False): 0.05, (False, False): 0.10, (True, True): 0.20, (False, True): 0.35}
 FUSED_LOSS_CHUNK = 8192  # flame.components.loss's fused cross entropy computes this many tokens' logits at a time
 ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest layouts that fit
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
@@ -84,21 +87,40 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         parts.append(Part("autocast weight copies", job.params * job.compute_bytes, "GPU", "one per weight"))
 
     rows = job.rows // layout.micro_batches
-    forward_end, backward = (rows * moment / job.tensor_parallel for moment in activation_moments(job, layout.ac))
+    scale = rows / job.tensor_parallel
     logits, loss_kept, loss_note = _loss(job, rows * job.tokens_per_row)
     accumulating = layout.micro_batches > 1 or job.accumulates
-    gpu_gradients = gradients.bytes if kept == "GPU" else 0.0
-    at_forward_end = forward_end + logits + (gpu_gradients if accumulating else 0.0)
-    if at_forward_end >= backward + gpu_gradients:
-        if not accumulating and kept == "GPU":
+    on_gpu = gradients.bytes if kept == "GPU" else 0.0
+    blocks = len(job.activations.blocks)
+    if accumulating or not on_gpu:  # every gradient live all step long, or none on the GPU
+        held = [on_gpu] * blocks
+    else:  # allocated block by block in the backward, the last block's first
+        per_block = 4 * job.block_params / job.weight_shards
+        held = [min(on_gpu, per_block * (blocks - index)) for index in range(blocks)]
+    end_activations = scale * forward_end_bytes(job, layout.ac)
+    at_end = end_activations + logits + (on_gpu if accumulating else 0.0)
+    during = [scale * activations + grads for activations, grads in zip(backward_bytes(job, layout.ac), held)]
+    peak = max(range(blocks), key=during.__getitem__)
+    if at_end >= max(during[peak], on_gpu):
+        if not accumulating and on_gpu:
             gradients = Part("gradients", 0.0, kept, "fp32, allocated in the backward, after this peak")
-        parts += [gradients, Part("activations", forward_end, "GPU", _recomputed(layout.ac) + "; the forward's end"),
+        parts += [gradients, Part("activations", end_activations, "GPU", _recomputed(layout.ac) + "; the forward's end"),
                   Part("loss", logits + loss_kept, "GPU", loss_note)]
-    else:
-        parts += [gradients, Part("activations", backward, "GPU", _recomputed(layout.ac) + "; the backward's peak"),
+    elif during[peak] >= on_gpu:
+        if held[peak] < on_gpu:
+            count = blocks - peak
+            whose = "the last block's" if count == 1 else f"the last {count} blocks'"
+            gradients = Part("gradients", held[peak], kept,
+                             f"fp32, {whose} so far (all: {on_gpu / GIB:.3f} GiB, by the backward's end)")
+        parts += [gradients, Part("activations", during[peak] - held[peak], "GPU",
+                                  f"{_recomputed(layout.ac)}; the backward's peak (block {peak + 1} of {blocks})"),
                   Part("loss", loss_kept, "GPU", "the head's gradients, kept for the backward (the logits are freed)")]
-    margin = EXPANDABLE_MARGIN if job.expandable_segments else MARGIN
+    else:  # the backward's end: every gradient, the activations freed
+        parts.append(Part("gradients", on_gpu, kept, "fp32, all of them: the backward's end, the activations freed"))
+    fsdp = job.fsdp or layout.offload
+    margin = MARGINS[(job.expandable_segments, fsdp)]
     allocator = "expandable segments" if job.expandable_segments else "the allocator's default segments"
+    allocator += ", FSDP's streams" if fsdp else ""
     parts.append(Part("allocator margin", margin * gpu_bytes(parts), "GPU", f"{margin:.0%} fragmentation ({allocator})"))
     return parts
 
@@ -123,13 +145,35 @@ def _recomputed(ac: str) -> str:
 
 
 def activation_moments(job: Job, ac: str) -> tuple[float, float]:
-    """Bytes one row's activations take at the forward's end, and at their peak in the backward, under ``ac``.
+    """Bytes one row's activations take at the forward's end, and at their peak in the backward, under ``ac``."""
+    return forward_end_bytes(job, ac), max(backward_bytes(job, ac))
+
+
+def forward_end_bytes(job: Job, ac: str) -> float:
+    """Bytes one row's activations take at the forward's end, under ``ac``: what every block kept."""
+    return job.activations.rest.at(job.tokens_per_row, job.dense_attention) + sum(_kept(job, ac)[0])
+
+
+def backward_bytes(job: Job, ac: str) -> list[float]:
+    """Bytes one row's activations take during each block's backward, under ``ac`` (block order).
 
     Each block keeps something through the forward (everything; its input under full AC; its
     input and the matmul outputs under op-level AC); its backward then needs all of its
-    activations (recomputed when checkpointed) while the blocks before it still hold what they
-    kept, and the blocks after it have freed theirs.
+    activations (recomputed when checkpointed) and its backward's own buffers, while the blocks
+    before it still hold what they kept, and the blocks after it have freed theirs.
     """
+    kept, blocks = _kept(job, ac)
+    rest = job.activations.rest.at(job.tokens_per_row, job.dense_attention)
+    workspace = job.activations.backward.at(job.tokens_per_row, job.dense_attention)
+    before, during = 0.0, []
+    for kept_here, whole in zip(kept, blocks):
+        during.append(rest + before + whole + workspace)
+        before += kept_here
+    return during
+
+
+def _kept(job: Job, ac: str) -> tuple[list[float], list[float]]:
+    """(what each block keeps through the forward under ``ac``, everything each block saves), for one row."""
     profile, tokens = job.activations, job.tokens_per_row
     square = job.dense_attention
     blocks = [block.at(tokens, square) for block in profile.blocks]
@@ -145,12 +189,7 @@ def activation_moments(job: Job, ac: str) -> tuple[float, float]:
     else:  # selective every N blocks: torchtitan checkpoints the N-th, 2N-th, ... block and keeps the others whole
         every = int(ac)
         kept = [inputs if (index + 1) % every == 0 else block for index, block in enumerate(blocks)]
-    before, peak = 0.0, 0.0
-    for kept_here, whole in zip(kept, blocks):
-        peak = max(peak, before + whole)
-        before += kept_here
-    rest = profile.rest.at(tokens, square)
-    return rest + before, rest + peak
+    return kept, blocks
 
 
 def activation_bytes(job: Job, ac: str) -> float:

@@ -28,6 +28,7 @@ class Command:
     only: tuple[str, ...] = ()  # per-config items: only for these configs (file name without .json)
     compiled: bool = False  # a compiled-only measurement: left out under --no-compile
     on_request: bool = False  # runs only when --only names it (an extra the suite's time budget leaves out)
+    gpus: int = 1  # GPUs it uses: skipped where fewer are visible, given its own under --spread
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def steps_of(suite_name: str, suite: Suite, configs: list[str], values: dict, ex
                 if item.compiled and no_compile or item.on_request and item.name not in only:
                     continue
                 argv = fill(item.argv, here) + (list(item.no_compile) if no_compile else [])
-                steps.append(Step(suite_name, item.name, step_name, argv, item.show, item.show_block, config))
+                steps.append(Step(suite_name, item.name, step_name, argv, item.show, item.show_block, config, item.gpus))
                 continue
             flags = fill(item.flags, here)
             if no_compile and COMPILE_FLAG in flags:

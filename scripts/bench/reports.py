@@ -235,6 +235,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def peers(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
     """One table: per config and mode, torchtitan's own trainer, flame and the plain loop side by side.
 
@@ -285,6 +289,37 @@ def peers(results: list[Result], work: Path, baseline: str | None = None) -> lis
     return shown + [f"  {note}" for note in notes]
 
 
+def scaling(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
+    """Per config and GPU count, torchtitan's and flame's tokens/s per GPU, flame/torchtitan, and the share
+    of its one-GPU rate each side keeps (weak scaling: every GPU gets the same tokens). Items are named
+    <side>-<GPUs>."""
+    found: dict[str, dict[int, dict[str, dict]]] = {}  # config -> GPUs -> side -> measurement
+    for result in results:
+        side, _, count = result.step.item.partition("-")
+        found.setdefault(result.step.config, {}).setdefault(int(count), {})[side] = \
+            peer_measurement(result, side, work)
+    header = (f"{'model':18s} {'tokens/GPU':>10s} {'GPUs':>4s} {'tok/s/GPU tt':>12s} {'tok/s/GPU flame':>15s} "
+              f"{'flame/tt':>8s} {'kept tt':>7s} {'kept flame':>10s} {'MFU% flame':>10s} {'GiB tt':>6s} {'GiB flame':>9s}")
+    shown = [header]
+    for config, sizes in found.items():
+        tokens = next(tokens_per_step(r.step) for r in results if r.step.config == config)
+        one = sizes.get(1, {})
+        for count, sides in sorted(sizes.items()):
+            tt, flame = sides.get("torchtitan", {}), sides.get("flame", {})
+            kept = {side: percent(ratio(sides.get(side, {}).get("tps"), one.get(side, {}).get("tps")))
+                    for side in ("torchtitan", "flame")}
+            shown.append(
+                f"{Path(config).stem:18s} {figure(tokens):>10s} {count:4d} {figure(tt.get('tps')):>12s} "
+                f"{figure(flame.get('tps')):>15s} {figure(ratio(flame.get('tps'), tt.get('tps')), '.2f'):>8s} "
+                f"{kept['torchtitan']:>7s} {kept['flame']:>10s} {figure(flame.get('mfu'), '.1f'):>10s} "
+                f"{figure(tt.get('memory'), '.1f'):>6s} {figure(flame.get('memory'), '.1f'):>9s}")
+    notes = ["tt: torchtitan's own llama3 trainer; tok/s per GPU over the last logged window; kept: tok/s per GPU "
+             "as a share of the same side's one-GPU run (weak scaling); GiB: peak reserved"]
+    notes += [f"{r.step.name}: {outcome(r)}" + ("" if r.status is None else f" (see {r.step.name}.log)")
+              for r in results if r.status != 0]
+    return shown + [f"  {note}" for note in notes]
+
+
 def profiles(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
     """The runs' table, then each run's profiled step by kernel kind (its <name>.profile.txt, runs.py)."""
     shown = runs(results, work, baseline)
@@ -329,4 +364,5 @@ def curves(results: list[Result], work: Path, baseline: str | None = None) -> li
     return shown
 
 
-REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers, "curves": curves, "profiles": profiles}
+REPORTS = {"lines": lines, "runs": runs, "zoo": zoo, "throughput": throughput, "peers": peers, "scaling": scaling,
+           "curves": curves, "profiles": profiles}

@@ -2,9 +2,11 @@
 
     python -m scripts.bench.torchtitan_peer --config configs/llama_340M.json --tokens 32768 --steps 20 [--compile]
     python -m scripts.bench.torchtitan_peer --config configs/llama_4M.json --tokens 1024 --steps 2 --device cpu
+    python -m scripts.bench.torchtitan_peer --config configs/llama_340M.json --gpus 4 --compile   FSDP over 4 GPUs
 
 Runs torchtitan 0.2.2's trainer as it ships (``torchtitan.train.main(Trainer)`` under torchrun,
-one process), with nothing of flame in the training path:
+one process per GPU: its default layout shards the model over them, FSDP), with nothing of
+flame in the training path:
 - the model is torchtitan's llama3 at the config's sizes, registered as an extra flavor of
   ``llama3_args`` (``flame_<config name>``): dim, layers, heads, vocabulary and the FFN width of
   the HF llama or fla transformer config. Before training, both models are built on the meta
@@ -16,7 +18,7 @@ one process), with nothing of flame in the training path:
 - data: flame's builtin corpus (the Python standard library's source), written once as one
   jsonl of its documents and read by torchtitan's ``c4_test`` loader through
   ``--training.dataset_path``; the tokenizer is flame's builtin BPE folder as
-  ``--model.hf_assets_path``. One row of --tokens per step, no activation checkpointing, bf16
+  ``--model.hf_assets_path``. One row of --tokens per step and GPU, no activation checkpointing, bf16
   autocast (torchtitan's single-GPU mixed precision), AdamW at lr 3e-4, warmup half the steps;
 - ``--compile`` adds ``--compile.enable`` (torchtitan compiles each block and the loss).
 Flags after ``--`` go to torchtitan's trainer as they are. Its log prints a line per logged
@@ -118,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--log-freq", type=int, help="steps per logged window (default: half the steps)")
     parser.add_argument("--compile", action="store_true", help="torchtitan's --compile.enable")
+    parser.add_argument("--gpus", type=int, default=1, help="processes, one per GPU (FSDP over them; default 1)")
     parser.add_argument("--attention", choices=["varlen", "sdpa"],
                         help="varlen: per document (default; CUDA); sdpa: causal over the row (the CPU's default)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -129,9 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--attention varlen runs a CUDA kernel; on the CPU use --attention sdpa")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device is visible; run with --device cpu (and --attention sdpa)")
+    if args.device == "cuda" and args.gpus > torch.cuda.device_count():
+        parser.error(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA devices are visible")
     if not Path(args.config).is_file():
         parser.error(f"--config {args.config} not found")
-    for value, name in ((args.tokens, "--tokens"), (args.steps, "--steps"), (args.log_freq, "--log-freq")):
+    for value, name in ((args.tokens, "--tokens"), (args.steps, "--steps"), (args.log_freq, "--log-freq"),
+                        (args.gpus, "--gpus")):
         if value is not None and value <= 0:
             parser.error(f"{name} must be positive, got {value}")
     return args
@@ -150,7 +156,7 @@ def launch(argv: list[str] | None = None) -> int:
     env.setdefault("HF_DATASETS_OFFLINE", "1")  # the corpus is a local file: nothing to download
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus),
                "-m", "scripts.bench.torchtitan_peer", *torchtitan_flags(args, flavor, corpus, tokenizer)]
     print(f"torchtitan_peer: {shlex.join(command)}", flush=True)
     return subprocess.call(command, cwd=ROOT, env=env)
