@@ -222,21 +222,25 @@ def test_torchtitans_own_trainer_runs_and_its_log_is_read(tiny_model, tmp_path):
     assert "--training.dataset_path" in text[0] and "--compile.enable" not in text[0]
 
 
+def peer_result(work: Path, suite: str, config: str, item: str, status=0, log="", flame_tps=None, gpus=1) -> Result:
+    """A finished step of the peers or scaling suite: its log, and a flame run's metrics (32,768 tokens a row)."""
+    name = f"{Path(config).stem}-{item}"
+    (work / f"{name}.log").write_text(log)
+    if flame_tps:
+        (work / name).mkdir()
+        rows = [{"step": s, "throughput(tps)": tps, "mfu(%)": 30.0, "memory/max_reserved(GiB)": 35.5}
+                for s, tps in ((10, 1.0), (20, flame_tps))]
+        (work / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flame = item.startswith("flame")
+    return Result(Step(suite, item, name, [] if flame else ["--tokens", "32768"], config=config, train=flame,
+                       common=["--training.seq_len", "32768"] if flame else [], gpus=gpus), status, 60.0)
+
+
 def test_the_peers_table_sets_the_three_sides_side_by_side(tmp_path):
     llama, transformer = "configs/llama_340M.json", "configs/transformer_340M.json"
 
     def step(config, item, status=0, log="", flame_tps=None):
-        name = f"{Path(config).stem}-{item}"
-        (tmp_path / f"{name}.log").write_text(log)
-        if flame_tps:
-            (tmp_path / name).mkdir()
-            rows = [{"step": s, "throughput(tps)": tps, "mfu(%)": 30.0, "memory/max_reserved(GiB)": 35.5}
-                    for s, tps in ((10, 1.0), (20, flame_tps))]
-            (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        argv = ["--tokens", "32768"] if not item.startswith("flame") else []
-        common = ["--training.seq_len", "32768"] if item.startswith("flame") else []
-        return Result(Step("peers", item, name, argv, config=config, train=item.startswith("flame"), common=common),
-                      status, 60.0)
+        return peer_result(tmp_path, "peers", config, item, status, log, flame_tps)
 
     def torchtitan_log(tps):  # torchtitan's own lines (components/metrics.py), after the trainer's size line
         return ("[titan] 2026-11-25 10:00:00,000 - root - INFO - Model llama3 flame_llama_340M size: 373,867,520 "
@@ -349,19 +353,9 @@ def test_spread_is_refused_where_runs_share_a_seed_checkpoint(capsys):
 
 
 def test_the_scaling_table_sets_each_sides_share_of_its_one_gpu_rate_beside_flame_over_torchtitan(tmp_path):
-    llama = "configs/llama_340M.json"
-
     def step(item, log="", flame_tps=None, status=0):
-        name = f"llama_340M-{item}"
-        (tmp_path / f"{name}.log").write_text(log)
-        if flame_tps:
-            (tmp_path / name).mkdir()
-            rows = [{"step": s, "throughput(tps)": tps, "mfu(%)": 30.0, "memory/max_reserved(GiB)": 30.0}
-                    for s, tps in ((10, 1.0), (20, flame_tps))]
-            (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        flame = item.startswith("flame")
-        return Result(Step("scaling", item, name, [] if flame else ["--tokens", "32768"], config=llama, train=flame,
-                           common=["--training.seq_len", "32768"] if flame else [], gpus=int(item[-1])), status, 60.0)
+        return peer_result(tmp_path, "scaling", "configs/llama_340M.json", item, status, log, flame_tps,
+                           gpus=int(item[-1]))
 
     def torchtitan_log(tps):
         return "".join(f"[titan] 2026-11-28 10:00:0{i},000 - root - INFO - step: {s:2}  loss: 7.1  grad_norm:  1.2  "
