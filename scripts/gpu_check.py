@@ -5,6 +5,8 @@
     python scripts/gpu_check.py --suite tp --configs configs/tiny/llama.json --dry-run
     python scripts/gpu_check.py --suite peers --out $OUT --budget 560   flame vs torchtitan's own trainer vs
         the plain loop, 340M (1B: --configs configs/llama_1B.json configs/transformer_1B.json --tokens 16384)
+    python scripts/gpu_check.py --suite scaling --spread --out $OUT      FSDP weak scaling on 4 GPUs, the
+        one-GPU runs side by side (--spread: one per visible GPU, then the 4-GPU runs)
 
 Every step's log (and a train.sh run's metrics.jsonl) goes to <work>/<suite>/, which is packed
 into <out>/<suite>.tgz after every step, so a command stopped at its limit still returns what

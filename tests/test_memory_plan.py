@@ -339,6 +339,15 @@ def test_fsdp_resharding_is_weighed_unless_given(long_model, monkeypatch):
     assert gpu_bytes(estimate(job, gathered)) > gpu_bytes(estimate(job, Layout()))
     # resharding gathers the weights again in the backward: it costs time, so the plan takes it only to fit
     assert price(job, Layout(), H100).gathers == 2 * price(job, gathered, H100).gathers > 0
+    # a job that fits: kept as it is, but for the weights kept gathered where that fits too
+    roomy = choose(job, Layout(), set(), gpu_bytes(estimate(job, gathered)), None, rates=lambda: H100)
+    assert roomy.layout == gathered and "kept gathered after the forward" in roomy.why
+    tight = choose(job, Layout(), set(), gpu_bytes(estimate(job, Layout())), None, rates=lambda: H100)
+    assert tight.layout == Layout() and tight.why == "fits as configured"
+    given = choose(job, Layout(), {"reshard"}, gpu_bytes(estimate(job, gathered)), None, rates=lambda: H100)
+    assert given.layout == Layout()
+    memory.set_layout(config, Layout(), gathered)
+    assert config.parallelism.fsdp_reshard_after_forward == "never"
 
 
 def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_shrinks(long_model, monkeypatch):

@@ -224,7 +224,7 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
         if (count := first_blocks(layout.ac)) is not None:
             ac.mode, ac.blocks = "full", count
     if layout.reshard != start.reshard:
-        config.parallelism.fsdp_reshard_after_forward = "always"
+        config.parallelism.fsdp_reshard_after_forward = "always" if layout.reshard else "never"
     if layout.offload != start.offload:
         config.training.enable_cpu_offload = True
     if layout.host_optimizer != start.host_optimizer:

@@ -41,6 +41,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [describe_ac(self.ac)]
+        if not self.reshard:
+            parts.append("weights kept gathered")
         if self.offload:
             parts.append("CPU offload")
         if self.host_optimizer:
