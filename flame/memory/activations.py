@@ -31,11 +31,11 @@ the plan's table says which applies.
 
 The GPU probe also measures what a block's backward allocates beyond what the forward kept:
 the gradients flowing through the block and its kernels' buffers (fla's chunked kernels build
-and free state tensors there: gated_deltanet 340M's take 2.8 GiB at 32K tokens, a sixth of what
-full AC keeps). The last block's backward runs at each row length, from its own output, with the
-peak of allocated memory read around it; its weights' gradients do not grow with the row, so
-the fit leaves them out (the plan counts gradients itself). The meta forward cannot measure it:
-there it counts as nothing, which HF blocks' backward comes close to (0.5 GiB for the 1B at 32K).
+and free state tensors there: gated_deltanet 340M's measured peak at 32K tokens stood 2.8 GiB
+above its saved tensors). The last block's backward runs at each row length, from its own
+output, with the peak of allocated memory read around it; its weights' gradients do not grow
+with the row, so the fit leaves them out (the plan counts gradients itself). The meta forward
+cannot measure it: there it counts as nothing, which the allocator margin has to cover.
 
 Not counted: the forward's transient buffers, cuBLAS/NCCL workspaces.
 """

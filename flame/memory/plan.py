@@ -18,15 +18,15 @@ every gradient at the backward's first blocks overestimated the 1B by 4 GiB (doc
 2026-11-27 and 2026-11-28).
 
 ``choose`` keeps the job as configured when it fits (under FSDP keeping the weights gathered after
-the forward where that fits too: a second all-gather a block saved for memory alone). Otherwise it weighs every layout the job
-may take (full activation checkpointing of the first K blocks, for any K, or of all; FSDP
-resharding after the forward; CPU offload of parameters, gradients and optimizer state; the
-optimizer state alone on the host, stepped there while the next forward runs;
-splitting each batch into micro-batches; and their combinations), prices each from this
-machine's measured rates (``flame.memory.price``, from ``flame.memory.hardware``: matmul TFLOP/s,
-the host link, a host AdamW step, an op launch) and takes the cheapest that fits the GPU budget.
-A setting the job file or the command line gives is kept; no layout changes it. The job and the
-settings a plan may change are ``flame.memory.layout``'s.
+the forward where that fits too: a second all-gather a block saved for memory alone). Otherwise it
+weighs every layout the job may take (full activation checkpointing of the first K blocks, for any
+K, or of all; FSDP resharding after the forward; CPU offload of parameters, gradients and optimizer
+state; the optimizer state alone on the host, stepped there while the next forward runs; splitting
+each batch into micro-batches; and their combinations), prices each from this machine's measured
+rates (``flame.memory.price``, from ``flame.memory.hardware``: matmul TFLOP/s, the host link, a host
+AdamW step, an op launch) and takes the cheapest that fits the GPU budget. A setting the job file or
+the command line gives is kept; no layout changes it. The job and the settings a plan may change are
+``flame.memory.layout``'s.
 """
 
 from __future__ import annotations
