@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from flame import memory
 from flame.errors import ConfigError
-from flame.memory import activations, hardware
+from flame.memory import activations, hardware, probe
 from flame.memory.hardware import Hardware
 from flame.memory.layout import Layout
 from flame.memory.plan import (
@@ -162,8 +162,8 @@ def probe_on_the_cpu(monkeypatch, cache) -> None:
         yield
 
     monkeypatch.setattr(activations.compat.triton, "kernel_launches_refused", refused)
-    monkeypatch.setattr(activations, "probe_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(activations, "PROBE_LENGTHS", activations.LENGTHS)
+    monkeypatch.setattr(probe, "probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(probe, "PROBE_LENGTHS", activations.LENGTHS)
     monkeypatch.setenv("FLAME_CACHE", str(cache))
     monkeypatch.setattr(activations, "_PROFILES", {})
 
@@ -190,7 +190,7 @@ def test_a_model_the_meta_forward_cannot_run_is_measured_on_its_device_once_per_
         probes.append(args)
         raise AssertionError("measured again: the cached probe was not read")
 
-    monkeypatch.setattr(activations, "probe", measured_again)
+    monkeypatch.setattr(probe, "probe", measured_again)
     monkeypatch.setattr(activations, "_PROFILES", {})  # a new process: the ranks read what the check measured
     assert activations.measure(config, torch.float32) == probed
     cached.write_text("{}")  # from an older flame: measured again, and a failing probe leaves the formula
@@ -210,7 +210,7 @@ def test_a_model_too_large_to_probe_whole_is_measured_on_its_first_blocks_repeat
     config._attn_implementation = "eager"
     probe_on_the_cpu(monkeypatch, tmp_path / "whole")
     whole = activations.measure(config, torch.float32)
-    whole_probe, shapes = activations.probe, []
+    whole_probe, shapes = probe.probe, []
 
     def out_of_memory_beyond_two_blocks(model_config, *args, **kwargs):
         shapes.append(model_config.num_hidden_layers)
@@ -218,7 +218,7 @@ def test_a_model_too_large_to_probe_whole_is_measured_on_its_first_blocks_repeat
             raise torch.OutOfMemoryError("CUDA out of memory (the test)")
         return whole_probe(model_config, *args, **kwargs)
 
-    monkeypatch.setattr(activations, "probe", out_of_memory_beyond_two_blocks)
+    monkeypatch.setattr(probe, "probe", out_of_memory_beyond_two_blocks)
     probe_on_the_cpu(monkeypatch, tmp_path / "first_blocks")
     first = activations.measure(config, torch.float32)
     assert shapes == [5, 3] and config.num_hidden_layers == 5  # the job's config is left whole
@@ -255,19 +255,19 @@ def test_an_autocast_jobs_hf_model_is_probed_where_it_runs_and_keeps_its_meta_pr
     monkeypatch.setattr(activations, "_PROFILES", {})
     on_meta = activations.measure(config, torch.bfloat16, autocast=True)  # no GPU: the meta forward's answer
     assert on_meta.method.startswith("measured (meta-device forward")
-    monkeypatch.setattr(activations, "probe_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(activations, "PROBE_LENGTHS", activations.LENGTHS)
+    monkeypatch.setattr(probe, "probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(probe, "PROBE_LENGTHS", activations.LENGTHS)
     monkeypatch.setenv("FLAME_CACHE", str(tmp_path / "measured"))
     monkeypatch.setattr(activations, "_PROFILES", {})
     probed = activations.measure(config, torch.bfloat16, autocast=True)
     assert probed.method.startswith("measured (on the cpu, float32 weights under bfloat16 autocast")
-    assert probed == activations.probe(config, torch.bfloat16, "cpu", activations.LENGTHS, autocast=True)
+    assert probed == probe.probe(config, torch.bfloat16, "cpu", activations.LENGTHS, autocast=True)
     assert all(mine.linear > theirs.linear for mine, theirs in zip(probed.blocks, on_meta.blocks))  # the fp32 stream
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory (the test)")
 
-    monkeypatch.setattr(activations, "probe", out_of_memory)
+    monkeypatch.setattr(probe, "probe", out_of_memory)
     monkeypatch.setenv("FLAME_CACHE", str(tmp_path / "failed"))
     monkeypatch.setattr(activations, "_PROFILES", {})
     fallback = activations.measure(config, torch.bfloat16, autocast=True)

@@ -16,61 +16,34 @@ attention weights that PyTorch's math SDPA path (the one meta tensors take) keep
 flash-style kernels (flame's ``varlen`` and ``flex`` attention) keep a per-row logsumexp instead,
 so the planner counts ``c`` only for ``sdpa`` attention.
 
-Models whose forward cannot run on meta tensors (fla's Triton kernels) are measured the same way
-on the GPU instead (``probed``): the whole model materialized there in the job's precision, its
-forward at three row lengths up to 4K tokens (one document a row), the saved tensors counted by
-the same hooks, then the model freed. The precision matters: a job without FSDP computes under
-autocast with float32 weights, so its residual stream, and every norm input saved from it, is
-float32 (twice the bytes of the same model in bf16; gla 340M keeps 40% more). Autocast does not
-reach meta tensors, so on a GPU such a job's HF model is probed too, and its meta forward stays
-the answer only where the probe fails. The probe runs once per machine: the result is cached
-under ``$FLAME_CACHE/activations`` by model config, precision, GPU and library versions (the
-job's check measures it, its ranks read it). Where there is no GPU, or the probe of a model the
-meta forward could not run fails, a stated formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``);
+Models whose forward cannot run on meta tensors (fla's Triton kernels), and jobs under autocast
+(which meta tensors do not take), are measured on the GPU instead, by the same hooks
+(``flame.memory.probe``); on a GPU the hooks also read what the last block's backward allocates
+beyond what it kept (``_backward_workspace``), which the meta forward cannot: there it counts as
+nothing, which the allocator margin has to cover. Where there is no GPU, or the probe of a model
+the meta forward could not run fails, a stated formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``);
 the plan's table says which applies.
-
-The GPU probe also measures what a block's backward allocates beyond what the forward kept:
-the gradients flowing through the block and its kernels' buffers (fla's chunked kernels build
-and free state tensors there: gated_deltanet 340M's measured peak at 32K tokens stood 2.8 GiB
-above its saved tensors). The last block's backward runs at each row length, from its own
-output, with the peak of allocated memory read around it; its weights' gradients do not grow
-with the row, so the fit leaves them out (the plan counts gradients itself). The meta forward
-cannot measure it: there it counts as nothing, which the allocator margin has to cover.
 
 Not counted: the forward's transient buffers, cuBLAS/NCCL workspaces.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
-import json
-import os
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
-from flame import compat, device
-from flame.data import builtin
-from flame.memory.measured_once import measured_once
+from flame import compat
 from flame.models.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.inputs import flattens_rows
 from flame.models.registry import decoder_layers, meta_model
 
 LENGTHS = (32, 64, 128)  # three row lengths fit a + b·T + c·T² exactly; short enough for learned position tables
-# the GPU probe's rows: long enough for kernels that work in chunks of 64, short enough that a 7B's
-# forward (weights and what it saves) fits an 80 GB GPU
-PROBE_LENGTHS = (1024, 2048, 4096)
-PROBE_BLOCKS = 3  # blocks measured of a model too large to probe whole (_first_blocks_probed)
-PROBE_VERSION = 2  # what a cached probe holds: 2 added the backward's buffers (an older cache is measured again)
 # per token per block, in units of hidden_size x dtype bytes, when the forward cannot run on meta tensors:
 # about 17 hidden-sized tensors per block (q, k, v, attention output, the MLP's 4x-wide inputs and
 # products, norms' inputs), the usual count for a transformer block without its T x T weights
@@ -244,6 +217,7 @@ def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False,
 
 
 def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast: bool) -> ActivationProfile:
+    from flame.memory import probe  # it builds on this module's hooks and fit
     model = meta_model(config).to(dtype)
     model.train()
     if fused:
@@ -251,24 +225,24 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
     blocks = len(decoder_layers(model))
     try:
         with compat.triton.kernel_launches_refused(), kept_as_on_cuda() if fused else nullcontext():
-            profile = _profile(model, LENGTHS, "meta", "meta-device forward, saved tensors"
+            profile = fitted_profile(model, LENGTHS, "meta", "meta-device forward, saved tensors"
                                + (", flame's fused norms and MLPs" if fused else ""))
     except Exception as error:  # noqa: BLE001 - any kernel that needs real memory (Triton) lands here
         refused = isinstance(error, compat.triton.KernelLaunchRefused)
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
-        if (where := probe_device()) is None:
+        if (where := probe.probe_device()) is None:
             return _formula(config, dtype, blocks, why)
-        return probed(config, dtype, where, autocast, fused,
+        return probe.probed(config, dtype, where, autocast, fused,
                       otherwise=lambda failed: _formula(config, dtype, blocks, f"{why}; {failed}"))
-    if autocast and (where := probe_device()) is not None:
+    if autocast and (where := probe.probe_device()) is not None:
         # autocast does not reach meta tensors, so that forward kept every tensor in ``dtype``, where the job
         # keeps its residual stream and the norm inputs saved from it in float32: measured as the job runs
-        return probed(config, dtype, where, autocast, fused,
-                      otherwise=lambda failed: dataclasses.replace(profile, method=f"{profile.method}; {failed}"))
+        return probe.probed(config, dtype, where, autocast, fused,
+                            otherwise=lambda failed: dataclasses.replace(profile, method=f"{profile.method}; {failed}"))
     return profile
 
 
-def _profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str) -> ActivationProfile:
+def fitted_profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str) -> ActivationProfile:
     """``model``'s forward at each of ``lengths`` tokens on ``where``, its saved tensors fitted per block."""
     save_list = compat.torchtitan.op_sac_save_list()
     runs = [_saved_per_block(model, tokens, save_list, where) for tokens in lengths]
@@ -279,121 +253,6 @@ def _profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str
     block_input = runs[-1][3] / lengths[-1]
     backward = _fit([run[4] for run in runs], lengths)
     return ActivationProfile(per_block, selective, block_input, rest, f"measured ({method})", backward)
-
-
-def probe_device() -> torch.device | None:
-    """Where a model is measured when the meta forward cannot run it, or not in the job's precision: this
-    process's GPU, else nowhere."""
-    if not (device.CUDA and torch.cuda.is_available()):
-        return None
-    # this rank's GPU: the ranks have not picked theirs yet, and memory on GPU 0 would crowd rank 0
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-
-
-def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool, fused: bool,
-           otherwise: Callable[[str], ActivationProfile]) -> ActivationProfile:
-    """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures).
-
-    A probe that fails (out of memory, a kernel that refuses this GPU) leaves ``otherwise(why)``
-    (the meta forward's profile, or the formula), cached as well: every rank then plans from the
-    same numbers, and none tries again.
-    """
-    def measure() -> ActivationProfile:
-        try:
-            try:
-                return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
-            except torch.OutOfMemoryError:
-                return _first_blocks_probed(config, dtype, where, autocast, fused)
-        except Exception as error:  # noqa: BLE001
-            return otherwise(f"the GPU probe failed: {type(error).__name__}: {error}")
-
-    return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
-
-
-def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool,
-                         fused: bool) -> ActivationProfile:
-    """The probe of a model that does not fit the GPU whole (a 7B under autocast: float32 weights, their
-    16-bit copies and 4K tokens' activations outgrow 80 GB): its first ``PROBE_BLOCKS`` blocks measured,
-    the ones after the first repeated for the rest. The first block keeps the embeddings' output too; the
-    next two stand for a stack of alike blocks, or of two kinds in turn (samba's)."""
-    if where.type == "cuda":
-        torch.cuda.empty_cache()
-    blocks = config.num_hidden_layers
-    shorter = copy.deepcopy(config)
-    shorter.num_hidden_layers = min(blocks, PROBE_BLOCKS)
-    profile = probe(shorter, dtype, where, PROBE_LENGTHS, autocast, fused)
-    measured = len(profile.blocks)
-    take = [index if index < measured else 1 + (index - 1) % max(1, measured - 1) for index in range(blocks)]
-    method = (f"{profile.method[:-1]}; the first {measured} of {blocks} blocks, the later ones repeated: the whole "
-              "model did not fit the GPU)")
-    return dataclasses.replace(profile, blocks=tuple(profile.blocks[i] for i in take),
-                               selective=tuple(profile.selective[i] for i in take), method=method)
-
-
-def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
-          lengths: tuple[int, int, int], autocast: bool = False, fused: bool = False) -> ActivationProfile:
-    """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed.
-
-    ``autocast``: float32 weights, the forward under autocast to ``dtype`` (the job's AMP); else the
-    weights in ``dtype``, as FSDP's mixed precision gathers them. Autocast's weight copies are kept
-    for the backward too, but they do not grow with the row: the fit's per-token terms leave them out.
-    """
-    # torchtitan's side of flame: only jobs that plan get here
-    from flame.models.builder import reinitialize
-
-    where = torch.device(where)
-    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):  # the job's RNG stream untouched
-        model = meta_model(config)
-        if not autocast:
-            model = model.to(dtype)
-        model.to_empty(device=where)
-        reinitialize(model)
-        model.train()
-        if fused:
-            use_fused_kernels(model)
-        precision = f"float32 weights under {dtype_name(dtype)} autocast" if autocast else f"{dtype_name(dtype)} weights"
-        precision += ", flame's fused norms and MLPs" if fused else ""
-        try:
-            with torch.autocast(where.type, dtype) if autocast else nullcontext():
-                backward = ", the last block's backward" if where.type == "cuda" else ""  # memory read on CUDA only
-                return _profile(model, lengths, where, f"on the {_device_name(where)}, {precision}: forward at "
-                                f"{', '.join(map(str, lengths))} tokens, saved tensors{backward}")
-        finally:
-            del model
-            if where.type == "cuda":
-                torch.cuda.empty_cache()
-
-
-def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool,
-                     fused: bool = False) -> Path:
-    """The cached probe of ``config`` in this precision on this kind of GPU, with these kernel libraries."""
-    versions = []
-    for package in ("torch", "triton", "flash-linear-attention", "fla-core", "transformers"):
-        try:
-            versions.append(f"{package}={metadata.version(package)}")
-        except metadata.PackageNotFoundError:
-            versions.append(f"{package}=none")
-    key = json.dumps([config.to_json_string(use_diff=False), str(dtype), autocast, fused, _device_name(where), versions,
-                      PROBE_LENGTHS, PROBE_VERSION])
-    return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _device_name(where: torch.device) -> str:
-    return torch.cuda.get_device_name(where) if where.type == "cuda" else str(where)
-
-
-def _read(path: Path) -> ActivationProfile:
-    data = json.loads(path.read_text())
-    return ActivationProfile(
-        blocks=tuple(Quadratic(**b) for b in data["blocks"]),
-        selective=tuple(Quadratic(**b) for b in data["selective"]),
-        block_input=float(data["block_input"]), rest=Quadratic(**data["rest"]),
-        method=data["method"], backward=Quadratic(**data["backward"]),
-    )
 
 
 def _formula(config: PretrainedConfig, dtype: torch.dtype, blocks: int, why: str) -> ActivationProfile:

@@ -1,4 +1,4 @@
-"""The memory plan's GPU probe (flame.memory.activations.probed): what its saved-tensor hooks count is what
+"""The memory plan's GPU probe (flame.memory.probe.probed): what its saved-tensor hooks count is what
 a forward really keeps on the GPU, at row lengths its fit never saw, in both precisions a job trains in
 (float32 weights under autocast without FSDP; bf16 weights as FSDP gathers them): fla models, and an HF
 llama on flame's fused norms and MLPs (probed under autocast, which meta tensors do not take)."""
@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from flame.memory import activations
+from flame.memory import probe
 from flame.models import load_model_config
 from flame.models.builder import reinitialize
 from flame.models.fused import use_fused_kernels
@@ -26,7 +26,7 @@ def test_the_probe_counts_what_a_forward_keeps_on_the_gpu(name, autocast):
     config = load_model_config(str(ROOT / "configs" / f"{name}_340M.json"))
     config.num_hidden_layers = 2
     fused = not is_fla_config(config)  # an HF model's eager blocks on a GPU run flame's fused norms and MLPs
-    profile = activations.probe(config, torch.bfloat16, "cuda", activations.PROBE_LENGTHS, autocast, fused)
+    profile = probe.probe(config, torch.bfloat16, "cuda", probe.PROBE_LENGTHS, autocast, fused)
     assert profile.method.startswith("measured (on the NVIDIA")
 
     model = meta_model(config)
