@@ -373,3 +373,13 @@ def test_the_scaling_table_sets_each_sides_share_of_its_one_gpu_rate_beside_flam
     table = reports.scaling(results, tmp_path)
     assert table[2].split()[3:8] == ["112,000", "-", "-", "70%", "-"]
     assert "llama_340M-flame-4: stopped at its limit" in table[-1]
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--gpus", "0", "--device", "cpu"], "--gpus must be positive, got 0"),
+    (["--gpus", "2", "--device", "cpu"], "--gpus 2 shards the model with torchtitan's FSDP"),
+])
+def test_torchtitans_trainer_over_several_gpus_is_refused_where_it_cannot_run(argv, error, capsys):
+    with pytest.raises(SystemExit):
+        torchtitan_peer.parse_args(["--config", "configs/llama_340M.json", *argv])
+    assert error in capsys.readouterr().err

@@ -132,6 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--attention varlen runs a CUDA kernel; on the CPU use --attention sdpa")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device is visible; run with --device cpu (and --attention sdpa)")
+    if args.device == "cpu" and args.gpus > 1:
+        parser.error(f"--gpus {args.gpus} shards the model with torchtitan's FSDP, whose gradient reduction gloo "
+                     "cannot run (PREMUL_SUM): on the CPU use --gpus 1")
     if args.device == "cuda" and args.gpus > torch.cuda.device_count():
         parser.error(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA devices are visible")
     if not Path(args.config).is_file():
