@@ -24,6 +24,7 @@ which torchtitan's loop calls after each step's checkpoint). flame overrides:
 flame's changes to other libraries apply first (flame.compat); the log lists them in one line.
 """
 
+import contextlib
 import math
 import os
 from typing import Any
@@ -53,6 +54,7 @@ from flame.components.spikes import SpikeWindow
 from flame.components.validation import build_validator
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
+from flame.distributed import degrees
 from flame.distributed.context_parallel import ContextParallel
 from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
@@ -101,6 +103,12 @@ class Trainer(TorchtitanTrainer):
         self._window_steps = 0
         self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
         super().__init__(job_config)
+        if degrees.fsdp_alone(job_config, self.parallel_dims.world_size):
+            # torchtitan leaves mixed precision to FSDP only over a mesh of several ranks; FSDP over this one
+            # already computes in bf16, and autocast would add float32 norms and residuals beside it
+            self.maybe_enable_amp = contextlib.nullcontext()
+            if getattr(self, "validator", None) is not None:
+                self.validator.maybe_enable_amp = self.maybe_enable_amp
         self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists

@@ -316,7 +316,7 @@ SUITES = {
                 ("mb4", ("--training.batch_size", "1", "--training.gradient_accumulation_steps", "4")))),
             Run("rows_budget30", 1, (*ROWS4_8K, "--memory.gpu_budget_gib", "30"), only=("llama_340M",)),
             # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches
-            Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "6"),
+            Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "4"),
                 only=("transformer_7B",)),
         ),
         flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",

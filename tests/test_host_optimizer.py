@@ -129,6 +129,8 @@ def test_on_host_trains_adamws_curve_alone_and_under_fsdp_and_resumes_without_it
         check(run.result)
     expected = metrics(plain.dump)
     assert expected[4]["loss_metrics/global_avg_loss"] < expected[1]["loss_metrics/global_avg_loss"] - 0.2
+    # one process stepping on the host runs under FSDP over its one rank (degrees.fsdp_alone): the same numbers
+    assert "Applied FSDP2 over 1 ranks" in host.result.stdout + host.result.stderr
     assert_same_curve(metrics(host.dump), expected, rel=0)  # the same fused AdamW kernel, on the same CPU
     assert_same_curve(metrics(host_gpu1.dump), expected, rel=0)  # the first block's state where its weights are
     # FSDP shards the state (DTensors on the host); the first block alone recomputed
@@ -192,8 +194,11 @@ def test_the_plan_counts_the_state_gpu_blocks_keeps_on_the_gpu(tiny_model, monke
     jobs = [memory.job_of(parse_job(monkeypatch, 1, *job_args(tiny_model, "--memory.plan=off", "--optimizer.on_host",
                                                              f"--optimizer.gpu_blocks={k}")), 1) for k in (0, 1)]
     model = meta_model(load_model_config(tiny_model))
-    first = model.get_input_embeddings().weight.numel() + sum(p.numel() for p in decoder_layers(model)[0].parameters())
-    assert [job.gpu_state_params for job in jobs] == [0, first]
+    # one process stepping on the host runs under FSDP over its one rank, whose root gathers everything outside
+    # the blocks (embeddings, final norm, head) as the forward starts: their state joins the first block's
+    outside = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in decoder_layers(model).parameters())
+    first = outside + sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    assert all(job.fsdp for job in jobs) and [job.gpu_state_params for job in jobs] == [0, first]
     none, one = ({(p.name, p.where): p.bytes for p in estimate(job, Layout(host_optimizer=True))} for job in jobs)
     assert ("optimizer state", "GPU") not in none and one[("optimizer state", "GPU")] == 8 * first
     assert one[("optimizer state", "host (stepped there)")] == none[("optimizer state", "host (stepped there)")] - 8 * first

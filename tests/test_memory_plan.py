@@ -637,3 +637,28 @@ def test_planned_jobs_take_an_allocator_whose_reserve_follows_their_tensors_and_
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=auto"))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
     assert not memory.job_of(config, 1).expandable_segments
+
+def test_one_process_offloading_or_stepping_on_the_host_is_planned_as_fsdp_over_its_one_rank(long_model, tmp_path,
+                                                                                            monkeypatch):
+    """One GPU process without FSDP computes under autocast: float32 weights with a bf16 copy of each, and a
+    float32 residual stream. CPU offload and the optimizer on the host wrap it in FSDP over its one rank
+    (degrees.fsdp_alone), which casts a block's weights at a time and keeps the stream in bf16: those layouts
+    are estimated as they run, their activations measured again in bf16 weights."""
+    probe_on_the_cpu(monkeypatch, tmp_path)
+    monkeypatch.setattr(memory.device, "CUDA", True)
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    job = memory.job_of(config, 1)
+    assert job.autocast_copies and not job.fsdp and "float32 weights under bfloat16 autocast" in job.activations.method
+    plain, on_host = ({part.name: part for part in estimate(job, layout)}
+                      for layout in (Layout(), Layout(host_optimizer=True)))
+    assert "autocast weight copies" in plain and "autocast weight copies" not in on_host
+    assert on_host["FSDP all-gather buffers"].note == "one block and its prefetch"
+    assert "FSDP's streams" in on_host["allocator margin"].note and "streams" not in plain["allocator margin"].note
+    wrapped = job.wrapped()
+    assert wrapped.fsdp and "bfloat16 weights" in wrapped.activations.method and wrapped is job.wrapped()
+    assert all(bf16.linear < amp.linear for bf16, amp in zip(wrapped.activations.blocks, job.activations.blocks))
+    assert on_host["activations"].bytes < plain["activations"].bytes
+    # a job already given the flag is FSDP over its rank from the start: nothing to wrap
+    given = memory.job_of(parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off", "--optimizer.on_host")), 1)
+    assert given.fsdp and given.wrapped is None and not given.autocast_copies
+    assert gpu_bytes(estimate(given, Layout(host_optimizer=True))) == gpu_bytes(estimate(job, Layout(host_optimizer=True)))

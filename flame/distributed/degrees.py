@@ -72,13 +72,18 @@ def fsdp_enabled(config: JobConfig, world_size: int) -> bool:
     """Whether FSDP (and with it mixed precision) wraps this job's processes."""
     shard = data_parallel_degree(config, world_size) // config.parallelism.data_parallel_replicate_degree
     # CP shards over the dp x cp mesh
-    return shard > 1 or config.parallelism.context_parallel_degree > 1 or offloads_alone(config, world_size)
+    return shard > 1 or config.parallelism.context_parallel_degree > 1 or fsdp_alone(config, world_size)
 
 
-def offloads_alone(config: JobConfig, world_size: int) -> bool:
-    """One process offloading to the host: flame wraps it in FSDP over a one-rank mesh, whose
-    CPUOffloadPolicy is the offload (flame.distributed.parallelize)."""
-    return world_size == 1 and config.training.enable_cpu_offload
+def fsdp_alone(config: JobConfig, world_size: int) -> bool:
+    """One process that flame wraps in FSDP over a one-rank mesh (flame.distributed.parallelize): to offload
+    it (FSDP2's CPUOffloadPolicy is the offload), or to step its optimizer on the host (--optimizer.on_host).
+
+    Why the second: such a job is one too large for its GPU, and FSDP's mixed precision casts each
+    block's weights to bf16 as it runs, where autocast keeps a bf16 copy of every weight all step and
+    a float32 residual stream (a 7B: 12.5 GiB of copies, twice the checkpointed block inputs).
+    """
+    return world_size == 1 and (config.training.enable_cpu_offload or config.optimizer.on_host)
 
 
 def check_fsdp_options(config: JobConfig, world_size: int) -> None:

@@ -23,6 +23,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from flame import compat, device
+from flame.distributed import degrees
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.errors import ConfigError
 from flame.models.registry import decoder_layers
@@ -83,9 +84,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_fsdp(model, layers, parallel_dims.get_mesh(names), job_config)
     elif parallel_dims.dp_replicate_enabled:  # replicate only (config_manager refuses it with TP/PP)
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
-    elif job_config.training.enable_cpu_offload:  # one process (degrees.offloads_alone)
-        # torchtitan builds no mesh of size 1; FSDP over one rank shards nothing, and its
-        # CPUOffloadPolicy keeps the weights, gradients and optimizer state on the host
+    elif degrees.fsdp_alone(job_config, parallel_dims.world_size):
+        # torchtitan builds no mesh of size 1; FSDP over one rank shards nothing: its CPUOffloadPolicy keeps the
+        # weights, gradients and optimizer state on the host, and its mixed precision casts a block at a time
         mesh = init_device_mesh(device.TYPE, (1,), mesh_dim_names=("fsdp",))
         apply_fsdp(model, layers, mesh, job_config)
     return model

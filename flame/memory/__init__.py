@@ -12,6 +12,8 @@ step (GPU only), and, with several ranks, checks that all of them took the same 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 
@@ -23,6 +25,7 @@ from flame.memory.layout import (
     FIRST,
     Job,
     Layout,
+    as_run,
     count_params,
     dtype_bytes,
     first_blocks,
@@ -99,7 +102,7 @@ def job_of(config, world_size: int) -> Job:
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1
     autocast = not fsdp and dtype_bytes(dtype) < 4  # torchtitan's AMP: float32 weights, autocast keeps cast copies
-    return Job(
+    job = Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size, compute_bytes=dtype_bytes(dtype),
         hidden_bytes=4 if autocast else dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
@@ -114,6 +117,13 @@ def job_of(config, world_size: int) -> Job:
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
         activations=activations.measure(model_config, dtype, fused, autocast),
     )
+    if device.CUDA and world_size == 1 and not fsdp:
+        # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
+        job = dataclasses.replace(job, wrapped=functools.cache(lambda: dataclasses.replace(
+            job, fsdp=True, autocast_copies=False, hidden_bytes=dtype_bytes(dtype), wrapped=None,
+            gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, True),
+            activations=activations.measure(model_config, dtype, fused, False))))
+    return job
 
 
 def gpu_state_params(model, gpu_blocks: int, fsdp: bool) -> int:
@@ -212,7 +222,7 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
     set_layout(config, plan.start, plan.layout)
     if announce:
         peak = "" if device.CUDA else "\nmeasured peak: not measurable on CPU (no device memory)"
-        logger.info(f"Memory plan (--memory.plan auto; README: Memory plan):\n{table(plan, job.activations.method)}{peak}")
+        logger.info(f"Memory plan (--memory.plan auto; README: Memory plan):\n{table(plan, as_run(job, plan.layout).activations.method)}{peak}")
 
 
 def set_layout(config, start: Layout, layout: Layout) -> None:

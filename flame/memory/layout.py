@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,17 @@ class Job:
     tensor_parallel: int
     pipelined: bool  # stages split the blocks: AC of the first K blocks is not offered
     activations: ActivationProfile = field(repr=False)
+    # one process, no FSDP: the job as it runs once CPU offload or the optimizer on the host wraps it in FSDP over
+    # a one-rank mesh (flame.distributed.degrees.fsdp_alone), its activations measured again without autocast;
+    # built when a layout asks for it
+    wrapped: Callable[[], Job] | None = field(default=None, repr=False, compare=False)
+
+
+def as_run(job: Job, layout: Layout) -> Job:
+    """``job`` as ``layout`` runs it: under FSDP over its one rank when the layout offloads or steps on the host."""
+    if job.wrapped is not None and (layout.offload or layout.host_optimizer):
+        return job.wrapped()
+    return job
 
 
 def count_params(model: nn.Module, blocks: nn.ModuleList) -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flame.memory.layout import FIRST, Job, Layout, first_blocks
+from flame.memory.layout import FIRST, Job, Layout, as_run, first_blocks
 from flame.memory.price import Price, price, recompute_share
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class Part:
 
 def estimate(job: Job, layout: Layout) -> list[Part]:
     """What one rank holds at its peak, part by part (the largest of the moments in the module's doc)."""
+    job = as_run(job, layout)
     weights = job.params / job.weight_shards
     state = 8 * weights if job.optimizer != "Muon" else 4 * job.matrix_params / job.weight_shards + 8 * (
         job.params - job.matrix_params) / job.weight_shards

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flame.memory.layout import Job, Layout, first_blocks
+from flame.memory.layout import Job, Layout, as_run, first_blocks
 
 if TYPE_CHECKING:
     from flame.memory.hardware import Hardware
@@ -54,6 +54,7 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
     counted as if nothing overlapped them: an upper bound, which orders layouts by how much they
     move. The optimizer on the host (``host_step``) overlaps the next forward.
     """
+    job = as_run(job, layout)
     passes = layout.micro_batches
     tokens = job.rows * job.tokens_per_row / passes
     forward = 2 * job.params / job.tensor_parallel * tokens / (hardware.tflops(tokens) * 1e12) / MATMUL_SHARE
