@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -47,7 +48,9 @@ from flame.models.registry import meta_model
 # forward (weights and what it saves) fits an 80 GB GPU
 PROBE_LENGTHS = (1024, 2048, 4096)
 PROBE_BLOCKS = 3  # blocks measured of a model too large to probe whole (_first_blocks_probed)
-PROBE_VERSION = 2  # what a cached probe holds: 2 added the backward's buffers (an older cache is measured again)
+# what a cached probe holds (an older cache is measured again): 2 added the backward's buffers; 3 measures again
+# what fell back to the formula when a failed probe left its memory held and the first-blocks probe failed too
+PROBE_VERSION = 3
 
 
 def probe_device() -> torch.device | None:
@@ -72,9 +75,13 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, au
             try:
                 return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
             except torch.OutOfMemoryError:
-                return _first_blocks_probed(config, dtype, where, autocast, fused)
+                pass  # measured below on fewer blocks, outside this handler: its traceback holds the forward's tensors
+            _release(where)
+            return _first_blocks_probed(config, dtype, where, autocast, fused)
         except Exception as error:  # noqa: BLE001
-            return otherwise(f"the GPU probe failed: {type(error).__name__}: {error}")
+            failed = f"the GPU probe failed: {type(error).__name__}: {error}"
+        _release(where)  # the next probe of this process (the job wrapped in FSDP, in bf16) starts on an empty GPU
+        return otherwise(failed)
 
     return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
 
@@ -85,8 +92,6 @@ def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: to
     16-bit copies and 4K tokens' activations outgrow 80 GB): its first ``PROBE_BLOCKS`` blocks measured,
     the ones after the first repeated for the rest. The first block keeps the embeddings' output too; the
     next two stand for a stack of alike blocks, or of two kinds in turn (samba's)."""
-    if where.type == "cuda":
-        torch.cuda.empty_cache()
     blocks = config.num_hidden_layers
     shorter = copy.deepcopy(config)
     shorter.num_hidden_layers = min(blocks, PROBE_BLOCKS)
@@ -97,6 +102,15 @@ def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: to
               "model did not fit the GPU)")
     return dataclasses.replace(profile, blocks=tuple(profile.blocks[i] for i in take),
                                selective=tuple(profile.selective[i] for i in take), method=method)
+
+
+def _release(where: torch.device) -> None:
+    """Free what a failed probe left: its frames' tensors sit in reference cycles until collected, and the
+    allocator keeps their memory reserved until emptied (a 7B's first probe held 74 GiB on an H100 that way,
+    and every probe after it ran out of memory)."""
+    gc.collect()
+    if where.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
