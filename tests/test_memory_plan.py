@@ -228,6 +228,35 @@ def test_a_model_too_large_to_probe_whole_is_measured_on_its_first_blocks_repeat
     assert dataclasses.replace(first, method="") == dataclasses.replace(whole, method="")
 
 
+def test_a_model_whose_weights_and_activations_would_fill_the_gpu_is_probed_on_its_first_blocks_at_once(tmp_path,
+                                                                                                       monkeypatch):
+    """Out of memory, a probe's tensors stay held in its process for a while (a 7B under autocast on an H100:
+    every probe after it ran out of memory too); a model that would take more than WHOLE_SHARE of the free
+    memory (weights, and the formula's activations at the longest row) is measured on its first blocks at once."""
+    config = tiny_llama(5)
+    config._attn_implementation = "eager"
+    shapes = []
+    whole_probe = probe.probe
+
+    def recorded(model_config, *args, **kwargs):
+        shapes.append(model_config.num_hidden_layers)
+        return whole_probe(model_config, *args, **kwargs)
+
+    probe_on_the_cpu(monkeypatch, tmp_path / "roomy")
+    monkeypatch.setattr(probe, "probe", recorded)
+    activations.measure(config, torch.float32)
+    params = sum(p.numel() for p in meta_model(config).parameters())
+    saved = 5 * max(probe.PROBE_LENGTHS) * activations.FALLBACK_TENSORS_PER_HIDDEN * config.hidden_size * 4
+    probe_on_the_cpu(monkeypatch, tmp_path / "tight")
+    monkeypatch.setattr(probe, "_free_bytes", lambda where: (4 * params + saved) / probe.WHOLE_SHARE - 1)
+    first = activations.measure(config, torch.float32)
+    assert shapes == [5, 3] and "the first 3 of 5 blocks" in first.method
+    # under autocast the weights count 6 bytes (float32 and a 16-bit copy): the same room no longer holds them
+    monkeypatch.setattr(probe, "_free_bytes", lambda where: (4 * params + saved) / probe.WHOLE_SHARE)
+    assert probe._fits_whole(config, torch.bfloat16, torch.device("cpu"), autocast=False)
+    assert not probe._fits_whole(config, torch.bfloat16, torch.device("cpu"), autocast=True)
+
+
 def test_the_probe_runs_the_jobs_precision_autocast_keeps_a_float32_residual_stream(tmp_path, monkeypatch):
     """A job without FSDP keeps float32 weights and computes under autocast: its residual stream and the
     norm inputs saved from it stay float32. The probe measures in that precision (cached apart from the

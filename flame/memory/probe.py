@@ -8,7 +8,8 @@ computes under autocast with float32 weights, so its residual stream, and every 
 from it, is float32 (twice the bytes of the same model in bf16; gla 340M keeps 40% more).
 Autocast does not reach meta tensors, so on a GPU such a job's HF model is probed too, and its
 meta forward stays the answer only where the probe fails. A model too large to probe whole is
-measured on its first blocks (``_first_blocks_probed``).
+measured on its first blocks (``_first_blocks_probed``): one whose weights and a formula's activations would
+fill more than ``WHOLE_SHARE`` of the free memory from the start, or one whose whole probe ran out of it.
 
 The probe also measures what a block's backward allocates beyond what the forward kept: the
 gradients flowing through the block and its kernels' buffers (fla's chunked kernels build and
@@ -28,6 +29,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -39,7 +41,12 @@ from transformers import PretrainedConfig
 
 from flame import device
 from flame.data import builtin
-from flame.memory.activations import ActivationProfile, Quadratic, fitted_profile
+from flame.memory.activations import (
+    FALLBACK_TENSORS_PER_HIDDEN,
+    ActivationProfile,
+    Quadratic,
+    fitted_profile,
+)
 from flame.memory.measured_once import measured_once
 from flame.models.fused import use_fused_kernels
 from flame.models.registry import meta_model
@@ -48,6 +55,7 @@ from flame.models.registry import meta_model
 # forward (weights and what it saves) fits an 80 GB GPU
 PROBE_LENGTHS = (1024, 2048, 4096)
 PROBE_BLOCKS = 3  # blocks measured of a model too large to probe whole (_first_blocks_probed)
+WHOLE_SHARE = 0.6  # of the GPU's free memory, what a whole model's probe may expect to take (_fits_whole)
 # what a cached probe holds (an older cache is measured again): 2 added the backward's buffers; 3 measures again
 # what fell back to the formula when a failed probe left its memory held and the first-blocks probe failed too
 PROBE_VERSION = 3
@@ -72,11 +80,12 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, au
     """
     def measure() -> ActivationProfile:
         try:
-            try:
-                return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
-            except torch.OutOfMemoryError:
-                pass  # measured below on fewer blocks, outside this handler: its traceback holds the forward's tensors
-            _release(where)
+            if _fits_whole(config, dtype, where, autocast):
+                try:
+                    return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
+                except torch.OutOfMemoryError:
+                    pass  # measured below on fewer blocks, outside this handler: its traceback holds the forward's tensors
+                _release(where)
             return _first_blocks_probed(config, dtype, where, autocast, fused)
         except Exception as error:  # noqa: BLE001
             failed = f"the GPU probe failed: {type(error).__name__}: {error}"
@@ -102,6 +111,21 @@ def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: to
               "model did not fit the GPU)")
     return dataclasses.replace(profile, blocks=tuple(profile.blocks[i] for i in take),
                                selective=tuple(profile.selective[i] for i in take), method=method)
+
+
+def _fits_whole(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool) -> bool:
+    """Whether the whole model's probe should fit the GPU's free memory with room to spare (``WHOLE_SHARE``): its
+    weights (float32 and a 16-bit copy of each under autocast, else in ``dtype``) and, at the longest row, the
+    formula's activations in float32. Past that the first blocks are measured: out of memory, a probe's
+    tensors stay held in this process longer than the next attempt needs them (a 7B under autocast on an H100)."""
+    params = sum(p.numel() for p in meta_model(config).parameters())
+    weights = params * (6 if autocast else torch.tensor([], dtype=dtype).element_size())
+    saved = config.num_hidden_layers * max(PROBE_LENGTHS) * FALLBACK_TENSORS_PER_HIDDEN * config.hidden_size * 4
+    return weights + saved <= WHOLE_SHARE * _free_bytes(where)
+
+
+def _free_bytes(where: torch.device) -> float:
+    return torch.cuda.mem_get_info(where)[0] if where.type == "cuda" else math.inf
 
 
 def _release(where: torch.device) -> None:
