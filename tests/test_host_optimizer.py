@@ -122,10 +122,14 @@ def test_a_failed_host_step_stops_the_next_forward_with_its_cause():
     host_gpu1=train_job(4, *SINGLE, "--optimizer.on_host", "--optimizer.gpu_blocks=1"),
     fsdp2=train_job(4, *FSDP2, "--optimizer.on_host", "--activation_checkpoint.mode=full",
                     "--activation_checkpoint.blocks=1", nproc=2),
+    # the layout the memory plan gives a 7B on one GPU: full AC and micro-batches (the same 4 rows a step)
+    host_planned=train_job(4, *SINGLE, "--optimizer.on_host", "--activation_checkpoint.mode=full",
+                           "--training.batch_size=2", "--training.gradient_accumulation_steps=2"),
 )
 def test_on_host_trains_adamws_curve_alone_and_under_fsdp_and_resumes_without_it(background_runs, tiny_model, corpus):
-    plain, host, host_gpu1, fsdp2 = (background_runs[name] for name in ("plain", "host", "host_gpu1", "fsdp2"))
-    for run in (plain, host, host_gpu1, fsdp2):
+    plain, host, host_gpu1, fsdp2, planned = (background_runs[name] for name in (
+        "plain", "host", "host_gpu1", "fsdp2", "host_planned"))
+    for run in (plain, host, host_gpu1, fsdp2, planned):
         check(run.result)
     expected = metrics(plain.dump)
     assert expected[4]["loss_metrics/global_avg_loss"] < expected[1]["loss_metrics/global_avg_loss"] - 0.2
@@ -136,6 +140,7 @@ def test_on_host_trains_adamws_curve_alone_and_under_fsdp_and_resumes_without_it
     # FSDP shards the state (DTensors on the host); the first block alone recomputed
     assert "Applied full activation checkpointing to the first 1 of 2 blocks" in fsdp2.result.stdout + fsdp2.result.stderr
     assert_same_curve(metrics(fsdp2.dump), expected, rel=FSDP_SUMS)
+    assert_same_curve(metrics(planned.dump), expected, rel=FSDP_SUMS)  # two micro-batches sum in another order
     # its checkpoint is AdamW's: resumed without the flag, steps 3-4 repeat bit for bit
     resumed = host.dump.parent / "resumed"
     check(train_job(4, *SINGLE, f"--checkpoint.initial_load_path={host.dump / 'checkpoint' / 'step-2'}",
