@@ -132,7 +132,8 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
                 outside += storage.nbytes()
             else:
                 per_block[state["block"]] += storage.nbytes()
-        return tensor
+        # detached: an op's output saved as itself would hold its own grad_fn, a cycle the collector cannot see
+        return tensor.detach()
 
     def enter(index: int):
         def hook(module, args, kwargs):
@@ -164,6 +165,7 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(input_ids=ids, **inputs)
+        workspace = _backward_workspace(*state["last"], layers[-1]) if torch.device(where).type == "cuda" else 0
     finally:
         # a block that raised (a refused Triton launch) never reached its forward hook: left on the
         # stack, the counting mode would run every later op of the process through Python (a third
@@ -171,8 +173,11 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
         leave()
         for handle in handles:
             handle.remove()
+        # the graph's saved tensors keep ``pack`` (autograd holds both hooks), and through its closure this
+        # state: a cycle through C++ that Python's collector cannot see, which would keep the whole forward
+        # (the model's weights included) alive for the rest of the process
+        state["last"] = None
     selective = [counter.saved.get(i, 0) for i in range(len(layers))]
-    workspace = _backward_workspace(*state["last"], layers[-1]) if torch.device(where).type == "cuda" else 0
     return per_block, selective, outside, state["input"], workspace
 
 
