@@ -35,7 +35,7 @@ def test_one_gpu_offloading_to_the_host_trains_the_curve_of_the_run_on_the_gpu_a
     check(torchrun([*base_args(tiny_model, corpus, on_gpu, steps=8), *flags]))
     result = check(torchrun([*base_args(tiny_model, corpus, offloaded, steps=8), *offload]))
     assert "Applied FSDP2 over 1 ranks" in result.stdout + result.stderr
-    # bf16 both: autocast on the GPU run, FSDP's cast weights (and autocast) on the offloaded one
+    # bf16 both: autocast on the GPU run, FSDP's cast weights on the offloaded one (no autocast: degrees.fsdp_alone)
     assert_same_curve(metrics(offloaded), metrics(on_gpu), rel=2e-2)
     check(torchrun([*base_args(tiny_model, corpus, resumed, steps=4), *offload]))
     check(torchrun([*base_args(tiny_model, corpus, resumed, steps=8), *offload]))

@@ -61,17 +61,18 @@ def test_every_unit_computes_with_its_updated_weights_while_the_host_steps_the_n
 def test_a_run_on_host_trains_and_its_checkpoint_resumes_without_it(tmp_path, tiny_model, corpus):
     host, plain = tmp_path / "host", tmp_path / "plain"
     args = ["--optimizer.lr=1e-2", "--checkpoint.interval=10"]
-    check(torchrun(base_args(tiny_model, corpus, host, steps=20) + args + ["--optimizer.on_host"]))
+    result = check(torchrun(base_args(tiny_model, corpus, host, steps=20) + args + ["--optimizer.on_host"]))
+    assert "Applied FSDP2 over 1 ranks" in result.stdout + result.stderr  # degrees.fsdp_alone
     check(torchrun(base_args(tiny_model, corpus, plain, steps=20) + args))
     curve, reference = losses(host), losses(plain)
     assert curve[20] < curve[1] - 0.7
-    # bf16 autocast, and torch's CPU and CUDA AdamW kernels round apart: the losses agree, the gradient
-    # norms drift further (1.3% at step 15 of 20)
-    assert curve == pytest.approx(reference, rel=5e-3)
+    # bf16 both: FSDP's cast weights and a bf16 residual stream against autocast's float32 one, and torch's
+    # CPU and CUDA AdamW kernels round apart (as CPU offload against the plain run, tests/gpu/test_gpu_training.py)
+    assert curve == pytest.approx(reference, rel=2e-2)
     resumed = tmp_path / "resumed"
     check(torchrun(base_args(tiny_model, corpus, resumed, steps=20) + args + [
         f"--checkpoint.initial_load_path={host / 'checkpoint' / 'step-10'}", "--checkpoint.no-initial_load_model_only"]))
-    assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=5e-3)
+    assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=2e-2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
