@@ -291,7 +291,7 @@ SUITES = {
         "plan (none, op-level selective, full) at 340M and 1B; then the budgets: 1B under --memory.gpu_budget_gib 24 "
         "against its unconstrained run (and under 16 on each of 2 GPUs, FSDP), 340M at 64K tokens under 16, and "
         "transformer_7B with no memory flag "
-        "(CPU offload on one GPU) at 256K tokens a step; each run prints the plan it chose. The plan's prices against "
+        "(it takes the optimizer on the host) at 256K tokens a step; each run prints the plan it chose. The plan's prices against "
         "measured speed: this machine's rates, then llama 340M's 4 rows of 8K under each layout by hand and under a "
         "30 GiB budget",
         report="runs",
