@@ -316,8 +316,8 @@ SUITES = {
                 ("mb4", ("--training.batch_size", "1", "--training.gradient_accumulation_steps", "4")))),
             Run("rows_budget30", 1, (*ROWS4_8K, "--memory.gpu_budget_gib", "30"), only=("llama_340M",)),
             # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches
-            # warmed up over 3 steps to a 7B's usual peak rate: 2 steps up to 3e-4 or 1e-4 diverged (loss 11.2, 9.9,
-            # then 17.8 or 15.8)
+            # a 7B's usual peak rate, warmed up over 3 steps; the 4 steps measure speed and memory, not learning (the
+            # loss rose at steps 3-4 under each rate tried: docs/perf-log.md, 2026-11-28)
             Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "4",
                              "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "3"),
                 only=("transformer_7B",)),
