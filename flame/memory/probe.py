@@ -8,8 +8,9 @@ computes under autocast with float32 weights, so its residual stream, and every 
 from it, is float32 (twice the bytes of the same model in bf16; gla 340M keeps 40% more).
 Autocast does not reach meta tensors, so on a GPU such a job's HF model is probed too, and its
 meta forward stays the answer only where the probe fails. A model too large to probe whole is
-measured on its first blocks (``_first_blocks_probed``): one whose weights and a formula's activations would
-fill more than ``WHOLE_SHARE`` of the free memory from the start, or one whose whole probe ran out of it.
+measured on its first blocks (``_first_blocks_probed``): one whose weights and a formula's
+activations would fill more than ``WHOLE_SHARE`` of the free memory, or whose whole probe ran out
+of it.
 
 The probe also measures what a block's backward allocates beyond what the forward kept: the
 gradients flowing through the block and its kernels' buffers (fla's chunked kernels build and
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import hashlib
 import json
 import math
@@ -85,12 +85,9 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, au
                     return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
                 except torch.OutOfMemoryError:
                     pass  # measured below on fewer blocks, outside this handler: its traceback holds the forward's tensors
-                _release(where)
             return _first_blocks_probed(config, dtype, where, autocast, fused)
         except Exception as error:  # noqa: BLE001
-            failed = f"the GPU probe failed: {type(error).__name__}: {error}"
-        _release(where)  # the next probe of this process (the job wrapped in FSDP, in bf16) starts on an empty GPU
-        return otherwise(failed)
+            return otherwise(f"the GPU probe failed: {type(error).__name__}: {error}")
 
     return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
 
@@ -116,8 +113,8 @@ def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: to
 def _fits_whole(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool) -> bool:
     """Whether the whole model's probe should fit the GPU's free memory with room to spare (``WHOLE_SHARE``): its
     weights (float32 and a 16-bit copy of each under autocast, else in ``dtype``) and, at the longest row, the
-    formula's activations in float32. Past that the first blocks are measured: out of memory, a probe's
-    tensors stay held in this process longer than the next attempt needs them (a 7B under autocast on an H100)."""
+    formula's activations in float32. Past that the first blocks are measured at once, rather than after
+    materializing a model that runs out of memory (a 7B under autocast on an 80 GB H100)."""
     params = sum(p.numel() for p in meta_model(config).parameters())
     weights = params * (6 if autocast else torch.tensor([], dtype=dtype).element_size())
     saved = config.num_hidden_layers * max(PROBE_LENGTHS) * FALLBACK_TENSORS_PER_HIDDEN * config.hidden_size * 4
@@ -126,15 +123,6 @@ def _fits_whole(config: PretrainedConfig, dtype: torch.dtype, where: torch.devic
 
 def _free_bytes(where: torch.device) -> float:
     return torch.cuda.mem_get_info(where)[0] if where.type == "cuda" else math.inf
-
-
-def _release(where: torch.device) -> None:
-    """Free what a failed probe left: its frames' tensors sit in reference cycles until collected, and the
-    allocator keeps their memory reserved until emptied (a 7B's first probe held 74 GiB on an H100 that way,
-    and every probe after it ran out of memory)."""
-    gc.collect()
-    if where.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
