@@ -109,6 +109,7 @@ def job_of(config, world_size: int) -> Job:
         accumulates=t.gradient_accumulation_steps > 1,
         tokens_per_row=t.seq_len // p.context_parallel_degree,
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
+        alone=fsdp and world_size == 1,
         can_offload=device.CUDA and (fsdp or world_size == 1),
         can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and not pipelined,
         gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, fsdp),
@@ -120,7 +121,7 @@ def job_of(config, world_size: int) -> Job:
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
         job = dataclasses.replace(job, wrapped=functools.cache(lambda: dataclasses.replace(
-            job, fsdp=True, autocast_copies=False, hidden_bytes=dtype_bytes(dtype), wrapped=None,
+            job, fsdp=True, alone=True, autocast_copies=False, hidden_bytes=dtype_bytes(dtype), wrapped=None,
             gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, True),
             activations=activations.measure(model_config, dtype, fused, False))))
     return job

@@ -70,6 +70,7 @@ class Job:
     tokens_per_row: int  # seq_len over the context-parallel degree
     weight_shards: int  # FSDP shards x tensor- and pipeline-parallel degree
     fsdp: bool
+    alone: bool  # FSDP over this process's one rank (flame.distributed.degrees.fsdp_alone): no other rank to talk to
     can_offload: bool  # a GPU job under FSDP, or of one process (FSDP wraps it alone to offload it)
     can_step_on_host: bool  # a GPU job with AdamW or Adam, not pipelined (--optimizer.on_host)
     gpu_state_params: int  # under --optimizer.on_host, the parameters whose state --optimizer.gpu_blocks keeps on the GPU

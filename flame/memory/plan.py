@@ -43,10 +43,14 @@ if TYPE_CHECKING:
     from flame.memory.hardware import Hardware
 
 GIB = 1024**3
+ONE_GPU, FSDP, FSDP_ALONE = "one GPU", "FSDP", "FSDP over one rank"
 # the caching allocator's reserve over what the tensors take, by its segments (expandable or the default
-# ones) and whether FSDP's gathers and reductions run on streams of their own: one GPU 0.2-6.5% expandable;
-# FSDP 32% default and 17-19% expandable (fla transformer 1B over 2 GPUs; docs/perf-log.md 2026-11-27, -28)
-MARGINS = {(True, False): 0.05, (False, False): 0.10, (True, True): 0.20, (False, True): 0.35}
+# ones) and whether FSDP's gathers and reductions run on streams of their own, over ranks or over one process's
+# rank alone (CPU offload, the optimizer on the host: copies, no collectives). Measured with expandable segments:
+# one GPU 0.2-6.5%; FSDP over 2 GPUs 17-19% (32% default segments; fla transformer 1B); FSDP over one rank 3-13%
+# (transformer 7B and 1B on an H100). docs/perf-log.md 2026-11-27, -28
+MARGINS = {(True, ONE_GPU): 0.05, (False, ONE_GPU): 0.10, (True, FSDP): 0.20, (False, FSDP): 0.35,
+           (True, FSDP_ALONE): 0.15, (False, FSDP_ALONE): 0.35}
 FUSED_LOSS_CHUNK = 8192  # flame.components.loss's fused cross entropy computes this many tokens' logits at a time
 ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest layouts that fit
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
@@ -119,10 +123,10 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
                   Part("loss", loss_kept, "GPU", "the head's gradients, kept for the backward (the logits are freed)")]
     else:  # the backward's end: every gradient, the activations freed
         parts.append(Part("gradients", on_gpu, kept, "fp32, all of them: the backward's end, the activations freed"))
-    fsdp = job.fsdp or layout.offload
-    margin = MARGINS[(job.expandable_segments, fsdp)]
+    streams = ONE_GPU if not (job.fsdp or layout.offload) else FSDP_ALONE if job.alone else FSDP
+    margin = MARGINS[(job.expandable_segments, streams)]
     allocator = "expandable segments" if job.expandable_segments else "the allocator's default segments"
-    allocator += ", FSDP's streams" if fsdp else ""
+    allocator += {ONE_GPU: "", FSDP: ", FSDP's streams", FSDP_ALONE: ", FSDP's streams over one rank"}[streams]
     parts.append(Part("allocator margin", margin * gpu_bytes(parts), "GPU", f"{margin:.0%} fragmentation ({allocator})"))
     return parts
 

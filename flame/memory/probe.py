@@ -16,8 +16,9 @@ The probe also measures what a block's backward allocates beyond what the forwar
 gradients flowing through the block and its kernels' buffers (fla's chunked kernels build and
 free state tensors there: gated_deltanet 340M's measured peak at 32K tokens stood 2.8 GiB above
 its saved tensors). The last block's backward runs at each row length, from its own output, with
-the peak of allocated memory read around it; its weights' gradients do not grow with the row, so
-the fit leaves them out (the plan counts gradients itself).
+the peak of allocated memory read around it. Only the input's gradient is asked for: the weights'
+gradients do not grow with the row (the plan counts them itself), and they would set the short rows'
+peaks. What grows between the two longest rows is the per-token slope the plan extrapolates.
 
 The probe runs once per machine: the result is cached under ``$FLAME_CACHE/activations`` by model
 config, precision, GPU and library versions (the job's check measures it, its ranks read it).
@@ -57,8 +58,9 @@ PROBE_LENGTHS = (1024, 2048, 4096)
 PROBE_BLOCKS = 3  # blocks measured of a model too large to probe whole (_first_blocks_probed)
 WHOLE_SHARE = 0.6  # of the GPU's free memory, what a whole model's probe may expect to take (_fits_whole)
 # what a cached probe holds (an older cache is measured again): 2 added the backward's buffers; 3 measures again
-# what fell back to the formula when a failed probe left its memory held and the first-blocks probe failed too
-PROBE_VERSION = 3
+# what fell back to the formula when a failed probe left its memory held and the first-blocks probe failed too; 4
+# measures the backward's buffers without the weights' gradients, as a per-token slope
+PROBE_VERSION = 4
 
 
 def probe_device() -> torch.device | None:

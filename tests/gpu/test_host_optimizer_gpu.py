@@ -58,21 +58,26 @@ def test_every_unit_computes_with_its_updated_weights_while_the_host_steps_the_n
         assert state["exp_avg"].device.type == ("cuda" if id(param) in on_device else "cpu")
 
 
-def test_a_run_on_host_trains_and_its_checkpoint_resumes_without_it(tmp_path, tiny_model, corpus):
-    host, plain = tmp_path / "host", tmp_path / "plain"
-    args = ["--optimizer.lr=1e-2", "--checkpoint.interval=10"]
+def test_a_run_on_host_trains_the_offloaded_curve_and_its_checkpoint_resumes_without_it(tmp_path, tiny_model, corpus):
+    """The reference is CPU offload, the other one-GPU layout under FSDP over its rank: bf16 weights and
+    AdamW on the host's CPU both. Against the plain run (autocast, a float32 residual stream, CUDA's AdamW)
+    a tiny model at lr 1e-2 drifts 5% apart within 20 steps, which would hide a real error."""
+    seed = tmp_path / "seed"  # one set of initial weights: offload initializes them on the host, from its RNG
+    check(torchrun([*base_args(tiny_model, corpus, seed, steps=20), "--checkpoint.create_seed_checkpoint"]))
+    args = ["--optimizer.lr=1e-2", "--checkpoint.interval=10", "--lr_scheduler.total_steps=20",
+            f"--checkpoint.initial_load_path={seed / 'checkpoint' / 'step-0'}"]
+    host, offloaded, resumed = tmp_path / "host", tmp_path / "offload", tmp_path / "resumed"
     result = check(torchrun(base_args(tiny_model, corpus, host, steps=20) + args + ["--optimizer.on_host"]))
     assert "Applied FSDP2 over 1 ranks" in result.stdout + result.stderr  # degrees.fsdp_alone
-    check(torchrun(base_args(tiny_model, corpus, plain, steps=20) + args))
-    curve, reference = losses(host), losses(plain)
+    check(torchrun(base_args(tiny_model, corpus, offloaded, steps=20) + args + ["--training.enable_cpu_offload"]))
+    curve = losses(host)
     assert curve[20] < curve[1] - 0.7
-    # bf16 both: FSDP's cast weights and a bf16 residual stream against autocast's float32 one, and torch's
-    # CPU and CUDA AdamW kernels round apart (as CPU offload against the plain run, tests/gpu/test_gpu_training.py)
-    assert curve == pytest.approx(reference, rel=2e-2)
-    resumed = tmp_path / "resumed"
-    check(torchrun(base_args(tiny_model, corpus, resumed, steps=20) + args + [
+    assert curve == pytest.approx(losses(offloaded), rel=5e-3)
+    # the run's checkpoint is an ordinary one: it resumes under offload, the optimizer's state on the host as well
+    check(torchrun(base_args(tiny_model, corpus, resumed, steps=20) + [
+        "--optimizer.lr=1e-2", "--lr_scheduler.total_steps=20", "--training.enable_cpu_offload",
         f"--checkpoint.initial_load_path={host / 'checkpoint' / 'step-10'}", "--checkpoint.no-initial_load_model_only"]))
-    assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=2e-2)
+    assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=5e-3)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
