@@ -315,11 +315,11 @@ SUITES = {
                 ("mb2", ("--training.batch_size", "2", "--training.gradient_accumulation_steps", "2")),
                 ("mb4", ("--training.batch_size", "1", "--training.gradient_accumulation_steps", "4")))),
             Run("rows_budget30", 1, (*ROWS4_8K, "--memory.gpu_budget_gib", "30"), only=("llama_340M",)),
-            # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches
-            # a 7B's usual peak rate, warmed up over 3 steps; the 4 steps measure speed and memory, not learning (the
-            # loss rose at steps 3-4 under each rate tried: docs/perf-log.md, 2026-11-28)
-            Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "4",
-                             "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "3"),
+            # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches.
+            # 8 steps at a rate well below a 7B's usual peak: at 1e-4 and 3e-4 the loss rose at steps 3-4
+            # (docs/perf-log.md, 2026-11-28), and these steps show whether it falls at 3e-5
+            Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "8",
+                             "--metrics.log_freq", "1", "--optimizer.lr", "3e-5"),
                 only=("transformer_7B",)),
         ),
         flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
