@@ -295,7 +295,11 @@ SUITES = {
         "measured speed: this machine's rates, then llama 340M's 4 rows of 8K under each layout by hand and under a "
         "30 GiB budget",
         report="runs",
-        setup=(Command("hardware", ("{python}", "-m", "flame.memory.hardware"), show=r"matmul|measured in"),),
+        setup=(Command("hardware", ("{python}", "-m", "flame.memory.hardware"), show=r"matmul|measured in"),
+               # the probe's fit of a block against the block as it runs, at rows up to 8x the probe's longest
+               Command("probe_backward", ("{python}", "scripts/bench/probe_backward.py", "transformer_7B",
+                                          *ESTIMATED[3:], "transformer_340M"), show=r"tokens:|blocks,",
+                       on_request=True)),
         per_config=(
             Run("none", 1, ("--activation_checkpoint.mode", "none"), only=ESTIMATED),
             Run("op", 1, ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
