@@ -165,7 +165,7 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(input_ids=ids, **inputs)
-        workspace = _backward_workspace(*state["last"], layers[-1]) if torch.device(where).type == "cuda" else 0
+        workspace = _backward_workspace(*state["last"]) if torch.device(where).type == "cuda" else 0
     finally:
         # a block that raised (a refused Triton launch) never reached its forward hook: left on the
         # stack, the counting mode would run every later op of the process through Python (a third
@@ -181,7 +181,7 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     return per_block, selective, outside, state["input"], workspace
 
 
-def _backward_workspace(block_input: torch.Tensor, block_output: torch.Tensor, block: nn.Module) -> int:
+def _backward_workspace(block_input: torch.Tensor, block_output: torch.Tensor) -> int:
     """Bytes the block's backward allocates at its peak beyond what is live when it starts (its saved
     tensors and the gradient arriving at its output): the gradients it passes on and its kernels' buffers.
 
