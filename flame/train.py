@@ -107,8 +107,8 @@ def run_rank(*argv: str) -> None:
 def end_process(status: int) -> None:
     """End a rank started by bare torchrun as train.sh's forked ranks end (multiprocessing's ``os._exit``): its work
     is saved and its output flushed, and the interpreter's teardown is skipped. There C++ destructors race the
-    threads still alive (the loader's, gloo's, the compiler's pool): once in eleven runs of a compiled 4-process
-    CPU test, a rank aborted (SIGABRT) after "Training finished", and torchrun reports that as a failed job."""
+    threads still alive (the loader's, gloo's, the compiler's pool) and can abort a finished rank (SIGABRT after
+    "Training finished"), which torchrun reports as a failed job."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
