@@ -260,6 +260,18 @@ def test_a_model_whose_weights_and_activations_would_fill_the_gpu_is_probed_on_i
     assert not probe._fits_whole(config, torch.bfloat16, torch.device("cpu"), autocast=True)
 
 
+def test_a_blocks_backward_buffers_grow_by_their_slope_between_the_two_longest_rows():
+    """What a 7B block's backward allocated at the probe's 1K/2K/4K rows when its weights' gradients (0.4 GB)
+    set the short rows' peaks: a fit through all three points would slope down (negative bytes at 32K tokens);
+    the growth between the two longest rows is what grows with the row."""
+    rows = (1024, 2048, 4096)
+    peaks = [0.40 * GIB, 0.40 * GIB, 0.45 * GIB]
+    assert activations._fit(peaks, rows).at(32768, with_square=False) < 0
+    slope = activations._slope(peaks, rows)
+    assert slope.square == 0 and slope.at(32768) == pytest.approx(0.05 * GIB / 2048 * 32768)
+    assert activations._slope([0.5 * GIB, 0.4 * GIB, 0.3 * GIB], rows).at(32768) == 0  # never below nothing
+
+
 def test_a_probe_leaves_nothing_alive_whether_it_finishes_or_runs_out_of_memory(monkeypatch):
     """The hooks that count saved tensors must not tie the forward's graph into a cycle through autograd's C++
     (which Python's collector cannot see): the probe's model, weights and activations would stay held for
