@@ -33,7 +33,7 @@ from flame.memory.plan import (
     table,
 )
 from flame.memory.price import price
-from flame.models import builder, load_model_config
+from flame.models import attention, builder, load_model_config
 from flame.models.registry import decoder_layers, meta_model, register_all
 from tests.conftest import (
     ROOT,
@@ -106,6 +106,27 @@ def saved_storages(module, *inputs) -> list[tuple[int, torch.dtype]]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         module(*inputs)
     return sorted(kept.values(), key=lambda elements_dtype: (elements_dtype[0], str(elements_dtype[1])))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["varlen_groups", "varlen_repeats"])
+def test_an_hf_models_attention_is_measured_by_what_flames_flash_kernels_keep(grouped, monkeypatch):
+    """A GPU job's HF model attends through flame's varlen or flex kernel. Both keep the flattened queries and keys
+    (copied out of HF's layout), the values (a view of their projection) and a float32 logsumexp per head; varlen
+    without grouped-query support (torch 2.11) keeps each key and value head repeated for its query heads instead.
+    The meta forward's math attention would keep float32 copies of the queries, the transposed keys and the
+    values, every head repeated, and the T x T weights. The output is the o_proj's input, counted either way."""
+    monkeypatch.setattr(attention, "_VARLEN_HAS_GQA", grouped)
+    monkeypatch.setattr(activations, "_PROFILES", {})
+    config = tiny_llama(2)  # 4 query heads, 2 key/value heads, 16 wide
+    heads, kv_heads, head_dim, bf16, fp32 = 4, 2, 16, 2, 4
+    math = activations.measure(config, torch.bfloat16, attention="sdpa")
+    assert math.blocks[1].square > 0 and "attention's" not in math.method
+    for backend in ("varlen", "flex"):
+        flash = activations.measure(config, torch.bfloat16, attention=backend)
+        assert f"{backend} attention's" in flash.method and flash.blocks[1].square == 0
+        keys_values = 2 * (heads if backend == "varlen" and not grouped else kv_heads) * head_dim * bf16
+        kept = heads * head_dim * bf16 + keys_values + heads * fp32
+        assert math.blocks[1].linear - flash.blocks[1].linear == 3 * heads * head_dim * fp32 - kept
 
 
 def test_a_gpu_job_s_fused_norms_and_mlps_are_measured_by_what_their_kernels_keep():

@@ -116,14 +116,14 @@ def job_of(config, world_size: int) -> Job:
         autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(config, model_config.vocab_size),
         expandable_segments=expandable_segments(config), dense_attention=attention == "sdpa",
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
-        activations=activations.measure(model_config, dtype, fused, autocast),
+        activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
         job = dataclasses.replace(job, wrapped=functools.cache(lambda: dataclasses.replace(
             job, fsdp=True, alone=True, autocast_copies=False, hidden_bytes=dtype_bytes(dtype), wrapped=None,
             gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, True),
-            activations=activations.measure(model_config, dtype, fused, False))))
+            activations=activations.measure(model_config, dtype, fused, False, attention=attention))))
     return job
 
 

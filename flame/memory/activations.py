@@ -14,7 +14,10 @@ keep less than HF's code; their meta forward keeps what those kernels keep (``fu
 Runs at three row lengths fit ``bytes = a + b·T + c·T²`` per block exactly: ``c`` is the T x T
 attention weights that PyTorch's math SDPA path (the one meta tensors take) keeps per head;
 flash-style kernels (flame's ``varlen`` and ``flex`` attention) keep a per-row logsumexp instead,
-so the planner counts ``c`` only for ``sdpa`` attention.
+so the planner counts ``c`` only for ``sdpa`` attention. For a job on those kernels an HF model's
+meta forward attends through flame's attention, which on meta tensors keeps what the kernel keeps
+(flame.models.attention.kept_as_flash_kernels): without it, the math path's float32 copies of the
+queries, keys and values would count too.
 
 Models whose forward cannot run on meta tensors (fla's Triton kernels), and jobs under autocast
 (which meta tensors do not take), are measured on the GPU instead, by the same hooks
@@ -39,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
 from flame import compat
+from flame.models import attention as attention_kernels
 from flame.models.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.inputs import flattens_rows
 from flame.models.registry import decoder_layers, meta_model
@@ -216,31 +220,37 @@ _PROFILES: dict[tuple, ActivationProfile] = {}
 
 
 def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False,
-            autocast: bool = False) -> ActivationProfile:
+            autocast: bool = False, attention: str = "sdpa") -> ActivationProfile:
     """The activation profile of ``config``'s model computing in ``dtype`` (cached per argument).
 
     ``fused``: the job runs an HF model's norms and MLPs on flame's fused CUDA kernels
     (flame.models.fused, eager on a GPU): the meta forward keeps what those kernels keep.
     ``autocast``: the job keeps float32 weights and computes under autocast to ``dtype`` (no FSDP);
     the GPU probe runs so (autocast does not reach meta tensors: the meta forward runs in ``dtype``).
+    ``attention``: the job's attention backend; under ``varlen`` or ``flex`` an HF model's meta forward keeps
+    what that kernel keeps (flame.models.attention.kept_as_flash_kernels), not what math attention keeps.
     """
-    key = (config.to_json_string(use_diff=False), dtype, fused, autocast)
+    key = (config.to_json_string(use_diff=False), dtype, fused, autocast, attention)
     if key not in _PROFILES:
-        _PROFILES[key] = _measure(config, dtype, fused, autocast)
+        _PROFILES[key] = _measure(config, dtype, fused, autocast, attention)
     return _PROFILES[key]
 
 
-def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast: bool) -> ActivationProfile:
+def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast: bool,
+             attention: str) -> ActivationProfile:
     from flame.memory import probe  # it builds on this module's hooks and fit
     model = meta_model(config).to(dtype)
     model.train()
     if fused:
         use_fused_kernels(model)
+    flash = attention in ("varlen", "flex") and _takes_flame_attention(model)
     blocks = len(decoder_layers(model))
     try:
-        with compat.triton.kernel_launches_refused(), kept_as_on_cuda() if fused else nullcontext():
+        with (compat.triton.kernel_launches_refused(), kept_as_on_cuda() if fused else nullcontext(),
+              attention_kernels.kept_as_flash_kernels(attention) if flash else nullcontext()):
             profile = fitted_profile(model, LENGTHS, "meta", "meta-device forward, saved tensors"
-                               + (", flame's fused norms and MLPs" if fused else ""))
+                               + (", flame's fused norms and MLPs" if fused else "")
+                               + (f", {attention} attention's" if flash else ""))
     except Exception as error:  # noqa: BLE001 - any kernel that needs real memory (Triton) lands here
         refused = isinstance(error, compat.triton.KernelLaunchRefused)
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
@@ -254,6 +264,18 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
         return probe.probed(config, dtype, where, autocast, fused,
                             otherwise=lambda failed: dataclasses.replace(profile, method=f"{profile.method}; {failed}"))
     return profile
+
+
+def _takes_flame_attention(model: nn.Module) -> bool:
+    """Switch an HF model to flame's attention, as flame.models.builder builds it; False where it has none to switch
+    (fla's models call their kernels themselves) or refuses (it then trains on its own attention too)."""
+    if not isinstance(getattr(model.config, "_attn_implementation", None), str) or flattens_rows(model):
+        return False
+    try:
+        model.set_attn_implementation(attention_kernels.HF_ATTENTION)
+    except (ValueError, AttributeError):
+        return False
+    return True
 
 
 def fitted_profile(model: nn.Module, lengths: tuple[int, int, int], where, method: str) -> ActivationProfile:

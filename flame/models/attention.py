@@ -33,6 +33,7 @@ per-batch lengths never cause recompilation.
 """
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -145,14 +146,22 @@ def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     # window (-1, 0) = causal; (w - 1, 0) = causal within w keys. Where a sequence has fewer
     # queries than keys, the queries are its last tokens (flash-attn's bottom-right alignment).
     options = {"scale": scale, "window_size": (-1 if window is None else window - 1, 0)}
-    if key.shape[1] != query.shape[1]:
-        if _VARLEN_HAS_GQA:
-            options["enable_gqa"] = True
-        else:
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    key, value, grouped = _varlen_keys(query, key, value)
+    if grouped:
+        options["enable_gqa"] = True
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
     return varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
+
+
+def _varlen_keys(query, key, value):
+    """Keys and values as torch's varlen kernel takes them, and whether it groups the queries itself (enable_gqa):
+    without that option, each key/value head repeated for its group of query heads."""
+    if key.shape[1] == query.shape[1]:
+        return key, value, False
+    if _VARLEN_HAS_GQA:
+        return key, value, True
+    groups = query.shape[1] // key.shape[1]
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), False
 
 
 _compiled_flex_attention = None
@@ -184,6 +193,50 @@ def _flex_attention(query, key, value, block_mask, scale):
 
 # transformers: the "flame" attention implementation
 
+_keeping_as: str | None = None  # kept_as_flash_kernels' backend: a meta forward keeps what that kernel keeps
+
+
+@contextmanager
+def kept_as_flash_kernels(backend: str):
+    """Inside, the "flame" attention on meta tensors keeps for its backward what ``backend`` (``varlen`` or
+    ``flex``) keeps: the flattened queries, keys and values (queries and keys copied out of HF's layout, values
+    a view; varlen without grouped-query support takes each key and value head repeated), the output and a
+    float32 logsumexp per head and token.
+
+    flame.memory measures an HF model's activations by a meta forward's saved tensors; meta tensors take
+    PyTorch's math attention, which keeps float32 copies of the queries, the transposed keys and the values
+    (and the T x T weights): 12,288 bytes a token for a llama 340M block, where varlen keeps 6,208.
+    """
+    global _keeping_as
+    if backend not in ("varlen", "flex"):
+        raise ValueError(f"kept_as_flash_kernels: {backend!r} is not a flash-style backend (varlen, flex)")
+    before, _keeping_as = _keeping_as, backend
+    try:
+        yield
+    finally:
+        _keeping_as = before
+
+
+class _FlashKeeps(torch.autograd.Function):
+    """The output of a flash-style kernel on meta tensors, keeping what the kernel keeps for its backward."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(query)
+        logsumexp = query.new_empty((query.shape[1], query.shape[0]), dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a meta forward's stand-in for flash attention has no backward: it only measures memory")
+
+
+def _flattened(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
+    """``[B, H, L, D]`` -> ``[B * L, H, D]``: the kernels' token-major layout (a copy unless already laid out so)."""
+    rows, _, length, head_dim = query.shape
+    return [t.transpose(1, 2).reshape(rows * length, t.shape[1], head_dim) for t in (query, key, value)]
+
 
 def hf_document_attention(
     module: torch.nn.Module,
@@ -205,6 +258,11 @@ def hf_document_attention(
     if dropout > 0:
         raise ValueError("flame's document attention has no attention dropout; set attention_dropout to 0")
     rows, heads, length, head_dim = query.shape
+    if _keeping_as is not None and query.device.type == "meta":
+        query, key, value = _flattened(query, key, value)
+        if _keeping_as == "varlen":
+            key, value, _ = _varlen_keys(query, key, value)
+        return _FlashKeeps.apply(query, key, value).view(rows, length, heads, head_dim), None
     if cu_seq_lens_q is None:
         if attention_mask is not None or key.shape[2] != length and length > 1:
             raise ValueError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")
@@ -212,10 +270,8 @@ def hf_document_attention(
             query, key, value, is_causal=length > 1, scale=scaling, enable_gqa=key.shape[1] != heads
         )
         return out.transpose(1, 2), None
-    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], head_dim) for t in (query, key, value)]
-    out = document_attention(
-        *flat, cu_seq_lens_q, length, scale=scaling, window=sliding_window, rows=rows, batch=documents_of(cu_seq_lens_q)
-    )
+    out = document_attention(*_flattened(query, key, value), cu_seq_lens_q, length, scale=scaling,
+                             window=sliding_window, rows=rows, batch=documents_of(cu_seq_lens_q))
     return out.view(rows, length, heads, head_dim), None
 
 
