@@ -8,8 +8,9 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from flame.memory import probe
-from flame.models import load_model_config
+from flame.batch_context import BatchContext, computing
+from flame.memory import activations, probe
+from flame.models import attention, load_model_config
 from flame.models.builder import reinitialize
 from flame.models.fused import use_fused_kernels
 from flame.models.inputs import is_fla_config
@@ -95,3 +96,37 @@ def test_the_probe_prices_a_blocks_backward_at_eight_times_its_longest_row(name)
     # the 340M and negative at the 7B
     weight_grads = sum(p.numel() * p.element_size() for p in weights)
     assert 0.85 * (beyond - weight_grads) <= profile.backward.at(tokens) <= 1.05 * beyond
+
+
+def test_an_hf_models_meta_profile_counts_what_its_varlen_forward_keeps_on_the_gpu():
+    """A job under FSDP (bf16 weights) plans an HF model from its meta forward, where the attention keeps what
+    flame's varlen kernel keeps (flame.models.attention.kept_as_flash_kernels): checked against the GPU's memory
+    at rows past the meta forward's, two documents a row, through flame's attention as training calls it."""
+    config = load_model_config(str(ROOT / "configs" / "llama_340M.json"))
+    config.num_hidden_layers = 2
+    profile = activations.measure(config, torch.bfloat16, fused=True, attention="varlen")
+    assert "varlen attention's" in profile.method
+    model = meta_model(config).to(torch.bfloat16)
+    model.set_attn_implementation(attention.HF_ATTENTION)
+    model.to_empty(device="cuda")
+    reinitialize(model)
+    model.train()
+    use_fused_kernels(model)
+
+    def kept(tokens: int) -> int:
+        ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
+        half = tokens // 2
+        documents = torch.tensor([0, half, tokens], dtype=torch.int32, device="cuda")
+        positions = torch.arange(half, device="cuda").repeat(2)[None]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with computing(BatchContext(cu_seqlens=documents, max_seqlen=half)):
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False, cu_seq_lens_q=documents).logits
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before - logits.untyped_storage().nbytes()
+
+    def estimate(tokens: int) -> float:
+        return sum(block.at(tokens, False) for block in profile.blocks) + profile.rest.at(tokens, False)
+
+    short, long = 6144, 12288
+    assert estimate(long) - estimate(short) == pytest.approx(kept(long) - kept(short), rel=0.05)
