@@ -42,6 +42,7 @@ from torch.nn.attention.varlen import varlen_attn
 
 from flame.batch_context import BatchContext, documents_of
 from flame.batch_context import current as current_batch
+from flame.models.meta_keeps import Keeps
 
 BACKENDS = ("auto", "varlen", "flex", "sdpa")
 HF_ATTENTION = "flame"
@@ -217,21 +218,6 @@ def kept_as_flash_kernels(backend: str):
         _keeping_as = before
 
 
-class _FlashKeeps(torch.autograd.Function):
-    """The output of a flash-style kernel on meta tensors, keeping what the kernel keeps for its backward."""
-
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(query)
-        logsumexp = query.new_empty((query.shape[1], query.shape[0]), dtype=torch.float32)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a meta forward's stand-in for flash attention has no backward: it only measures memory")
-
-
 def _flattened(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
     """``[B, H, L, D]`` -> ``[B * L, H, D]``: the kernels' token-major layout (a copy unless already laid out so)."""
     rows, _, length, head_dim = query.shape
@@ -262,7 +248,9 @@ def hf_document_attention(
         query, key, value = _flattened(query, key, value)
         if _keeping_as == "varlen":
             key, value, _ = _varlen_keys(query, key, value)
-        return _FlashKeeps.apply(query, key, value).view(rows, length, heads, head_dim), None
+        logsumexp = query.new_empty((heads, query.shape[0]), dtype=torch.float32)
+        # the output is kept too, as the o_proj's input (one storage): counted there
+        return Keeps.apply(query, query, key, value, logsumexp).view(rows, length, heads, head_dim), None
     if cu_seq_lens_q is None:
         if attention_mask is not None or key.shape[2] != length and length > 1:
             raise ValueError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")

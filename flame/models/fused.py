@@ -45,6 +45,7 @@ from flame import compat, device
 from flame.compat.fla import FLA
 from flame.compat.guard import Target
 from flame.models import registry
+from flame.models.meta_keeps import Keeps
 
 # fla's kernels the CUDA paths call
 _SWIGLU_LINEAR = Target(FLA, "fla.modules.activations", "swiglu_linear", ("x", "y", "weight", "bias"))
@@ -93,19 +94,6 @@ def kept_as_on_cuda():
         _keeping_as_on_cuda = before
 
 
-class _Keeps(torch.autograd.Function):
-    """An output shaped like ``like`` whose backward would need ``kept``: a fused kernel's memory, on meta tensors."""
-
-    @staticmethod
-    def forward(ctx, like: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*kept)
-        return torch.empty_like(like)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError("a meta forward's stand-in for a fused kernel has no backward: it only measures memory")
-
-
 def _keeping_on_meta(x: torch.Tensor) -> bool:
     return _keeping_as_on_cuda and x.device.type == "meta"
 
@@ -120,7 +108,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
     if _keeping_on_meta(hidden_states):  # the CUDA kernel keeps its input and the fp32 inverse RMS per row
         x, inverse_rms = hidden_states.to(dtype), torch.empty(hidden_states.shape[:-1], dtype=torch.float32, device="meta")
-        return _Keeps.apply(x, x, inverse_rms)
+        return Keeps.apply(x, x, inverse_rms)
     device_type = hidden_states.device.type
     # autocast leaves HF's elementwise ops alone; it must not recast the fused op either
     with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
@@ -157,7 +145,7 @@ _GATED_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 def _gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if _keeping_on_meta(x):  # swiglu_linear keeps the gate and up projections, and recomputes their product
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return _Keeps.apply(x.new_empty((*x.shape[:-1], self.down_proj.out_features), dtype=gate.dtype), gate, up)
+        return Keeps.apply(x.new_empty((*x.shape[:-1], self.down_proj.out_features), dtype=gate.dtype), gate, up)
     if not _eager_on_cuda(x):
         return self.fused_from.forward(self, x)
     kernels = _fla_kernels()
