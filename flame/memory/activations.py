@@ -22,7 +22,7 @@ queries, keys and values would count too.
 Models whose forward cannot run on meta tensors (fla's Triton kernels), and jobs under autocast
 (which meta tensors do not take), are measured on the GPU instead, by the same hooks
 (``flame.memory.probe``); on a GPU the hooks also read what the last block's backward allocates
-beyond what it kept (``_backward_workspace``), which the meta forward cannot: there it counts as
+beyond what it kept (``backward_peak``), which the meta forward cannot: there it counts as
 nothing, which the allocator margin has to cover. Where there is no GPU, or the probe of a model
 the meta forward could not run fails, a stated formula stands in (``FALLBACK_TENSORS_PER_HIDDEN``);
 the plan's table says which applies.
@@ -169,7 +169,11 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(input_ids=ids, **inputs)
-        workspace = _backward_workspace(*state["last"]) if torch.device(where).type == "cuda" else 0
+        if torch.device(where).type == "cuda":
+            block_input, block_output = state["last"]
+            workspace = backward_peak(block_output, [block_input])
+        else:
+            workspace = 0
     finally:
         # a block that raised (a refused Triton launch) never reached its forward hook: left on the
         # stack, the counting mode would run every later op of the process through Python (a third
@@ -185,19 +189,18 @@ def _saved_per_block(model: nn.Module, tokens: int, save_list: set,
     return per_block, selective, outside, state["input"], workspace
 
 
-def _backward_workspace(block_input: torch.Tensor, block_output: torch.Tensor) -> int:
-    """Bytes the block's backward allocates at its peak beyond what is live when it starts (its saved
-    tensors and the gradient arriving at its output): the gradients it passes on and its kernels' buffers.
-
-    Only the input's gradient is asked for. The weights' gradients do not grow with the row (the plan
-    counts them itself), and asked for they set the peak of the probe's short rows: a 7B block's 0.4 GB
-    of them outweighed its per-token buffers up to 4K tokens, and the rows' fit then sloped down."""
-    where = block_output.device
-    arriving = torch.ones_like(block_output)
+def backward_peak(output: torch.Tensor, wanted: list[torch.Tensor], retain_graph: bool = False) -> int:
+    """Bytes a backward from ``output`` (a gradient of ones arriving) to ``wanted`` allocates at its peak beyond
+    what is live when it starts (the saved tensors and that gradient): the gradients it passes on and its kernels'
+    buffers. The probe asks a block for its input's gradient alone: the weights' gradients do not grow with the
+    row (the plan counts them itself), and asked for they set the peak of the probe's short rows (a 7B block's
+    0.4 GB of them outweighed its per-token buffers up to 4K tokens, and the rows' fit then sloped down)."""
+    where = output.device
+    arriving = torch.ones_like(output)
     torch.cuda.synchronize(where)
     start = torch.cuda.memory_allocated(where)
     torch.cuda.reset_peak_memory_stats(where)
-    torch.autograd.grad(block_output, block_input, arriving)
+    torch.autograd.grad(output, wanted, arriving, retain_graph=retain_graph)
     return torch.cuda.max_memory_allocated(where) - start
 
 

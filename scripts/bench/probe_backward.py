@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from flame.memory import probe
+from flame.memory.activations import backward_peak
 from flame.models import load_model_config
 from flame.models.builder import reinitialize
 from flame.models.inputs import is_fla_config
@@ -37,16 +38,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=2, help="decoder blocks built (the last one is measured)")
     parser.add_argument("--autocast", action="store_true", help="float32 weights under bf16 autocast (no FSDP)")
     return parser.parse_args()
-
-
-def backward_peak(output: torch.Tensor, wanted: list[torch.Tensor]) -> int:
-    """Bytes a backward from ``output`` to ``wanted`` allocates beyond what is live when it starts."""
-    arriving = torch.ones_like(output)
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.autograd.grad(output, wanted, arriving, retain_graph=True)
-    return torch.cuda.max_memory_allocated() - start
 
 
 def measure(name: str, args: argparse.Namespace) -> None:
@@ -86,7 +77,7 @@ def measure(name: str, args: argparse.Namespace) -> None:
         with torch.autocast("cuda", torch.bfloat16) if args.autocast else nullcontext():
             model.model(input_ids=ids, use_cache=False, cu_seqlens=documents)
         kept = seen["after"] - seen["before"] - seen["output"].untyped_storage().nbytes()
-        every = backward_peak(seen["output"], [seen["input"], *weights])
+        every = backward_peak(seen["output"], [seen["input"], *weights], retain_graph=True)
         alone = backward_peak(seen["output"], [seen["input"]])
         print(f"  {tokens:>6} tokens: kept {kept / GIB:.3f} GiB (probe {profile.blocks[-1].at(tokens, False) / GIB:.3f}); "
               f"backward, every gradient {every / GIB:.3f} ({(every - weight_grads) / GIB:.3f} without the weights'), "
