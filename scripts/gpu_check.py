@@ -514,8 +514,11 @@ def spread(steps: list[Step], one, gpus: int) -> list:
     (CUDA_VISIBLE_DEVICES), as GPUs come free; then the steps that need more, one at a time on
     all of them. Results keep the suite's order."""
     free = queue.Queue()
-    for index in range(gpus):
-        free.put(str(index))
+    # the GPUs this process sees, by the names its parent gave them (a CUDA_VISIBLE_DEVICES of 1,2 spreads over
+    # GPUs 1 and 2, not 0 and 1)
+    visible = [name for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    for name in (visible or [str(index) for index in range(gpus)])[:gpus]:
+        free.put(name)
 
     def on_own_gpu(step: Step):
         device = free.get()

@@ -383,3 +383,37 @@ def test_torchtitans_trainer_over_several_gpus_is_refused_where_it_cannot_run(ar
     with pytest.raises(SystemExit):
         torchtitan_peer.parse_args(["--config", "configs/llama_340M.json", *argv])
     assert error in capsys.readouterr().err
+
+
+def test_spread_keeps_to_the_gpus_its_parent_made_visible(tmp_path, monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=1,2 the one-GPU runs go to GPUs 1 and 2, not to 0 and 1 (which another job of
+    the machine may be using)."""
+    seen = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
+    monkeypatch.setattr(runs, "run_step", lambda step, work, limit, env: seen.append(env.get("CUDA_VISIBLE_DEVICES"))
+                        or Result(step, 0, 0.0))
+    monkeypatch.setattr(runs, "save_kernel_caches", lambda out: None)
+    args = gpu_check.parse_args(["--suite", "scaling", "--spread", "--work", str(tmp_path), "--out", str(tmp_path)])
+    gpu_check.run_suite("scaling", gpu_check.plan("scaling", args), args, {}, gpu_check.Budget(None), gpus=2)
+    assert {device for device in seen if device is not None} == {"1", "2"}
+
+
+def test_packing_a_work_folder_skips_what_a_run_beside_it_removes_meanwhile(tmp_path, monkeypatch):
+    """--spread packs the work folder as each run ends, while the others clear their dump folders."""
+    import tarfile
+
+    work = tmp_path / "work"
+    (work / "run_b").mkdir(parents=True)
+    (work / "a.log").write_text("a")
+    (work / "run_b" / "job_config.json").write_text("{}")
+    add = tarfile.TarFile.add
+
+    def add_while_run_b_clears(self, name, *args, **kwargs):
+        if str(name).endswith("job_config.json"):  # run_b's cleanup, between listing the file and adding it
+            Path(name).unlink()
+        return add(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(tarfile.TarFile, "add", add_while_run_b_clears)
+    runs.pack(work, tmp_path / "memory.tgz")
+    with tarfile.open(tmp_path / "memory.tgz") as tar:
+        assert tar.getnames() == ["a.log"]

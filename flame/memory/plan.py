@@ -4,7 +4,7 @@
 the optimizer's fp32 state (AdamW/Adam: two moments; Muon: one momentum for the blocks' matrices,
 AdamW's two for the rest), FSDP's all-gather buffers (one block's weights in the compute dtype,
 twice: the block computing and the one prefetched; every block's once FSDP keeps them gathered
-after the forward), autocast's weight copies (no FSDP, bf16), the activations
+after the forward), autocast's weight copies (no FSDP, bf16; ``autocast_copies``), the activations
 (``flame.memory.activations``: measured), the loss's logits, and an allocator margin.
 
 A step peaks at one of these moments, and the estimate is the largest: the forward's end, where
@@ -89,8 +89,6 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         gathered = job.params if not layout.reshard else 2 * job.block_params
         why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"
         parts.append(Part("FSDP all-gather buffers", gathered * job.compute_bytes / job.tensor_parallel, "GPU", why))
-    elif job.autocast_copies:
-        parts.append(Part("autocast weight copies", job.params * job.compute_bytes, "GPU", "one per weight"))
 
     rows = job.rows // layout.micro_batches
     scale = rows / job.tensor_parallel
@@ -103,22 +101,30 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     else:  # allocated block by block in the backward, the last block's first
         per_block = 4 * job.block_params / job.weight_shards
         held = [min(on_gpu, per_block * (blocks - index)) for index in range(blocks)]
+    end_copies, copies = autocast_copies(job, layout)
     end_activations = scale * forward_end_bytes(job, layout.ac)
-    at_end = end_activations + logits + (on_gpu if accumulating else 0.0)
-    during = [scale * activations + grads for activations, grads in zip(backward_bytes(job, layout.ac), held)]
+    at_end = end_activations + logits + end_copies + (on_gpu if accumulating else 0.0)
+    during = [scale * activations + grads + held_copies
+              for activations, grads, held_copies in zip(backward_bytes(job, layout.ac), held, copies)]
     peak = max(range(blocks), key=during.__getitem__)
     if at_end >= max(during[peak], on_gpu):
         if not accumulating and on_gpu:
             gradients = Part("gradients", 0.0, kept, "fp32, allocated in the backward, after this peak")
+        if end_copies:
+            parts.append(Part("autocast weight copies", end_copies, "GPU", "one per weight, cached to the forward's end"))
         parts += [gradients, Part("activations", end_activations, "GPU", _recomputed(layout.ac) + "; the forward's end"),
                   Part("loss", logits + loss_kept, "GPU", loss_note)]
     elif during[peak] >= on_gpu:
+        if copies[peak]:
+            parts.append(Part("autocast weight copies", copies[peak], "GPU",
+                              "the blocks' not yet through the backward, saved by the blocks kept whole and the one "
+                              "recomputed"))
         if held[peak] < on_gpu:
             count = blocks - peak
             whose = "the last block's" if count == 1 else f"the last {count} blocks'"
             gradients = Part("gradients", held[peak], kept,
                              f"fp32, {whose} so far (all: {on_gpu / GIB:.3f} GiB, by the backward's end)")
-        parts += [gradients, Part("activations", during[peak] - held[peak], "GPU",
+        parts += [gradients, Part("activations", during[peak] - held[peak] - copies[peak], "GPU",
                                   f"{_recomputed(layout.ac)}; the backward's peak (block {peak + 1} of {blocks})"),
                   Part("loss", loss_kept, "GPU", "the head's gradients, kept for the backward (the logits are freed)")]
     else:  # the backward's end: every gradient, the activations freed
@@ -160,6 +166,27 @@ def forward_end_bytes(job: Job, ac: str) -> float:
     return job.activations.rest.at(job.tokens_per_row, job.dense_attention) + sum(_kept(job, ac)[0])
 
 
+def autocast_copies(job: Job, layout: Layout) -> tuple[float, list[float]]:
+    """(bytes of autocast's weight copies at the forward's end, during each block's backward), under ``layout``
+    (none under FSDP or CPU offload: FSDP casts the weights it gathers).
+
+    Autocast caches one cast copy of each weight until its region ends, with the loss: at the forward's end
+    every copy is live. The backward runs outside that region, and a copy outlives it only where an op saved
+    it for the backward: the blocks kept whole hold theirs until their own backward, a checkpointed block's
+    copies are cast again when it is recomputed, and freed after it. Counting every copy at a checkpointed
+    backward overestimated full AC of the 1B models by 8-12% (docs/perf-log.md, 2026-11-28).
+    """
+    blocks = len(job.activations.blocks)
+    if not job.autocast_copies or job.fsdp or layout.offload:
+        return 0.0, [0.0] * blocks
+    block_copy = job.block_params * job.compute_bytes
+    whole_before, during = 0, []
+    for index in range(blocks):
+        during.append((whole_before + 1) * block_copy)
+        whole_before += not _checkpointed(layout.ac, index)
+    return job.params * job.compute_bytes, during
+
+
 def backward_bytes(job: Job, ac: str) -> list[float]:
     """Bytes one row's activations take during each block's backward, under ``ac`` (block order).
 
@@ -178,6 +205,17 @@ def backward_bytes(job: Job, ac: str) -> list[float]:
     return during
 
 
+def _checkpointed(ac: str, index: int) -> bool:
+    """Whether ``ac`` recomputes block ``index`` in the backward (any of full, op-level, first-K, every-N)."""
+    if ac in ("none", "memory_budget"):
+        return False
+    if ac in ("full", "op"):
+        return True
+    if (count := first_blocks(ac)) is not None:
+        return index < count
+    return (index + 1) % int(ac) == 0
+
+
 def _kept(job: Job, ac: str) -> tuple[list[float], list[float]]:
     """(what each block keeps through the forward under ``ac``, everything each block saves), for one row."""
     profile, tokens = job.activations, job.tokens_per_row
@@ -190,11 +228,9 @@ def _kept(job: Job, ac: str) -> tuple[list[float], list[float]]:
         kept = [inputs] * len(blocks)
     elif ac == "op":
         kept = [inputs + selective.at(tokens, square) for selective in profile.selective]
-    elif (count := first_blocks(ac)) is not None:  # the last blocks, whose backward comes first, are kept whole
-        kept = [inputs if index < count else block for index, block in enumerate(blocks)]
-    else:  # selective every N blocks: torchtitan checkpoints the N-th, 2N-th, ... block and keeps the others whole
-        every = int(ac)
-        kept = [inputs if (index + 1) % every == 0 else block for index, block in enumerate(blocks)]
+    else:  # the first K blocks (the last ones, whose backward comes first, kept whole), or torchtitan's every
+        # N-th block (the N-th, 2N-th, ...) checkpointed
+        kept = [inputs if _checkpointed(ac, index) else block for index, block in enumerate(blocks)]
     return kept, blocks
 
 

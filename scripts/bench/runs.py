@@ -15,6 +15,7 @@ file may be. The driver unpacks the carried caches once per machine and writes t
 into <out> after every step; `gpu_check.py --merge-cache <folder>` merges what came back.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -141,7 +142,11 @@ def pack(folder: Path, archive: Path) -> None:
     """``folder`` as ``archive`` (.tgz), replaced whole so that a reader never sees half of it."""
     partial = archive.with_suffix(".partial")
     with tarfile.open(partial, "w:gz") as tar:
-        tar.add(folder, arcname=".")
+        for path in sorted(folder.rglob("*")):
+            # runs side by side (--spread) clear their dump folders as this packs: what is gone is skipped
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_file():
+                    tar.add(path, arcname=str(path.relative_to(folder)), recursive=False)
     partial.replace(archive)
 
 
