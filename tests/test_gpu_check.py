@@ -417,3 +417,11 @@ def test_packing_a_work_folder_skips_what_a_run_beside_it_removes_meanwhile(tmp_
     runs.pack(work, tmp_path / "memory.tgz")
     with tarfile.open(tmp_path / "memory.tgz") as tar:
         assert tar.getnames() == ["a.log"]
+
+
+def test_the_profile_suite_reads_traces_where_torchtitan_writes_them():
+    """runs.run_step sums the trace under torchtitan's default traces folder (a wrong name found none on a GPU)."""
+    from torchtitan.config.job_config import Profiling
+
+    assert runs.PROFILE_TRACES == Profiling().save_traces_folder
+    assert "--profiling.save_traces_folder" not in " ".join(map(str, gpu_check.SUITES["profile"].flags))

@@ -40,6 +40,7 @@ TILELANG_CACHE = Path("/tmp/tlcache")  # tlcache.tgz holds tlcache/, unpacked in
 RESTORED_MARKER = Path("/tmp/.flame-kernel-cache-restored")
 STACKS_BEFORE_LIMIT = 15  # seconds: a run's ranks print their Python stacks this long before its limit
 
+PROFILE_TRACES = "profile_traces"  # torchtitan's --profiling.save_traces_folder, which the suites leave as it is
 
 @dataclass
 class Result:
@@ -129,7 +130,7 @@ def run_step(step: Step, work: Path, limit: Callable[[], float], env: dict[str, 
             if err.stat().st_size:
                 shutil.copy(err, work / f"{step.name}.rank{err.parent.name}.err")
                 note = f"ranks' stderr: {step.name}.rank*.err"
-    traces = sorted(dump.glob("profile_trace/iteration_*/rank0_trace.json"), key=lambda t: int(t.parent.name[10:]))
+    traces = sorted(dump.glob(f"{PROFILE_TRACES}/iteration_*/rank0_trace.json"), key=lambda t: int(t.parent.name[10:]))
     if traces:  # --profiling.enable_profiling: the last profiled step, summed by kind (the trace is hundreds of MB)
         (work / f"{step.name}.profile.txt").write_text(trace_summary.summarize(traces[-1]) + "\n")
     for entry in dump.iterdir() if dump.is_dir() else ():

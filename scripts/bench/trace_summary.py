@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes, from a torch profiler trace (Chrome JSON).
 
-    python -m scripts.bench.trace_summary <dump>/profile_trace/iteration_10/rank0_trace.json
+    python -m scripts.bench.trace_summary <dump>/profile_traces/iteration_10/rank0_trace.json
 
 train.sh writes such a trace with `--profiling.enable_profiling --profiling.profile_freq N`
 (torchtitan's profiler: the N-th step of every N); `scripts/gpu_check.py --suite profile`
