@@ -68,11 +68,13 @@ def hf_loss(out: Path) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> SimpleNamespace:
     """4 steps of the llama in one process (against the HF model's own step-1 loss), then a resume from its
-    step 2; 2 steps of the llama with LoRA under FSDP 2; 1 step of the example model, without checkpoints."""
+    step 2; 2 steps of the llama with LoRA under FSDP 2; 1 step of the example model, without checkpoints, in
+    one process and under FSDP 2."""
     root = tmp_path_factory.mktemp("init_from")
     hf = save_hf_models(root)
     parity = str(SCRIPTS / "init_from_parity.py")
-    single, resumed, fsdp, example = root / "single", root / "resumed", root / "fsdp", root / "example_run"
+    single, resumed, fsdp = root / "single", root / "resumed", root / "fsdp"
+    example, example_fsdp = root / "example_run", root / "example_fsdp"
 
     def single_then_resumed():
         check(torchrun([str(root / "single.json"), f"--model.init_from={hf.llama}", *run_args(single, 4, 4)],
@@ -86,10 +88,12 @@ def runs(tmp_path_factory) -> SimpleNamespace:
         check(torchrun([str(root / "example.json"), f"--model.init_from={hf.example}",
                         f"--model.tokenizer_path={TOKENIZER}", *run_args(example, 1, 4, checkpoints=False)],
                        module=parity))
+        check(torchrun([f"--model.init_from={hf.example}", f"--model.tokenizer_path={TOKENIZER}",
+                        *run_args(example_fsdp, 1, 2, checkpoints=False)], nproc=2))
         return fsdp_result
 
     resumed_result, fsdp_result = two_at_a_time(single_then_resumed, fsdp_then_example)
-    return SimpleNamespace(hf=hf, single=single, resumed=resumed, fsdp=fsdp, example=example,
+    return SimpleNamespace(hf=hf, single=single, resumed=resumed, fsdp=fsdp, example=example, example_fsdp=example_fsdp,
                            single_hf_loss=hf_loss(root / "single.json"), example_hf_loss=hf_loss(root / "example.json"),
                            resumed_log=resumed_result.stdout + resumed_result.stderr,
                            fsdp_log=fsdp_result.stdout + fsdp_result.stderr)
@@ -100,6 +104,8 @@ def test_the_first_step_computes_the_hf_models_own_loss(runs):
     assert metrics(runs.single)[1][LOSS] == pytest.approx(runs.single_hf_loss, rel=1e-5)
     assert len(list(runs.hf.example.glob("*.safetensors"))) > 1  # read from several files
     assert metrics(runs.example)[1][LOSS] == pytest.approx(runs.example_hf_loss, rel=1e-5)
+    # the custom model's weights loaded into FSDP's shards on 2 ranks: the same rows, the same loss
+    assert metrics(runs.example_fsdp)[1][LOSS] == pytest.approx(runs.example_hf_loss, rel=1e-5)
     single = metrics(runs.single)
     assert single[4][LOSS] < single[1][LOSS]  # and it trains from there
 
