@@ -117,8 +117,8 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     elif during[peak] >= on_gpu:
         if copies[peak]:
             parts.append(Part("autocast weight copies", copies[peak], "GPU",
-                              "the blocks' not yet through the backward, saved by the blocks kept whole and the one "
-                              "recomputed"))
+                              "this block's and those of the blocks before it kept whole (a checkpointed block "
+                              "casts again when recomputed)"))
         if held[peak] < on_gpu:
             count = blocks - peak
             whose = "the last block's" if count == 1 else f"the last {count} blocks'"
