@@ -320,8 +320,8 @@ SUITES = {
                 ("mb4", ("--training.batch_size", "1", "--training.gradient_accumulation_steps", "4")))),
             Run("rows_budget30", 1, (*ROWS4_8K, "--memory.gpu_budget_gib", "30"), only=("llama_340M",)),
             # 8 rows of 32K (256K tokens a step; varlen takes one row), which the plan may split into micro-batches.
-            # 8 steps at a rate well below a 7B's usual peak: at 1e-4 and 3e-4 the loss rose at steps 3-4
-            # (docs/perf-log.md, 2026-11-28), and these steps show whether it falls at 3e-5
+            # 8 steps at a rate well below a 7B's usual peak: at 1e-4 and 3e-4 the loss rose at steps 3-4, at 3e-5
+            # it falls (11.2 to 8.1 over these steps on an H200; docs/perf-log.md, 2026-11-28)
             Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "8",
                              "--metrics.log_freq", "1", "--optimizer.lr", "3e-5"),
                 only=("transformer_7B",)),
@@ -516,7 +516,7 @@ def spread(steps: list[Step], one, gpus: int) -> list:
     free = queue.Queue()
     # the GPUs this process sees, by the names its parent gave them (a CUDA_VISIBLE_DEVICES of 1,2 spreads over
     # GPUs 1 and 2, not 0 and 1)
-    visible = [name for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    visible = [name.strip() for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
     for name in (visible or [str(index) for index in range(gpus)])[:gpus]:
         free.put(name)
 

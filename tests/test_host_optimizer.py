@@ -17,8 +17,9 @@ from flame import memory
 from flame.components.host_optimizer import HostAdamW, leading_units, units_of
 from flame.distributed.parallelize import checkpoint_blocks
 from flame.errors import ConfigError
+from flame.memory.estimate import estimate, gpu_bytes
 from flame.memory.layout import Layout
-from flame.memory.plan import candidates, choose, estimate, gpu_bytes
+from flame.memory.plan import candidates, choose
 from flame.memory.price import host_step, price
 from flame.models import load_model_config
 from flame.models.registry import decoder_layers, meta_model

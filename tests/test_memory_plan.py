@@ -18,22 +18,19 @@ from transformers import LlamaConfig
 from flame import memory
 from flame.errors import ConfigError
 from flame.memory import activations, hardware, probe
-from flame.memory.hardware import Hardware
-from flame.memory.layout import Layout
-from flame.memory.plan import (
+from flame.memory.estimate import (
     GIB,
     MARGINS,
     ONE_GPU,
-    PRICE_TOLERANCE,
     activation_bytes,
     activation_moments,
     autocast_copies,
-    candidates,
-    choose,
     estimate,
     gpu_bytes,
-    table,
 )
+from flame.memory.hardware import Hardware
+from flame.memory.layout import Layout
+from flame.memory.plan import PRICE_TOLERANCE, candidates, choose, table
 from flame.memory.price import price
 from flame.models import attention, builder, load_model_config
 from flame.models.registry import decoder_layers, meta_model, register_all

@@ -2,7 +2,7 @@
 
 ``apply`` runs in ``flame.config_manager.finalize``, in train.sh's preflight and on every rank
 alike, so every process takes the same plan and a job that cannot fit stops in one line before
-anything is built. The estimate and the choice are ``flame.memory.plan``'s, the layouts' prices
+anything is built. The estimate is ``flame.memory.estimate``'s, the choice ``flame.memory.plan``'s, the layouts' prices
 ``flame.memory.price``'s; the activations are measured by ``flame.memory.activations``, and the
 machine's rates that price the layouts by ``flame.memory.hardware`` (the preflight measures them,
 the ranks read its cache). Rank 0 logs
@@ -21,6 +21,7 @@ from torchtitan.tools.logging import logger
 
 from flame import device
 from flame.errors import ConfigError
+from flame.memory.estimate import GIB
 from flame.memory.layout import (
     FIRST,
     Job,
@@ -30,7 +31,7 @@ from flame.memory.layout import (
     dtype_bytes,
     first_blocks,
 )
-from flame.memory.plan import GIB, choose, table
+from flame.memory.plan import choose, table
 
 HOST_SHARE = 0.9  # of the available RAM: the rest for the data loaders, page cache and the OS
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
@@ -277,6 +278,6 @@ def check_same_plan(config) -> None:
 
 def planned_gpu_gib(config, world_size: int) -> float:
     """The estimate of the job as it now stands (the plan applied): the trainer logs it beside the measured peak."""
-    from flame.memory.plan import estimate, gpu_bytes
+    from flame.memory.estimate import estimate, gpu_bytes
 
     return gpu_bytes(estimate(job_of(config, world_size), layout_of(config))) / GIB

@@ -42,6 +42,7 @@ STACKS_BEFORE_LIMIT = 15  # seconds: a run's ranks print their Python stacks thi
 
 PROFILE_TRACES = "profile_traces"  # torchtitan's --profiling.save_traces_folder, which the suites leave as it is
 
+
 @dataclass
 class Result:
     step: Step
