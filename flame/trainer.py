@@ -13,8 +13,8 @@ which torchtitan's loop calls after each step's checkpoint). flame overrides:
   keep_latest_k also after the final save;
 - ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
   to start: numbers the attempt and records its job config (flame.dump_folder);
-- ``train_step``: per-step RNG, ranks agreeing on running out of data, a non-finite-gradient
-  check (skip or stop), the loss-spike policy (flame.components.spikes), richer metrics
+- ``train_step``: per-step RNG, ranks agreeing on running out of data, the update taken or
+  skipped (flame.components.update_guard: non-finite gradients, loss spikes), richer metrics
   (per-source data counts among them); the Nsight Systems window and NVTX ranges
   (flame.components.nsys); under LoRA, the first step checks that every adapter got a
   gradient (flame.models.lora);
@@ -25,7 +25,6 @@ flame's changes to other libraries apply first (flame.compat); the log lists the
 """
 
 import contextlib
-import math
 import os
 from typing import Any
 
@@ -50,7 +49,7 @@ from flame.components.loss import build_loss
 from flame.components.metrics import build_metrics_processor
 from flame.components.nsys import NsysWindow
 from flame.components.optimizer import build_lr_schedulers, build_optimizers
-from flame.components.spikes import SpikeWindow
+from flame.components.update_guard import UpdateGuard
 from flame.components.validation import build_validator
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
@@ -59,7 +58,6 @@ from flame.distributed.context_parallel import ContextParallel
 from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.dump_folder import ATTEMPTS, next_attempt, record_attempt
-from flame.errors import UpdatesFailingError
 from flame.models import AnyFlavor, build_model, lora
 from flame.models.inputs import batch_inputs
 
@@ -93,10 +91,6 @@ class Trainer(TorchtitanTrainer):
         compat.apply(job_config)  # before torchtitan's Trainer picks its device
         preflight.check_model(job_config)  # train.sh checked it all already; a bare torchrun launch did not
         register_flame_train_spec()
-        self.skipped_steps = 0
-        self.consecutive_skips = 0  # updates skipped in a row (--training.max_skipped_steps)
-        t = job_config.training
-        self.spikes = SpikeWindow(t.spike_sigma, t.spike_window, t.spike_min_steps)
         self.data_exhausted = False
         self.adapters_unchecked = job_config.lora.rank is not None  # until the first backward (lora.check_gradients)
         self._loss_window: torch.Tensor | None = None
@@ -109,6 +103,8 @@ class Trainer(TorchtitanTrainer):
             self.maybe_enable_amp = contextlib.nullcontext()
             if getattr(self, "validator", None) is not None:
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
+        self.updates = UpdateGuard(job_config.training, self.optimizers, self._what_is_saved)
+        self.checkpointer.before_save = self.updates.settle  # the train state counts the skips of every step
         self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
@@ -158,6 +154,7 @@ class Trainer(TorchtitanTrainer):
 
     def train(self) -> None:
         super().train()
+        self.updates.settle()  # the steps after the last log line and save
         self.nsys.close()  # the run ended inside the window
         if self.data_exhausted:  # the loop stopped inside a step it counted but did not take
             self.step -= 1
@@ -209,7 +206,9 @@ class Trainer(TorchtitanTrainer):
         except DataloaderExhaustedError:
             exhausted = True
         local_valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches) if not exhausted else 0
-        counts = torch.tensor([local_valid, int(exhausted)], dtype=torch.int64, device=self.device)
+        # from pinned memory without waiting: a plain copy to the GPU would wait for the previous step's kernels
+        counts = torch.tensor([local_valid, int(exhausted)], dtype=torch.int64, pin_memory=device.CUDA)
+        counts = counts.to(self.device, non_blocking=True)
         local_valid_tokens = counts[0].clone()
         if self.parallel_dims.dp_enabled:
             torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
@@ -260,10 +259,8 @@ class Trainer(TorchtitanTrainer):
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
         )
         step_loss = torch.stack(losses).sum()
-        if self._update_is_sound(step_loss, grad_norm):
-            self.consecutive_skips = 0
-            self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
+        self.updates.step(self.step, grad_norm, global_loss=lambda: self._reduce_loss(step_loss)[1],
+                          before_update=self.checkpointer.maybe_wait_for_staging)
         self.lr_schedulers.step()
         self.nsys.pop()
 
@@ -273,19 +270,20 @@ class Trainer(TorchtitanTrainer):
         self._window_steps += 1
         if not self.metrics_processor.should_log(self.step):
             return
+        self.updates.settle()
         loss, global_avg_loss = self._reduce_loss(self._loss_window / self._window_steps)
         self._loss_window, self._window_steps = None, 0
         batch_mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
         global_max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, batch_mesh)
         tokens_seen = int(dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), batch_mesh))
-        spikes = self.spikes.metrics() if self.spikes.enabled else {}
+        spikes = self.updates.spikes.metrics() if self.updates.spikes.enabled else {}
         self.metrics_processor.log(
             self.step,
             global_avg_loss.item(),
             global_max_loss,
             grad_norm.item(),
             extra_metrics={
-                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.skipped_steps, **spikes,
+                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.updates.skipped_steps, **spikes,
                 **self._data_metrics(),
             },
         )
@@ -307,61 +305,12 @@ class Trainer(TorchtitanTrainer):
             torch.distributed.all_reduce(total, group=self.parallel_dims.get_mesh("batch").get_group())
         return loss, total
 
-    def _update_is_sound(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether to take this step's update: a finite gradient norm and, under --training.spike_sigma,
-        no loss or gradient-norm spike. Otherwise the update is skipped, or the run stops.
-
-        One host sync either way (the step waits for its gradient norm): with the spike policy the
-        step's global loss comes along in the same transfer. Every rank decides alike, from values
-        that are the same on every rank.
-        """
-        if not self.spikes.enabled:
-            if torch.isfinite(grad_norm):
-                return True
-            self._skip_or_stop(f"gradient norm is {grad_norm.item()}", spike=False)
-            return False
-        step_loss = self._reduce_loss(step_loss)[1]
-        loss, norm = torch.stack([step_loss.float(), grad_norm.float()]).tolist()
-        if not math.isfinite(norm):
-            self._skip_or_stop(f"gradient norm is {norm}", spike=False)
-            return False
-        if (spike := self.spikes.judge(loss, norm)) is None:
-            return True
-        self._skip_or_stop(spike, spike=True)
-        return False
-
-    def _skip_or_stop(self, problem: str, spike: bool) -> None:
-        """Skip this step's update (a spike, or a NaN/Inf gradient norm with --training.skip_nan_inf), or stop the run.
-
-        Skipping has a limit: a run whose updates keep failing has diverged, and skipping on would
-        train nothing while looking healthy.
-        """
-        training = self.job_config.training
-        limit = training.max_skipped_steps
-        skips = spike or training.skip_nan_inf
-        if skips and (limit == 0 or self.consecutive_skips < limit):
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            self.spikes.skips += int(spike)
-            kind = "spike" if spike else "non-finite"
-            logger.warning(f"step {self.step}: {problem}; update skipped ({kind}; {self.skipped_steps} skipped so far)")
-            self.optimizers.zero_grad()
-            return
+    def _what_is_saved(self) -> str:
+        """What a run stopping now leaves: its last complete checkpoint, or none."""
         if self.checkpointer.recorder is not None:  # the last save's manifest, which makes its step complete
             self.checkpointer.recorder.wait()
         steps = complete_steps(os.path.join(self.job_config.job.dump_folder, self.job_config.checkpoint.folder))
-        saved = f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
-        if skips:
-            spikes = " or raise --training.spike_sigma" if self.spikes.enabled else ""
-            raise UpdatesFailingError(
-                f"step {self.step}: {problem}; {limit + 1} updates in a row could not be taken (loss spikes or non-finite "
-                f"gradients; --training.max_skipped_steps {limit}): stopping, {saved}. The run has diverged: lower the "
-                f"learning rate or raise the warmup{spikes}, and resume from the last checkpoint"
-            )
-        raise UpdatesFailingError(
-            f"step {self.step}: {problem}; stopping, {saved}. Lower the learning rate, or pass "
-            "--training.skip_nan_inf to skip such updates"
-        )
+        return f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
 
     def _data_metrics(self) -> dict[str, float]:
         """Documents and tokens trained on from each source, over all ranks, since the run started; for SFT
@@ -384,15 +333,12 @@ class Trainer(TorchtitanTrainer):
         if self.parallel_dims.dp_enabled:
             tokens = int(dist_utils.dist_sum(torch.tensor(tokens, device=self.device), self.parallel_dims.get_mesh("batch")))
         return {
-            **super().state_dict(), "ntokens_seen": tokens, "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips, **self.spikes.state_dict(),
+            **super().state_dict(), "ntokens_seen": tokens, **self.updates.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.skipped_steps = state_dict.get("skipped_steps", 0)
-        self.consecutive_skips = state_dict.get("consecutive_skips", 0)
-        self.spikes.load_state_dict(state_dict)
+        self.updates.load_state_dict(state_dict)
         # the total carries on in the first data-parallel rank's count; the log sums them
         if self.parallel_dims.dp_enabled and self.parallel_dims.get_mesh("batch").get_local_rank() != 0:
             self.ntokens_seen = 0

@@ -283,15 +283,29 @@ def test_a_profiled_step_is_summed_by_kernel_kind_with_the_gpus_idle_time(tmp_pa
         kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", 400, 100),
         kernel("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90>>", 500, 50),
         kernel("chunk_gla_fwd_kernel_o", 550, 50),
-        kernel("layer_norm_fwd_kernel_row", 700, 20),  # after 100 us with nothing on the GPU
+        {**kernel("layer_norm_fwd_kernel_row", 700, 20), "args": {"correlation": 5}},  # after 100 us with nothing on the GPU
         kernel("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 720, 30),
         kernel("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 750, 40),
         kernel("ncclDevKernel_AllGather_RING_LL", 760, 200),  # on another stream, beside the optimizer
         kernel("Memcpy HtoD (Pageable -> Device)", 960, 40, cat="gpu_memcpy"),
     ]
+    # the host's side: it waited in .item() for the GPU, then launched the norm that ended the idle stretch
+    def host(name, ts, dur, cat="cpu_op", **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": args}
+
+    events += [
+        host("aten::item", 500, 185), host("aten::_local_scalar_dense", 501, 183),
+        host("cudaMemcpyAsync", 502, 3, cat="cuda_runtime"), host("cudaStreamSynchronize", 506, 170, cat="cuda_runtime"),
+        host("aten::layer_norm", 686, 10), host("cudaLaunchKernel", 688, 4, cat="cuda_runtime", correlation=5),
+    ]
     trace = tmp_path / "rank0_trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     summary = trace_summary.summarize(trace)
+    lines = summary.splitlines()
+    waits = lines.index("host waits (ms, calls, host op): 0.2 ms in all")
+    assert lines[waits + 1].split() == ["0.17", "1", "aten::item", ">", "aten::_local_scalar_dense"]
+    idle = next(i for i, line in enumerate(lines) if line.startswith("idle before launches"))
+    assert lines[idle].endswith(": 0.1 ms in all") and lines[idle + 1].split() == ["0.10", "1", "aten::layer_norm"]
     assert "1 profiled step, 0.9 ms from the first GPU kernel to the last; the GPU busy 0.8 ms (88.9%), idle 0.1 ms" \
         in summary
     kinds = {line[:32].strip(): line[32:].split() for line in summary.splitlines()[2:12]}

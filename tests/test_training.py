@@ -9,11 +9,15 @@ import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from flame.components.optimizer import build_optimizers
 from flame.components.spikes import SpikeWindow
+from flame.components.update_guard import skips_on_device
 from flame.models.builder import load_model_config
 from flame.utils.convert_dcp_to_hf import load_hf_model_from_dcp
 from tests.conftest import (
@@ -96,7 +100,29 @@ def test_skip_nan_inf_skips_the_update_and_continues(background_runs):
     assert "step 3: gradient norm is inf; update skipped" in result.stdout + result.stderr
 
 
-@pytest.mark.background_runs(run=_bad_steps_job("--checkpoint.interval=2"))
+@pytest.mark.background_runs(run=_bad_steps_job("--training.skip_nan_inf", "--metrics.log_freq=4",
+                                                "--checkpoint.interval=1", bad_steps="3,5"))
+def test_fused_adamw_skips_a_non_finite_update_on_the_gpu_and_the_skips_are_counted_later(background_runs, tiny_model):
+    # fused AdamW skips the update itself; the norms are read at the log steps and before every save
+    dump, result = background_runs["run"]
+    check(result)
+    output = result.stdout + result.stderr
+    assert "step 3: gradient norm is inf; update skipped (non-finite; 1 skipped so far)" in output
+    assert "step 5: gradient norm is inf; update skipped (non-finite; 2 skipped so far)" in output
+    rows = metrics(dump)
+    assert rows[4]["skipped_steps"] == 1 and rows[8]["skipped_steps"] == 2
+    weights = {step: _weights(dump, step, tiny_model) for step in range(2, 7)}
+    assert _same_weights(weights[2], weights[3]) and _same_weights(weights[4], weights[5])
+    assert not _same_weights(weights[3], weights[4]) and not _same_weights(weights[5], weights[6])
+    # each save's train state counts the skips up to its own step
+    for step, skips in ((3, 1), (4, 1), (5, 2)):
+        saved = dump / f"train_state_{step}.pt"
+        dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", saved)
+        assert torch.load(saved, weights_only=False)["train_state"]["skipped_steps"] == skips, step
+
+
+# logged only at step 8: the check of step 3's norm comes with step 4's save, which it stops
+@pytest.mark.background_runs(run=_bad_steps_job("--checkpoint.interval=2", "--metrics.log_freq=8"))
 def test_non_finite_gradient_stops_the_run_naming_the_step(background_runs):
     dump, result = background_runs["run"]
     assert result.returncode != 0
@@ -328,3 +354,19 @@ def test_the_spike_window_absorbs_a_lasting_shift():
     restored = SpikeWindow(sigma=3, size=4, min_steps=3)
     restored.load_state_dict(window.state_dict())
     assert restored.judge(9.0, 1.0) == window.judge(9.0, 1.0) is not None
+
+
+@pytest.mark.parametrize("name, implementation, on_host, on_device", [
+    ("AdamW", "fused", False, True), ("Adam", "fused", False, True), ("AdamW", "foreach", False, False),
+    ("AdamW", "for-loop", False, False), ("Muon", "fused", False, False), ("AdamW", "fused", True, False),
+])
+def test_only_fused_adam_skips_a_non_finite_update_on_the_device(name, implementation, on_host, on_device):
+    # the others cannot skip by themselves: the trainer then checks every step's norm before the update
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+    config = SimpleNamespace(name=name, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                             implementation=implementation, early_step_in_backward=False, on_host=on_host,
+                             gpu_blocks=0, muon_lr=None, muon_momentum=0.95, muon_weight_decay=None,
+                             muon_nesterov=True, muon_ns_steps=5, muon_adjust_lr="match_rms_adamw")
+    optimizers = build_optimizers([model], config, None)
+    assert skips_on_device(optimizers.optimizers) is on_device

@@ -139,6 +139,8 @@ class FlameCheckpointManager(CheckpointManager):
         self.init_from: str | None = None
         # steps that something still reads (their background evaluation): kept beyond keep_latest_k
         self.steps_in_use: Callable[[], set[int]] = set
+        # the trainer's settling of what the train state counts (steps whose update checks were deferred)
+        self.before_save: Callable[[], None] = lambda: None
 
     def start_from(self, folder: str | None) -> None:
         """Load the weights of the Hugging Face model in ``folder`` (--model.init_from) when no checkpoint loads."""
@@ -152,6 +154,7 @@ class FlameCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
                  to_hf: bool = False):
+        self.before_save()  # may stop the run: before anything of this step is written
         if isinstance(optimizers := self.states.get(OPTIMIZER), HostOptimizersContainer):
             optimizers.settle()  # --optimizer.on_host: the step in flight writes the weights and the state
         if self.recorder is None or to_hf:

@@ -9,9 +9,19 @@ kind (matmuls, attention, fla's Triton kernels, norms, ...; the first pattern th
 kernel's name decides), and measures how long the GPU had nothing to run: the time between the
 profiled step's first kernel and its last that no kernel covers, which is where the host (Python,
 launches, synchronizations, the data) held the GPU back.
+
+Then the host's side of that idle time:
+- *host waits*: the CUDA runtime calls in which the host blocked on the GPU (stream, device or
+  event synchronizations; ``.item()``, ``.tolist()`` and plain copies to the GPU come down to
+  them), summed by the host op that made them;
+- *idle before launches*: every stretch in which the GPU had nothing to run, charged to the host
+  op that launched the kernel ending it: the op the GPU waited for.
+A host op here is the outermost one recorded around the call, with the innermost after ``>``
+(``Optimizer.step#AdamW.step > aten::_fused_adamw_``).
 """
 
 import argparse
+import bisect
 import json
 import re
 import sys
@@ -36,6 +46,10 @@ KINDS = (
     ("other PyTorch ops", r""),
 )
 TOP = 12  # the kernels listed by time
+HOST_TOP = 8  # the host ops listed, for waits and for idle time
+# CUDA runtime calls that block the host until the GPU has finished earlier work
+SYNCS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
+MIN_GAP_US = 5  # shorter stretches without a kernel are the launches' own spacing
 
 
 def kind_of(name: str) -> str:
@@ -60,6 +74,72 @@ def busy_time(events: list[dict]) -> float:
             busy += stop - end
             end = stop
     return busy
+
+
+class HostOps:
+    """The host ops recorded on each thread, nested, to find the ones around a runtime call quickly."""
+
+    def __init__(self, trace: dict):
+        self.threads: dict[tuple, tuple[list[float], list[dict]]] = {}
+        by_thread: dict[tuple, list[dict]] = defaultdict(list)
+        for event in trace.get("traceEvents", []):  # the step's own annotation holds everything: left out
+            if (event.get("ph") == "X" and event.get("cat") in ("cpu_op", "user_annotation", "python_function")
+                    and not str(event.get("name", "")).startswith("ProfilerStep#")):
+                by_thread[(event["pid"], event["tid"])].append(event)
+        for thread, ops in by_thread.items():
+            ops.sort(key=lambda op: (op["ts"], -op["dur"]))
+            open_ops: list[dict] = []
+            for op in ops:
+                while open_ops and open_ops[-1]["ts"] + open_ops[-1]["dur"] <= op["ts"]:
+                    open_ops.pop()
+                op["parent"] = open_ops[-1] if open_ops else None
+                open_ops.append(op)
+            self.threads[thread] = ([op["ts"] for op in ops], ops)
+
+    def around(self, call: dict) -> str:
+        """The outermost and innermost host ops around ``call`` on its thread, as ``outer > inner``."""
+        starts, ops = self.threads.get((call["pid"], call["tid"]), ([], []))
+        index = bisect.bisect_right(starts, call["ts"]) - 1
+        op, stop = (ops[index] if index >= 0 else None), call["ts"] + call.get("dur", 0)
+        while op is not None and op["ts"] + op["dur"] < stop:
+            op = op["parent"]
+        if op is None:
+            return "(no host op recorded)"
+        inner = op["name"]
+        while op["parent"] is not None:
+            op = op["parent"]
+        return op["name"] if op["name"] == inner else f"{op['name']} > {inner}"
+
+
+def host_side(trace: dict, events: list[dict]) -> list[str]:
+    """The host waits and the GPU's idle time by the host op behind them (see the module's docstring)."""
+    host_ops = HostOps(trace)
+    calls = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    waits: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for call in calls:
+        if SYNCS.search(call["name"]):
+            entry = waits[host_ops.around(call)]
+            entry[0] += call["dur"]
+            entry[1] += 1
+    launches = {call["args"]["correlation"]: call for call in calls if "correlation" in call.get("args", {})}
+    idle: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    end = None
+    for event in sorted(events, key=lambda e: e["ts"]):
+        if end is not None and event["ts"] - end >= MIN_GAP_US:
+            launch = launches.get(event.get("args", {}).get("correlation"))
+            entry = idle[host_ops.around(launch) if launch else "(launch not recorded)"]
+            entry[0] += event["ts"] - end
+            entry[1] += 1
+        end = event["ts"] + event["dur"] if end is None else max(end, event["ts"] + event["dur"])
+    lines = []
+    for title, table in (("host waits (ms, calls, host op)", waits),
+                         (f"idle before launches of {MIN_GAP_US} us or more (ms, stretches, host op that launched "
+                          "the kernel after)", idle)):
+        total = sum(time for time, _ in table.values())
+        lines.append(f"{title}: {total / 1e3:.1f} ms in all")
+        for name, (time, count) in sorted(table.items(), key=lambda item: -item[1][0])[:HOST_TOP]:
+            lines.append(f"  {time / 1e3:8.2f} {count:6d}  {name[:120]}")
+    return lines
 
 
 def summarize(path: Path) -> str:
@@ -89,7 +169,7 @@ def summarize(path: Path) -> str:
     lines.append(f"the {TOP} longest kernels (ms, launches, kind, name):")
     for name, (time, count) in sorted(by_name.items(), key=lambda item: -item[1][0])[:TOP]:
         lines.append(f"  {time / 1e3:8.2f} {count:6d}  {kind_of(name):28s} {name[:100]}")
-    return "\n".join(lines)
+    return "\n".join(lines + host_side(trace, events))
 
 
 def main(argv: list[str] | None = None) -> int:
