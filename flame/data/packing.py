@@ -195,7 +195,9 @@ class Packer:
         whole = isinstance(document, WholeDocument)
         self._document, self._labels = (document.tokens, document.labels) if whole else (document, None)
         self._offset = 0
-        self._piece_ends = list(np.cumsum(balanced_pieces(len(self._document), self.context_len)))
+        # Python ints: the segment lengths come from them, and a batch's longest one must stay on the host (a
+        # numpy int becomes a tensor in the DataLoader, goes to the GPU, and every attention call reads it back)
+        self._piece_ends = np.cumsum(balanced_pieces(len(self._document), self.context_len)).tolist()
         return document
 
     def next_row(self) -> Row:

@@ -155,7 +155,7 @@ def test_collate_rows_cu_seqlens_mark_the_segments_of_all_rows(context_len):
     assert inputs["cu_seqlens"].tolist() == list(np.cumsum([0] + lengths))
     assert inputs["cu_seqlens"][-1] == 4 * SEQ_LEN
     assert {r * SEQ_LEN for r in range(5)} <= set(inputs["cu_seqlens"].tolist()), "a segment crosses a row end"
-    assert int(inputs["max_seqlen"]) == max(lengths)
+    assert inputs["max_seqlen"] == max(lengths)
 
 
 def test_collate_rows_positions_are_zero_exactly_at_cu_seqlens():
@@ -219,3 +219,12 @@ def test_no_document_mask_flag_gives_batches_one_segment_per_row(tmp_path, make_
     assert torch.equal(inputs["position_ids"], torch.arange(32).repeat(3, 1))
     assert inputs["cu_seqlens"].tolist() == [0, 32, 64, 96]
     assert (labels[inputs["input"] == 0] == IGNORE_INDEX).all(), "an EOS has a target in the next document"
+
+
+def test_a_batch_carries_its_longest_segment_as_a_python_int(tmp_path, make_config, tokenizer):
+    # a tensor would go to the GPU with the batch, and every attention call would read it back: a host wait per layer
+    data = write_jsonl(tmp_path / "d.jsonl", random_texts(40, max_words=30))
+    config = make_config(data, "--training.context_len", "16", seq_len=64, batch_size=3)
+    for inputs, _ in batches(make_loader(config, tokenizer), 3):
+        assert type(inputs["max_seqlen"]) is int
+        assert inputs["max_seqlen"] == int(inputs["cu_seqlens"].diff().max()) <= 16
