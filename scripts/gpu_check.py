@@ -337,9 +337,15 @@ SUITES = {
         "one GPU: where flame's training step spends its time, eager and compiled: the last of --steps steps "
         "under torch's profiler, its GPU kernels summed by kind and the time the GPU waited on the host "
         "(scripts/bench/trace_summary.py); the same job as the peers suite, without its timing (the profiler slows "
-        "the step it records)",
+        "the step it records). --only host_waits: the Python lines of step 5's synchronizing calls instead "
+        "(scripts/bench/host_waits.py)",
         report="profiles",
-        per_config=(Run("eager", 1), Run("compiled", 1, (COMPILE_FLAG,))),
+        per_config=(Run("eager", 1), Run("compiled", 1, (COMPILE_FLAG,)),
+                    Command("host_waits", ("{python}", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                           "1", "-m", "scripts.bench.host_waits", *DEBUG_JOB, *ROW,
+                                           "--training.context_len", "{context}", "--training.steps", "6",
+                                           "--training.num_workers", "4", *NO_CHECKPOINT, "--model.config", "{config}"),
+                            show=r"synchronizing call|^ +\d+x ", on_request=True)),
         flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
                "--metrics.log_freq", "{half}", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4",
                "--training.num_workers", "4", *NO_CHECKPOINT, "--profiling.enable_profiling",

@@ -439,3 +439,29 @@ def test_the_profile_suite_reads_traces_where_torchtitan_writes_them():
 
     assert runs.PROFILE_TRACES == Profiling().save_traces_folder
     assert "--profiling.save_traces_folder" not in " ".join(map(str, gpu_check.SUITES["profile"].flags))
+
+
+def test_host_waits_name_the_callers_lines_outside_torch_most_visited_first():
+    import traceback
+    from collections import Counter
+
+    from scripts.bench import host_waits
+
+    def frame(path, line, name):
+        return traceback.FrameSummary(path, line, name)
+
+    torch_dir = str(Path(torch.__file__).parent)
+    flame_attention = frame("/repo/flame/models/attention.py", 261, "hf_document_attention")
+    stack = [frame("/repo/flame/trainer.py", 240, "_train_step"), flame_attention,
+             frame(f"{torch_dir}/nn/attention/varlen.py", 308, "varlen_attn"),
+             frame(f"{torch_dir}/_ops.py", 1255, "__call__"), frame("/usr/lib/python3.11/warnings.py", 109, "_showwarnmsg")]
+    assert host_waits.place(stack) == ("/repo/flame/trainer.py:240 in _train_step",
+                                       "/repo/flame/models/attention.py:261 in hf_document_attention")
+    deep = [frame(f"/repo/fla/layer{i}.py", i, f"f{i}") for i in range(10)]
+    assert host_waits.place(deep) == tuple(f"/repo/fla/layer{i}.py:{i} in f{i}" for i in range(4, 10))
+    places = Counter({host_waits.place(stack): 48, host_waits.place(deep[:1]): 1})
+    lines = host_waits.report(places).splitlines()
+    assert lines[0] == "49 synchronizing calls at 2 places"
+    assert lines[1] == "   48x  /repo/flame/trainer.py:240 in _train_step"
+    assert lines[2].strip() == "/repo/flame/models/attention.py:261 in hf_document_attention"
+    assert lines[3] == "    1x  /repo/fla/layer0.py:0 in f0"
