@@ -123,7 +123,7 @@ class UpdateGuard:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        self.settle()  # the counts of every step taken so far
+        # settled already: the trainer settles before every checkpoint save (FlameCheckpointManager.before_save)
         return {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 **self.spikes.state_dict()}
 

@@ -51,6 +51,9 @@ def main(argv: list[str]) -> None:
     autotune.share_triton_cache()  # the kernels and autotune choices train.sh's runs use
     at_step = 5
     if argv[:1] == ["--at-step"]:
+        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+            raise SystemExit(f"host_waits: error: --at-step takes a step number (1 or more), got "
+                             f"{argv[1] if len(argv) > 1 else 'nothing'}: e.g. --at-step 5")
         at_step, argv = int(argv[1]), argv[2:]
     if not any(arg.startswith("--job.dump_folder") for arg in argv):  # nothing of this run is kept
         argv = [*argv, "--job.dump_folder", tempfile.mkdtemp(prefix="flame-host-waits-")]
