@@ -308,7 +308,10 @@ def test_a_profiled_step_is_summed_by_kernel_kind_with_the_gpus_idle_time(tmp_pa
     assert lines[idle].endswith(": 0.1 ms in all") and lines[idle + 1].split() == ["0.10", "1", "aten::layer_norm"]
     assert "1 profiled step, 0.9 ms from the first GPU kernel to the last; the GPU busy 0.8 ms (88.9%), idle 0.1 ms" \
         in summary
-    kinds = {line[:32].strip(): line[32:].split() for line in summary.splitlines()[2:12]}
+    # the all-gather ran alone from the optimizer's end (790) to the copy (960)
+    assert lines[1] == ("communication alone (NCCL kernels and nothing else, including their wait for the other "
+                        "ranks): 0.2 ms (18.9%)")
+    kinds = {line[:32].strip(): line[32:].split() for line in summary.splitlines()[3:13]}
     assert kinds["matmuls (cuBLAS, CUTLASS)"] == ["0.30", "36.1%", "1"]
     assert kinds["attention (flash)"] == ["0.15", "18.1%", "2"]  # FlashAttention 3's CUTLASS template included
     assert kinds["fla Triton kernels"][0] == "0.05" and kinds["norms"][0] == "0.02"

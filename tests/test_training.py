@@ -85,8 +85,9 @@ def test_resume_is_bit_identical_with_dataloader_workers(background_runs, tiny_m
     assert [got[s] for s in range(5, 13)] == [expected[s] for s in range(5, 13)]
 
 
-def _bad_steps_job(*flags, bad_steps: str = "3,5"):
-    return train_job(8, *flags, module=str(SCRIPTS / "inject_nonfinite.py"), env={"FLAME_TEST_BAD_STEPS": bad_steps})
+def _bad_steps_job(*flags, bad_steps: str = "3,5", nproc: int = 1):
+    return train_job(8, *flags, module=str(SCRIPTS / "inject_nonfinite.py"), env={"FLAME_TEST_BAD_STEPS": bad_steps},
+                     nproc=nproc)
 
 
 @pytest.mark.background_runs(run=_bad_steps_job("--training.skip_nan_inf"))
@@ -101,9 +102,10 @@ def test_skip_nan_inf_skips_the_update_and_continues(background_runs):
 
 
 @pytest.mark.background_runs(run=_bad_steps_job("--training.skip_nan_inf", "--metrics.log_freq=4",
-                                                "--checkpoint.interval=1", bad_steps="3,5"))
+                                                "--checkpoint.interval=1", bad_steps="3,5", nproc=2))
 def test_fused_adamw_skips_a_non_finite_update_on_the_gpu_and_the_skips_are_counted_later(background_runs, tiny_model):
-    # fused AdamW skips the update itself; the norms are read at the log steps and before every save
+    # fused AdamW skips the update itself (here on FSDP's sharded weights, over 2 ranks); the norms are read
+    # at the log steps and before every save
     dump, result = background_runs["run"]
     check(result)
     output = result.stdout + result.stderr

@@ -8,7 +8,9 @@ runs that and keeps this summary beside each run's log. The summary sums the GPU
 kind (matmuls, attention, fla's Triton kernels, norms, ...; the first pattern that matches a
 kernel's name decides), and measures how long the GPU had nothing to run: the time between the
 profiled step's first kernel and its last that no kernel covers, which is where the host (Python,
-launches, synchronizations, the data) held the GPU back.
+launches, synchronizations, the data) held the GPU back. Under data parallelism it also measures
+the time in which only collectives ran: an NCCL kernel lasts until every rank has joined it, so
+this is the communication nothing hid plus this rank's wait for slower ones.
 
 Then the host's side of that idle time:
 - *host waits*: the CUDA runtime calls in which the host blocked on the GPU (stream, device or
@@ -28,6 +30,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+COMMUNICATION = "communication (NCCL)"
 # (kind, pattern over the kernel's name), first match wins: inductor's fused kernels before the ops
 # they fuse, fla's kernels before the norms and activations they also implement
 KINDS = (
@@ -41,7 +44,7 @@ KINDS = (
     ("rotary embeddings", r"rotary"),
     ("loss", r"cross_entropy|log_softmax|softmax|nll_loss"),
     ("optimizer", r"adam|multi_tensor_apply|foreach"),
-    ("communication (NCCL)", r"nccl"),
+    (COMMUNICATION, r"nccl"),
     ("memory copies and fills", r"memcpy|memset"),
     ("other PyTorch ops", r""),
 )
@@ -164,6 +167,11 @@ def summarize(path: Path) -> str:
              f"GPU kernel to the last; the GPU busy {busy / 1e3:.1f} ms ({100 * busy / span:.1f}%), idle "
              f"{(span - busy) / 1e3:.1f} ms",
              f"{'kind':32s} {'ms':>9s} {'of kernels':>10s} {'launches':>9s}"]
+    computing = [event for event in events if kind_of(event["name"]) != COMMUNICATION]
+    if len(computing) < len(events):  # under data parallelism: the collectives no computation overlapped
+        alone = busy - busy_time(computing)
+        lines.insert(1, f"communication alone (NCCL kernels and nothing else, including their wait for the other ranks): "
+                        f"{alone / 1e3:.1f} ms ({100 * alone / span:.1f}%)")
     for kind, (time, count) in sorted(by_kind.items(), key=lambda item: -item[1][0]):
         lines.append(f"{kind:32s} {time / 1e3:9.2f} {100 * time / kernels:9.1f}% {count:9d}")
     lines.append(f"the {TOP} longest kernels (ms, launches, kind, name):")
