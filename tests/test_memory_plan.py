@@ -148,6 +148,23 @@ def test_a_gpu_job_s_fused_norms_and_mlps_are_measured_by_what_their_kernels_kee
     assert "flame's fused norms and MLPs" in kernels.method
 
 
+def test_a_compiled_hf_job_is_measured_with_the_fused_kernels_that_stand_in_for_inductor(long_model, monkeypatch):
+    """Compiled blocks run HF's code, whose elementwise ops inductor fuses: on a GPU the plan measures them with
+    flame's fused norms and MLPs (what they keep is close to what the compiled block keeps), even where the
+    eager job would run HF's own code (--model.no-fused_kernels)."""
+    monkeypatch.setattr(memory.device, "CUDA", True)
+    measured = []
+    monkeypatch.setattr(activations, "measure", lambda config, dtype, fused, autocast, attention: measured.append(fused))
+
+    def fused(*flags) -> bool:
+        measured.clear()
+        memory.job_of(parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off", *flags)), 1)
+        return measured[0]
+
+    assert fused() and fused("--training.compile") and fused("--training.compile", "--model.no-fused_kernels")
+    assert not fused("--model.no-fused_kernels")
+
+
 def test_a_meta_forward_that_reaches_a_triton_kernel_stops_there_and_the_plan_takes_the_formula(monkeypatch):
     """On a GPU a kernel launched on meta tensors reads null pointers and poisons the process's CUDA context.
 
