@@ -100,10 +100,9 @@ def job_of(config, world_size: int) -> Job:
     dtype = device.compute_dtype(config)
     # Eager HF blocks on a GPU run flame's fused norms and MLPs (flame.models.builder), which keep less than HF's
     # code. Compiled blocks run HF's code, but inductor fuses its elementwise ops and keeps about what the fused
-    # kernels keep: they stand in for it (llama 340M at 64K tokens, compiled: 60.8 GiB reserved, where HF's eager
-    # code was planned at 96.6; docs/perf-log.md, 2026-11-28).
-    hf_fused = config.compile.enable or config.model.fused_kernels
-    fused = device.CUDA and hf_fused and not is_fla_config(model_config)
+    # kernels keep: they stand in for it (llama 340M at 64K tokens, compiled: 60.8 GiB reserved, planned at 66.5
+    # so and at 96.6 from HF's eager code; docs/perf-log.md, 2026-11-28).
+    fused = device.CUDA and (config.model.fused_kernels or config.compile.enable) and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1
     autocast = not fsdp and dtype_bytes(dtype) < 4  # torchtitan's AMP: float32 weights, autocast keeps cast copies
