@@ -51,6 +51,7 @@ from scripts.bench.plan import (  # noqa: E402
     Step,
     Suite,
     placeholders,
+    rounds_of,
     steps_of,
 )
 
@@ -385,6 +386,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spread", action="store_true",
                         help="run one-GPU steps side by side, one per visible GPU, before the steps that need more: "
                              "peaks and losses hold, tokens/s is shared with the other runs' host work")
+    parser.add_argument("--repeat", type=int,
+                        help="scaling: run every step this many times, in rounds (named <step>-run<k>); the table gives "
+                             "each side's median and range. A 4-GPU run's share varies from run to run (81-93%% of one "
+                             "GPU's in five runs of one 340M job)")
     parser.add_argument("--timeout", type=int, help="seconds per step, instead of the suite's")
     parser.add_argument("--budget", type=int, help="seconds for the whole check: steps are cut to fit, later ones skipped")
     parser.add_argument("--cpu", action="store_true",
@@ -405,7 +410,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("choose a suite: --suite NAME (--list shows them)")
     suites = [SUITES[name] for name in args.suite]
     for value, name in ((args.steps, "--steps"), (args.tokens, "--tokens"), (args.jobs, "--jobs"),
-                        (args.timeout, "--timeout"), (args.budget, "--budget")):
+                        (args.timeout, "--timeout"), (args.budget, "--budget"), (args.repeat, "--repeat")):
         if value is not None and value <= 0:
             parser.error(f"{name} must be positive, got {value}")
     used = set().union(*(placeholders(suite) for suite in suites))
@@ -419,6 +424,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for option, is_unused in unused.items():
         if is_unused:
             parser.error(f"{option} means nothing to suite {', '.join(args.suite)}; leave it out")
+    if args.repeat and (single := [name for name in args.suite if SUITES[name].report != "scaling"]):
+        parser.error(f"--repeat: suite {', '.join(single)} reports each run by itself; only the scaling suite's table "
+                     "takes the median of repeated runs")
     if args.spread and (seeded := [name for name in args.suite if SUITES[name].seeded]):
         parser.error(f"--spread: suite {', '.join(seeded)} starts every run of a config from one seed checkpoint, "
                      "made by the first; run it without --spread")
@@ -443,7 +451,8 @@ def plan(name: str, args: argparse.Namespace) -> list[Step]:
     values = {"steps": steps, "half": max(1, steps // 2), "tokens": tokens, "quarter": tokens // 4, "double": 2 * tokens,
               "context": min(CONTEXT, tokens // 4), "device": "cpu" if args.cpu else "cuda", "python": sys.executable}
     configs = list(args.configs or suite.configs)
-    return steps_of(name, suite, configs, values, shlex.split(args.flags), set(args.only or ()), args.no_compile)
+    steps = steps_of(name, suite, configs, values, shlex.split(args.flags), set(args.only or ()), args.no_compile)
+    return rounds_of(steps, args.repeat or 1)
 
 
 def list_suites() -> None:

@@ -222,9 +222,11 @@ def test_torchtitans_own_trainer_runs_and_its_log_is_read(tiny_model, tmp_path):
     assert "--training.dataset_path" in text[0] and "--compile.enable" not in text[0]
 
 
-def peer_result(work: Path, suite: str, config: str, item: str, status=0, log="", flame_tps=None, gpus=1) -> Result:
-    """A finished step of the peers or scaling suite: its log, and a flame run's metrics (32,768 tokens a row)."""
-    name = f"{Path(config).stem}-{item}"
+def peer_result(work: Path, suite: str, config: str, item: str, status=0, log="", flame_tps=None, gpus=1,
+                run: int | None = None) -> Result:
+    """A finished step of the peers or scaling suite: its log, and a flame run's metrics (32,768 tokens a row);
+    ``run``: its round under --repeat."""
+    name = f"{Path(config).stem}-{item}" + (f"-run{run}" if run else "")
     (work / f"{name}.log").write_text(log)
     if flame_tps:
         (work / name).mkdir()
@@ -390,6 +392,32 @@ def test_the_scaling_table_sets_each_sides_share_of_its_one_gpu_rate_beside_flam
     table = reports.scaling(results, tmp_path)
     assert table[2].split()[3:8] == ["112,000", "-", "-", "70%", "-"]
     assert "llama_340M-flame-4: stopped at its limit" in table[-1]
+
+
+def test_repeated_scaling_runs_come_in_rounds_and_the_table_gives_each_sides_median_beside_its_range(tmp_path,
+                                                                                                      capsys):
+    config = "configs/llama_340M.json"
+    args = gpu_check.parse_args(["--suite", "scaling", "--repeat", "3", "--configs", config,
+                                 "--only", "flame-1", "flame-4"])
+    steps = gpu_check.plan("scaling", args)
+    assert [step.name for step in steps] == [f"llama_340M-flame-{gpus}-run{k}" for k in (1, 2, 3) for gpus in (1, 4)]
+    assert [step.item for step in steps] == ["flame-1", "flame-4"] * 3
+
+    def runs(item, rates):
+        return [peer_result(tmp_path, "scaling", config, item, flame_tps=tps, gpus=int(item[-1]), run=k)
+                for k, tps in enumerate(rates, 1)]
+
+    table = reports.scaling(runs("flame-1", (150_000, 160_000, 155_000)) + runs("flame-4", (120_000, 140_000, 135_000)),
+                            tmp_path)
+    one, four = (line.split() for line in table[1:3])
+    assert one[4] == "155,000" and four[4] == "135,000" and four[7] == "87%"  # medians; 135,000 / 155,000
+    assert four[-2:] == ["3:", "120.0-140.0K"] and one[-2:] == ["3:", "150.0-160.0K"]
+    assert table[2].split()[-3] == "-"  # no torchtitan runs: no range
+
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--suite", "peers", "--repeat", "2"])
+    assert ("--repeat: suite peers reports each run by itself; only the scaling suite's table takes the median of "
+            "repeated runs") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, error", [

@@ -9,7 +9,7 @@ the last half is the timed window), {tokens}, {quarter} (tokens / 4), {double} (
 {python} (the driver's interpreter).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 COMPILE_FLAG = "--training.compile"
@@ -118,6 +118,14 @@ def steps_of(suite_name: str, suite: Suite, configs: list[str], values: dict, ex
             steps.append(Step(suite_name, item.name, step_name, flags, config=config, gpus=item.gpus, train=True,
                               common=fill(suite.flags, here) + extra_flags, seeded=suite.seeded, reference=reference))
     return steps
+
+
+def rounds_of(steps: list[Step], rounds: int) -> list[Step]:
+    """``rounds`` rounds of ``steps`` in their order, each step named <name>-run<k> (k from 1): the runs of an
+    item are spread over the check, so a machine that drifts over time reaches every item alike."""
+    if rounds == 1:
+        return steps
+    return [replace(step, name=f"{step.name}-run{k}") for k in range(1, rounds + 1) for step in steps]
 
 
 def placeholders(suite: Suite) -> set[str]:

@@ -2,6 +2,7 @@
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 from flame import run_record
@@ -292,32 +293,47 @@ def peers(results: list[Result], work: Path, baseline: str | None = None) -> lis
 def scaling(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
     """Per config and GPU count, torchtitan's and flame's tokens/s per GPU, flame/torchtitan, and the share
     of its one-GPU rate each side keeps (weak scaling: every GPU gets the same tokens). Items are named
-    <side>-<GPUs>."""
-    found: dict[str, dict[int, dict[str, dict]]] = {}  # config -> GPUs -> side -> measurement
+    <side>-<GPUs>; under --repeat each figure is the median of the side's runs, beside their range."""
+    found: dict[str, dict[int, dict[str, list[dict]]]] = {}  # config -> GPUs -> side -> measurement per run
     for result in results:
         side, _, count = result.step.item.partition("-")
-        found.setdefault(result.step.config, {}).setdefault(int(count), {})[side] = \
-            peer_measurement(result, side, work)
+        found.setdefault(result.step.config, {}).setdefault(int(count), {}).setdefault(side, []).append(
+            peer_measurement(result, side, work))
     header = (f"{'model':18s} {'tokens/GPU':>10s} {'GPUs':>4s} {'tok/s/GPU tt':>12s} {'tok/s/GPU flame':>15s} "
-              f"{'flame/tt':>8s} {'kept tt':>7s} {'kept flame':>10s} {'MFU% flame':>10s} {'GiB tt':>6s} {'GiB flame':>9s}")
+              f"{'flame/tt':>8s} {'kept tt':>7s} {'kept flame':>10s} {'MFU% flame':>10s} {'GiB tt':>6s} {'GiB flame':>9s} "
+              f"{'range tt':>15s} {'range flame':>15s}")
     shown = [header]
     for config, sizes in found.items():
         tokens = next(tokens_per_step(r.step) for r in results if r.step.config == config)
-        one = sizes.get(1, {})
+        one = {side: median_of(runs, "tps") for side, runs in sizes.get(1, {}).items()}
         for count, sides in sorted(sizes.items()):
-            tt, flame = sides.get("torchtitan", {}), sides.get("flame", {})
-            kept = {side: percent(ratio(sides.get(side, {}).get("tps"), one.get(side, {}).get("tps")))
-                    for side in ("torchtitan", "flame")}
+            tt, flame = (sides.get(side, []) for side in ("torchtitan", "flame"))
+            tps = {side: median_of(sides.get(side, []), "tps") for side in ("torchtitan", "flame")}
+            kept = {side: percent(ratio(tps[side], one.get(side))) for side in tps}
             shown.append(
-                f"{Path(config).stem:18s} {figure(tokens):>10s} {count:4d} {figure(tt.get('tps')):>12s} "
-                f"{figure(flame.get('tps')):>15s} {figure(ratio(flame.get('tps'), tt.get('tps')), '.2f'):>8s} "
-                f"{kept['torchtitan']:>7s} {kept['flame']:>10s} {figure(flame.get('mfu'), '.1f'):>10s} "
-                f"{figure(tt.get('memory'), '.1f'):>6s} {figure(flame.get('memory'), '.1f'):>9s}")
+                f"{Path(config).stem:18s} {figure(tokens):>10s} {count:4d} {figure(tps['torchtitan']):>12s} "
+                f"{figure(tps['flame']):>15s} {figure(ratio(tps['flame'], tps['torchtitan']), '.2f'):>8s} "
+                f"{kept['torchtitan']:>7s} {kept['flame']:>10s} {figure(median_of(flame, 'mfu'), '.1f'):>10s} "
+                f"{figure(median_of(tt, 'memory'), '.1f'):>6s} {figure(median_of(flame, 'memory'), '.1f'):>9s} "
+                f"{spread(tt):>15s} {spread(flame):>15s}")
     notes = ["tt: torchtitan's own llama3 trainer; tok/s per GPU over the last logged window; kept: tok/s per GPU "
-             "as a share of the same side's one-GPU run (weak scaling); GiB: peak reserved"]
+             "as a share of the same side's one-GPU run (weak scaling); GiB: peak reserved; range: the lowest and "
+             "highest tok/s per GPU of a side's runs (--repeat), with their count"]
     notes += [f"{r.step.name}: {outcome(r)}" + ("" if r.status is None else f" (see {r.step.name}.log)")
               for r in results if r.status != 0]
     return shown + [f"  {note}" for note in notes]
+
+
+def median_of(measurements: list[dict], key: str) -> float | None:
+    """The median of ``key`` over the runs that measured it (None if none did)."""
+    values = [m[key] for m in measurements if m.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def spread(measurements: list[dict]) -> str:
+    """``n: lowest-highest`` tok/s of a side's runs, in thousands; '-' below two runs."""
+    values = sorted(m["tps"] for m in measurements if m.get("tps") is not None)
+    return f"{len(values)}: {values[0] / 1e3:.1f}-{values[-1] / 1e3:.1f}K" if len(values) > 1 else "-"
 
 
 def profiles(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
