@@ -388,8 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "peaks and losses hold, tokens/s is shared with the other runs' host work")
     parser.add_argument("--repeat", type=int,
                         help="scaling: run every step this many times, in rounds (named <step>-run<k>); the table gives "
-                             "each side's median and range. A 4-GPU run's share varies from run to run (81-93%% of one "
-                             "GPU's in five runs of one 340M job)")
+                             "each side's median and range. A 4-GPU run's share varies from run to run (78-93%% of one "
+                             "GPU's in seven runs of one 340M job)")
     parser.add_argument("--timeout", type=int, help="seconds per step, instead of the suite's")
     parser.add_argument("--budget", type=int, help="seconds for the whole check: steps are cut to fit, later ones skipped")
     parser.add_argument("--cpu", action="store_true",
