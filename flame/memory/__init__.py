@@ -101,7 +101,7 @@ def job_of(config, world_size: int) -> Job:
     # Eager HF blocks on a GPU run flame's fused norms and MLPs (flame.models.builder), which keep less than HF's
     # code. Compiled blocks run HF's code, but inductor fuses its elementwise ops and keeps about what the fused
     # kernels keep: they stand in for it (llama 340M at 64K tokens, compiled: 60.8 GiB reserved, planned at 66.5
-    # so and at 96.6 from HF's eager code; docs/perf-log.md, 2026-11-28).
+    # this way and at 96.6 from HF's eager code; docs/perf-log.md, 2026-11-28).
     fused = device.CUDA and (config.model.fused_kernels or config.compile.enable) and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1

@@ -305,10 +305,10 @@ def scaling(results: list[Result], work: Path, baseline: str | None = None) -> l
     shown = [header]
     for config, sizes in found.items():
         tokens = next(tokens_per_step(r.step) for r in results if r.step.config == config)
-        one = {side: median_of(runs, "tps") for side, runs in sizes.get(1, {}).items()}
+        one = {side: median_of(measured, "tps") for side, measured in sizes.get(1, {}).items()}
         for count, sides in sorted(sizes.items()):
-            tt, flame = (sides.get(side, []) for side in ("torchtitan", "flame"))
-            tps = {side: median_of(sides.get(side, []), "tps") for side in ("torchtitan", "flame")}
+            tt, flame = sides.get("torchtitan", []), sides.get("flame", [])
+            tps = {"torchtitan": median_of(tt, "tps"), "flame": median_of(flame, "tps")}
             kept = {side: percent(ratio(tps[side], one.get(side))) for side in tps}
             shown.append(
                 f"{Path(config).stem:18s} {figure(tokens):>10s} {count:4d} {figure(tps['torchtitan']):>12s} "

@@ -157,17 +157,19 @@ def summarize(path: Path) -> str:
     busy = busy_time(events)
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    computing = []  # every kernel but the collectives
     for event in events:
-        name = event["name"]
-        for table in (by_kind[kind_of(name)], by_name[name]):
+        name, kind = event["name"], kind_of(event["name"])
+        for table in (by_kind[kind], by_name[name]):
             table[0] += event["dur"]
             table[1] += 1
+        if kind != COMMUNICATION:
+            computing.append(event)
     kernels = sum(time for time, _ in by_kind.values())
     lines = [f"{path}: {steps or 'no'} profiled step{'s' if steps != 1 else ''}, {span / 1e3:.1f} ms from the first "
              f"GPU kernel to the last; the GPU busy {busy / 1e3:.1f} ms ({100 * busy / span:.1f}%), idle "
              f"{(span - busy) / 1e3:.1f} ms",
              f"{'kind':32s} {'ms':>9s} {'of kernels':>10s} {'launches':>9s}"]
-    computing = [event for event in events if kind_of(event["name"]) != COMMUNICATION]
     if len(computing) < len(events):  # under data parallelism: the collectives no computation overlapped
         alone = busy - busy_time(computing)
         lines.insert(1, f"communication alone (NCCL kernels and nothing else, including their wait for the other ranks): "
