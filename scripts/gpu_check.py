@@ -200,7 +200,7 @@ SUITES = {
     ),
     "cp": Suite(
         "context parallelism: the CP kernel tests, then CP 2 against 1 GPU on one long varlen row, head-tail "
-        "and contiguous, fp32 (FlexAttention); llama also bf16 (varlen kernel), kda also compiled",
+        "and contiguous, fp32 (FlexAttention); llama also bf16 (varlen kernel)",
         report="runs",
         setup=(Command("kernel_tests", (*PYTEST, "tests/gpu/test_context_parallel_kernels.py")),),
         per_config=(
@@ -210,7 +210,6 @@ SUITES = {
                 reference="1gpu"),
             Run("1gpu_bf16", 1, only=("llama",)),
             Run("cp2_bf16", 2, CP2, reference="1gpu_bf16", only=("llama",)),
-            Run("cp2compiled", 2, (*FP32, *CP2, COMPILE_FLAG), reference="1gpu", only=("kda",)),
         ),
         flags=(*DEBUG_JOB, "--training.steps", "{steps}", "--metrics.log_freq", "1", *NO_CHECKPOINT,
                "--lr_scheduler.warmup_steps", "2", "--training.varlen", "--training.batch_size", "1",
@@ -335,13 +334,16 @@ SUITES = {
         steps=10, tokens=32768, timeout=500, baseline="none",
     ),
     "profile": Suite(
-        "one GPU: where flame's training step spends its time, eager and compiled: the last of --steps steps "
-        "under torch's profiler, its GPU kernels summed by kind and the time the GPU waited on the host "
-        "(scripts/bench/trace_summary.py); the same job as the peers suite, without its timing (the profiler slows "
-        "the step it records). --only host_waits: the Python lines of step 5's synchronizing calls instead "
-        "(scripts/bench/host_waits.py)",
+        "one GPU: where flame's training step spends its time, eager and compiled, and the plain PyTorch loop's on "
+        "the same model and data: the last of --steps steps under torch's profiler, its GPU kernels summed by kind "
+        "and the time the GPU waited on the host (scripts/bench/trace_summary.py); the same job as the peers suite, "
+        "without its timing (the profiler slows the step it records). --only host_waits: the Python lines of step "
+        "5's synchronizing calls instead (scripts/bench/host_waits.py)",
         report="profiles",
         per_config=(Run("eager", 1), Run("compiled", 1, (COMPILE_FLAG,)),
+                    Command("plain", ("{python}", "-m", "scripts.bench.plain_loop", "--config", "{config}", "--seq",
+                                      "{tokens}", "--context", "{context}", "--warmup", "{half}", "--steps", "{half}",
+                                      "--device", "{device}", "--profile", "{profile}")),
                     Command("host_waits", ("{python}", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                            "1", "-m", "scripts.bench.host_waits", *DEBUG_JOB, *ROW,
                                            "--training.context_len", "{context}", "--training.steps", "6",
@@ -449,7 +451,8 @@ def plan(name: str, args: argparse.Namespace) -> list[Step]:
     tokens = args.tokens or suite.tokens or 0
     steps = args.steps or suite.steps or 0
     values = {"steps": steps, "half": max(1, steps // 2), "tokens": tokens, "quarter": tokens // 4, "double": 2 * tokens,
-              "context": min(CONTEXT, tokens // 4), "device": "cpu" if args.cpu else "cuda", "python": sys.executable}
+              "context": min(CONTEXT, tokens // 4), "device": "cpu" if args.cpu else "cuda", "python": sys.executable,
+              "work": str((args.work / name).resolve())}  # commands run from the repository root
     configs = list(args.configs or suite.configs)
     steps = steps_of(name, suite, configs, values, shlex.split(args.flags), set(args.only or ()), args.no_compile)
     return rounds_of(steps, args.repeat or 1)

@@ -472,6 +472,30 @@ def test_the_profile_suite_reads_traces_where_torchtitan_writes_them():
     assert "--profiling.save_traces_folder" not in " ".join(map(str, gpu_check.SUITES["profile"].flags))
 
 
+def test_the_plain_loops_profiled_step_is_its_last_and_the_profiles_report_prints_its_summary(tmp_path):
+    """The profile suite profiles the plain loop beside flame's runs: the loop's profiler records only its last
+    step, and the summary goes where the profiles report looks for a step's summary."""
+    from scripts.bench.plain_loop import last_step_profiler
+
+    with last_step_profiler(4, str(tmp_path)) as profiler:
+        for step in range(4):
+            with torch.profiler.record_function(f"step{step}"):
+                torch.ones(8).sum()
+            profiler.step()
+    recorded = {e.get("name") for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]}
+    assert "step3" in recorded and not recorded & {"step0", "step1", "step2"}
+
+    args = gpu_check.parse_args(["--suite", "profile", "--configs", "configs/gla_340M.json", "--work", str(tmp_path)])
+    plain = next(s for s in gpu_check.plan("profile", args) if s.item == "plain")
+    summary = tmp_path / "profile" / "gla_340M-plain.profile.txt"
+    assert plain.argv[-2:] == ["--profile", str(summary)]
+    summary.parent.mkdir()
+    summary.write_text("matmuls (cuBLAS, CUTLASS)     180.00     60.0%       400\n")
+    (summary.parent / "gla_340M-plain.log").write_text('{"tokens_per_s": 120000}\n')
+    shown = reports.profiles([Result(plain, 0, 60.0)], summary.parent)
+    assert shown[-2:] == ["gla_340M-plain:", "matmuls (cuBLAS, CUTLASS)     180.00     60.0%       400"]
+
+
 def test_host_waits_name_the_callers_lines_outside_torch_most_visited_first():
     import traceback
     from collections import Counter

@@ -187,15 +187,18 @@ def test_softmax_layers_are_counted_as_attention_flops(monkeypatch):
 
 
 def test_compile_leaves_eager_the_blocks_of_types_whose_compiled_blocks_measured_slower(monkeypatch, caplog):
-    """--training.compile helps or does nothing: mamba2's blocks (compiled slower on GPUs) stay eager, with the
-    reason in the log; gla's get compiled."""
+    """--training.compile helps or does nothing: gla's blocks (compiled slower on GPUs) stay eager, with the
+    measured figures in the log, as do kda's (not measured: fla's default, for the same reason); llama's get
+    compiled."""
     from torchtitan.distributed import ParallelDims
 
     from flame.distributed.parallelize import parallelize_model
     from flame.models.registry import decoder_layers, meta_model
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    for model_type, compiled in (("mamba2", False), ("gla", True)):
+    reasons = {"gla": "(compiled blocks ran 340M at 111k tok/s against 128k eager on an H200)",
+               "kda": "(fla's token mixers run outside the compiled graph, and every fla type measured at 340M"}
+    for model_type, compiled in (("gla", False), ("kda", False), ("llama", True)):
         config_path = str(ROOT / "configs" / "tiny" / f"{model_type}.json")
         model = meta_model(load_model_config(config_path))  # torch.compile wraps lazily: nothing runs
         caplog.clear()
@@ -203,8 +206,11 @@ def test_compile_leaves_eager_the_blocks_of_types_whose_compiled_blocks_measured
             parallelize_model(model, dims, job(monkeypatch, config_path, "--training.compile"))
         wrapped = [isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in decoder_layers(model)]
         assert wrapped == [compiled] * len(wrapped), model_type
-        stays_eager = f"--training.compile: fla's {model_type}'s decoder blocks stay eager (compiled blocks ran 340M"
-        assert (stays_eager in caplog.text) != compiled, caplog.text
+        if compiled:
+            assert "stay eager" not in caplog.text and "Compiling each of the" in caplog.text
+        else:
+            assert f"--training.compile: fla's {model_type}'s decoder blocks stay eager {reasons[model_type]}" \
+                in caplog.text, caplog.text
 
 
 def test_memory_budget_ac_needs_compiled_blocks(monkeypatch):

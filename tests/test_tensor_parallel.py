@@ -190,6 +190,9 @@ def test_async_tensor_parallel_needs_tensor_parallelism_and_compile():
     with pytest.raises(ConfigError, match="add --training.compile"):
         check_tensor_parallel(config, job(2, False))
     check_tensor_parallel(config, job(2, True))
+    # gla's blocks stay eager under --training.compile: there is no compiled block to overlap in
+    with pytest.raises(ConfigError, match=r"and fla's gla's stay eager under --training.compile \(.*\); leave it off$"):
+        check_tensor_parallel(load_model_config(TINY["gla"]), job(2, True))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

@@ -308,6 +308,12 @@ def check_tensor_parallel(config: PretrainedConfig, job_config) -> None:
                 "--parallelism.enable_async_tensor_parallel overlaps TP communication in compiled blocks: "
                 "add --training.compile (with 'model' in --compile.components)"
             )
+        support = support_for(config)
+        if support.compile_slower:
+            raise ConfigError(
+                f"--parallelism.enable_async_tensor_parallel overlaps TP communication in compiled blocks, and "
+                f"{support.name}'s stay eager under --training.compile ({support.compile_slower}); leave it off"
+            )
     if tp <= 1:
         return
     plan = plan_for(config.model_type)

@@ -71,7 +71,7 @@ class ModelSupport:
     documents: Documents = Documents.ATTENTION
     not_isolated_because: str = ""  # ROWS_WHOLE: why its documents cannot be kept apart
     compile_fails: str | None = None  # why torch.compile fails on its blocks; None: it compiles
-    # measured: its compiled blocks train slower than eager (their time is in opaque Triton kernels);
+    # why its compiled blocks train slower than eager (measured, or fla's default: FLA_COMPILED_SLOWER);
     # --training.compile leaves them eager, and says so
     compile_slower: str | None = None
     tensor_parallel_plan: str | None = None  # its plan's name in flame.distributed.tensor_parallel.PLANS
@@ -108,13 +108,23 @@ class ModelSupport:
         return [p for p in self.packages if p.option is None or getattr(config, p.option, False)]
 
 
+# Every fla type measured at 340M (one 32K-token varlen row, docs/perf-log.md) trained slower with its blocks
+# compiled, by 7-30%: fla runs its token mixers outside the compiled graph and its norms and SwiGLU are
+# Triton kernels already, so inductor has little to fuse, and the graph's pieces cost host time every
+# step. So --training.compile leaves every fla type's blocks eager (the measured types say by how much).
+FLA_COMPILED_SLOWER = ("fla's token mixers run outside the compiled graph, and every fla type measured at "
+                       "340M (transformer, gla, gated_deltanet, delta_net, hgrn2, mamba2, samba) trained 7-30% "
+                       "slower compiled")
 _FLA_DEFAULTS = {
     "documents": Documents.CU_SEQLENS,
     "cuda_only": "runs fla's Triton kernels (its norms, activations and token mixer)",
+    "compile_slower": FLA_COMPILED_SLOWER,
 }
 
 
 def _fla(model_type: str, family: str, **fields) -> ModelSupport:
+    if fields.get("compile_fails"):
+        fields["compile_slower"] = None
     if fields.get("tilelang_on_hopper"):
         fields["notes"] = "; ".join(filter(None, (fields.get("notes"), _TILELANG_ON_HOPPER)))
     return ModelSupport(model_type, "fla", family, **{**_FLA_DEFAULTS, **fields})
@@ -131,7 +141,7 @@ _MEASURED = "packed and separate documents differ (measured, docs/models.md)"
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
 _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
-# the 340M config, one 32K-token varlen row (docs/perf-log.md, 2026-11-25 and 2026-11-27)
+# the 340M config, one 32K-token varlen row (docs/perf-log.md, 2026-11-25, 2026-11-27 and 2026-11-28)
 _COMPILED_SLOWER = "compiled blocks ran 340M at {compiled} tok/s against {eager} eager on an {card}"
 _MAMBA_SSM = Package("mamba_ssm", mamba_ssm.INSTALL, "mamba_ssm's Mamba-3 scan kernels")
 _TILELANG = Package("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang", "is_mimo")
@@ -164,17 +174,20 @@ _RECORDS = (
     _fla("comba", LINEAR, tilelang_on_hopper=True),
     _fla("cyclic_flow_attention", LINEAR,
          **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models.md)")),
-    _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule"),
+    _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule",
+         compile_slower=_COMPILED_SLOWER.format(compiled="82k", eager="110k", card="H200")),
     _fla("deltaformer", SOFTMAX,
          compile_fails="Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it"),
     _fla("forgetting_transformer", SOFTMAX, softmax_layers=("ForgettingAttention",)),
     _fla("gated_deltanet", LINEAR, tensor_parallel_plan="gated_deltanet",
-         context_parallel=ContextParallelism.FLA_KERNELS, tilelang_on_hopper=True),
+         context_parallel=ContextParallelism.FLA_KERNELS, tilelang_on_hopper=True,
+         compile_slower=_COMPILED_SLOWER.format(compiled="76k", eager="108k", card="H200")),
     _fla("gated_deltaproduct", LINEAR, float32_refused_by="chunk_gated_delta_product"),
-    _fla("gla", LINEAR, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES),
+    _fla("gla", LINEAR, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES,
+         compile_slower=_COMPILED_SLOWER.format(compiled="111k", eager="128k", card="H200")),
     _fla("gsa", LINEAR, tensor_parallel_plan="gsa"),
     _fla("hgrn", LINEAR),
-    _fla("hgrn2", LINEAR),
+    _fla("hgrn2", LINEAR, compile_slower=_COMPILED_SLOWER.format(compiled="94k", eager="105k", card="H200")),
     _fla("kda", LINEAR, context_parallel=ContextParallelism.FLA_KERNELS),
     _fla("lightnet", LINEAR),
     _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),

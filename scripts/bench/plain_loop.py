@@ -11,14 +11,19 @@ them (flame.models.model_inputs: HF models get position ids and flame's document
 fla models one row with cu_seqlens). Prints each step's time to stderr (a first step that
 takes minutes shows as fla autotuning); last, one JSON line on stdout: the median step time,
 tokens/s at that median, TFLOPS and MFU (flame's FLOPs count) over the timed steps, peak
-reserved memory and the model's parameter count.
+reserved memory and the model's parameter count. With --profile FILE (CUDA) the last step runs
+under torch's profiler and FILE gets where its GPU time went (scripts/bench/trace_summary.py), as
+`gpu_check.py --suite profile` keeps it for flame's runs.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,7 @@ from flame.models import attention, load_model_config, model_inputs
 from flame.models.flops import model_flops
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers
+from scripts.bench import trace_summary
 from scripts.bench.batches import packed_batches
 
 PEAK_FLOPS = 989e12  # H100/H200 bf16 dense, as flame's MFU
@@ -47,6 +53,29 @@ def forward_backward(model, batch: dict, labels: torch.Tensor, device: str) -> t
     return loss
 
 
+def train_step(model, optimizer, batch: dict, labels: torch.Tensor, device: str) -> tuple[float, float]:
+    """One step from an idle GPU to an idle GPU: its seconds and its loss."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = forward_backward(model, batch, labels, device)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, loss.item()
+
+
+def last_step_profiler(steps: int, folder: str):
+    """torch's profiler over the loop, recording its last step (the one before warms the profiler up, as
+    torchtitan's schedule does), its Chrome trace written into ``folder``."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=max(0, steps - 2), warmup=min(1, steps - 1), active=1),
+        on_trace_ready=lambda profiler: profiler.export_chrome_trace(f"{folder}/trace.json"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="model config JSON")
@@ -57,8 +86,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (autotuning, compiling)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="record the last step under torch's profiler; write where its GPU time went to FILE")
     args = parser.parse_args()
     cuda = args.device == "cuda"
+    if args.profile and not cuda:
+        parser.error("--profile sums the step's GPU kernels: it needs --device cuda")
 
     config = load_model_config(args.config)
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
@@ -72,21 +105,20 @@ def main() -> None:
     batches = packed_batches(args.warmup + args.steps, args.rows, args.seq, args.context, device=args.device)
 
     times, step_flops = [], []
-    for step, (batch, labels) in enumerate(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = forward_backward(model, batch, labels, args.device)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        print(f"step {step + 1}/{len(batches)}: {seconds:.2f} s, loss {loss.item():.4f}", file=sys.stderr, flush=True)
-        if step >= args.warmup:
-            times.append(seconds)
-            step_flops.append(flops.batch_flops(batch["cu_seqlens"].diff().tolist()))
+    # a step's trace is hundreds of MB: only its summary is kept
+    with tempfile.TemporaryDirectory() as traces:
+        profiler = last_step_profiler(len(batches), traces) if args.profile else contextlib.nullcontext()
+        with profiler:
+            for step, (batch, labels) in enumerate(batches):
+                seconds, loss = train_step(model, optimizer, batch, labels, args.device)
+                print(f"step {step + 1}/{len(batches)}: {seconds:.2f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
+                if args.profile:
+                    profiler.step()
+                if step >= args.warmup:
+                    times.append(seconds)
+                    step_flops.append(flops.batch_flops(batch["cu_seqlens"].diff().tolist()))
+        if args.profile:
+            args.profile.write_text(trace_summary.summarize(Path(traces) / "trace.json") + "\n")
     step_time = statistics.median(times)
     achieved = sum(step_flops) / sum(times)
     print(json.dumps({

@@ -5,8 +5,9 @@ once; ``per_config`` items run for each of the suite's model configs, named ``<c
 (configs/tiny/gla.json's tp2 run is ``gla-tp2``; just ``gla`` in a suite of one such item).
 Their texts may hold placeholders: {config} (the config's path), {steps}, {half} (steps / 2:
 the last half is the timed window), {tokens}, {quarter} (tokens / 4), {double} (tokens x 2),
-{context} (gpu_check.CONTEXT, at most tokens / 4), {device} (cuda, or cpu with --cpu) and
-{python} (the driver's interpreter).
+{context} (gpu_check.CONTEXT, at most tokens / 4), {device} (cuda, or cpu with --cpu),
+{python} (the driver's interpreter) and, in a command, {profile} (<work>/<step>.profile.txt: a
+profiled step's summary, which the profiles report prints as it does a train.sh run's).
 """
 
 from dataclasses import dataclass, field, replace
@@ -108,7 +109,8 @@ def steps_of(suite_name: str, suite: Suite, configs: list[str], values: dict, ex
             if isinstance(item, Command):
                 if item.compiled and no_compile or item.on_request and item.name not in only:
                     continue
-                argv = fill(item.argv, here) + (list(item.no_compile) if no_compile else [])
+                profile = str(Path(values["work"]) / f"{step_name}.profile.txt")
+                argv = fill(item.argv, {**here, "profile": profile}) + (list(item.no_compile) if no_compile else [])
                 steps.append(Step(suite_name, item.name, step_name, argv, item.show, item.show_block, config, item.gpus))
                 continue
             flags = fill(item.flags, here)
@@ -133,5 +135,6 @@ def placeholders(suite: Suite) -> set[str]:
     texts = [*suite.flags]
     for item in (*suite.setup, *suite.per_config):
         texts += item.argv if isinstance(item, Command) else item.flags
-    return {key for key in ("config", "steps", "half", "tokens", "quarter", "double", "context", "device", "python")
+    return {key for key in ("config", "steps", "half", "tokens", "quarter", "double", "context", "device", "python",
+                            "profile")
             if any("{" + key + "}" in text for text in texts)}
