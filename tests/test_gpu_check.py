@@ -494,6 +494,11 @@ def test_the_plain_loops_profiled_step_is_its_last_and_the_profiles_report_print
     (summary.parent / "gla_340M-plain.log").write_text('{"tokens_per_s": 120000}\n')
     shown = reports.profiles([Result(plain, 0, 60.0)], summary.parent)
     assert shown[-2:] == ["gla_340M-plain:", "matmuls (cuBLAS, CUTLASS)     180.00     60.0%       400"]
+    # a summary that could not be written is refused before the run, in one line
+    refused = subprocess.run([sys.executable, "-m", "scripts.bench.plain_loop", "--config", "configs/llama_4M.json",
+                              "--profile", str(tmp_path / "missing" / "x.txt")], cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1].endswith(f"no folder {tmp_path / 'missing'} to write it in; create it first")
 
 
 def test_host_waits_name_the_callers_lines_outside_torch_most_visited_first():

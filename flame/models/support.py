@@ -123,7 +123,7 @@ _FLA_DEFAULTS = {
 
 
 def _fla(model_type: str, family: str, **fields) -> ModelSupport:
-    if fields.get("compile_fails"):
+    if fields.get("compile_fails"):  # refused outright: fla's default "compiles, but slower" does not apply
         fields["compile_slower"] = None
     if fields.get("tilelang_on_hopper"):
         fields["notes"] = "; ".join(filter(None, (fields.get("notes"), _TILELANG_ON_HOPPER)))

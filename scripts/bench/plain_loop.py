@@ -92,6 +92,8 @@ def main() -> None:
     cuda = args.device == "cuda"
     if args.profile and not cuda:
         parser.error("--profile sums the step's GPU kernels: it needs --device cuda")
+    if args.profile and not args.profile.parent.is_dir():  # refused before the run, not after it
+        parser.error(f"--profile {args.profile}: no folder {args.profile.parent} to write it in; create it first")
 
     config = load_model_config(args.config)
     options = {} if is_fla_config(config) else {"attn_implementation": attention.HF_ATTENTION}
