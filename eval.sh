@@ -5,7 +5,7 @@
 #   bash eval.sh -h        flame.eval's options, then lm-eval's
 #
 # NGPU: processes (default: the visible GPUs; 1 on a machine without GPU, which scores on the CPU).
-# The same as `torchrun --standalone --nproc_per_node $NGPU -m flame.eval ...` (README: Evaluate).
+# The same as `torchrun --standalone --nproc_per_node $NGPU -m flame.eval ...` (docs/evaluation.md).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=$(bash "$root/3rdparty/install.sh") || exit 1

@@ -3,7 +3,7 @@
 #
 #   bash train.sh                        the embedded default job (configs/debug.toml): trains a
 #                                        small llama on the Python stdlib, exports it, prints a sample
-#   bash train.sh --job.config_file flame/models/fla.toml --training.steps 100 ...   (fla.toml = flame.toml)
+#   bash train.sh --job.config_file configs/fla.toml --training.steps 100 ...   (fla.toml = flame.toml)
 #   bash train.sh -h                     every option, with help
 #
 # Environment:
@@ -37,7 +37,7 @@
 # the export; a second run there is refused in one line naming the holder, and the lock of a run
 # that died is taken over with a warning. The run's processes end with this script, however it
 # ends (kill -9 too): torchrun's agent gets SIGTERM and stops the ranks, a rank whose agent is
-# gone gets SIGKILL (flame/supervise.py). Each start is an attempt: its job config goes to
+# gone gets SIGKILL (flame/launch/supervise.py). Each start is an attempt: its job config goes to
 # <dump_folder>/attempts/<n>/ and <dump_folder>/job_config.json, its metrics.jsonl lines name it.
 set -uo pipefail
 unset FLAME_DUMP_STACKS_AT # set here only: the ranks start after the preflight, so a time, not a delay
@@ -66,7 +66,7 @@ if [ $# -eq 0 ]; then
 fi
 
 if [ -n "${SLURM_JOB_ID:-}" ]; then # what the user did not set comes from the Slurm step
-  slurm=$("$python" -m flame.slurm) || exit $?
+  slurm=$("$python" -m flame.launch.slurm) || exit $?
   eval "$slurm"
 fi
 if [ -z "${NGPU:-}" ]; then # the visible GPUs: nvidia-smi answers in a fraction of torch's import
@@ -120,9 +120,9 @@ if [ "$NNODE" -gt 1 ]; then
 else
   rendezvous=(--standalone)
 fi
-# flame.supervise checks the job, then runs torchrun's agent tied to this script (the ranks' logs
+# flame.launch.supervise checks the job, then runs torchrun's agent tied to this script (the ranks' logs
 # in <dump_folder>/logs), and on node 0 holds the dump folder's lock for the run and the export
-launch=("$python" -m flame.supervise --world-size $((NGPU * NNODE)) --nodes "$NNODE" --node-rank "$NODE_RANK")
+launch=("$python" -m flame.launch.supervise --world-size $((NGPU * NNODE)) --nodes "$NNODE" --node-rank "$NODE_RANK")
 [ "${FLAME_DRY_RUN:-0}" = 1 ] && launch+=(--dry-run)
 launch+=("${export_args[@]}" -- "${rendezvous[@]}" --nproc_per_node "$NGPU" --redirects 3 --tee 3
   --local-ranks-filter "$LOG_RANK" -m flame.train "$@")

@@ -1,49 +1,33 @@
-"""flame's entry point: parse the job config, build the Trainer, train, close.
+"""flame's entry point: parse the job config, prepare it (checks, memory plan), build the Trainer, train, close.
 
     torchrun ... -m flame.train --job.config_file configs/debug.toml --training.steps 100
 
 train.sh's launcher starts its ranks at ``run_rank`` instead, forked from a process that has
-imported this module already (flame.supervise).
+imported this module already (flame.launch.supervise).
 """
 
 import signal
 
 if __name__ == "__main__":  # a rank: first of all (importing torch takes seconds), die with torchrun's agent
-    from flame.supervise import die_with_parent
+    from flame.base.process import die_with_parent
 
     die_with_parent(signal.SIGKILL)
     from flame.compat.transformers import scikit_learn_imported_when_used
 
     scikit_learn_imported_when_used()  # before the imports below load transformers' model classes
 
-import faulthandler
 import logging
 import os
 import sys
-import time
 import traceback
 
 import torch
 from torchtitan.tools.logging import init_logger, logger
 
-from flame import autotune
-from flame.config_manager import FlameConfigManager
-from flame.errors import ConfigError, DataError, UpdatesFailingError
-from flame.supervise import name_rank
-
-
-def arrange_stack_dumps() -> None:
-    """Let a stuck rank show where it waits, in its stderr.log under <dump_folder>/logs.
-
-    SIGUSR1 prints every thread's Python stack and training goes on (README: "If a run seems
-    stuck"). `FLAME_DUMP_STACKS_AFTER=<seconds> bash train.sh` prints them once, that long
-    after train.sh started, from faulthandler's watchdog thread, which needs no signal: for
-    machines where SIGUSR1 reaches the data-loader workers but not the ranks' main processes.
-    """
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    name_rank(os.environ.get("LOCAL_RANK", ""))  # answering SIGUSR1 now: what pkill -USR1 '^flame-rank' finds
-    if at := os.environ.get("FLAME_DUMP_STACKS_AT"):  # train.sh: its start + FLAME_DUMP_STACKS_AFTER
-        faulthandler.dump_traceback_later(max(float(at) - time.time(), 0.1))
+from flame.base import autotune
+from flame.base.errors import ConfigError, DataError, UpdatesFailingError
+from flame.base.process import arrange_stack_dumps, die_with_parent
+from flame.config.manager import parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,12 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     arrange_stack_dumps()
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
     try:
-        config = FlameConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        job = parse(sys.argv[1:] if argv is None else argv)
+        from flame.prepare import prepare  # after parsing: `-h` and parsing errors stay fast
+
+        prepare(job, int(os.environ.get("WORLD_SIZE", "1")))  # train.sh checked it all already; bare torchrun did not
+        config = job.config
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
 
-    from flame.trainer import Trainer  # after parsing: `-h` and config errors stay fast
+    from flame.training.trainer import Trainer  # after parsing: `-h` and config errors stay fast
 
     trainer = None
     every_rank_stops = True  # the errors caught by name are raised on every rank alike
@@ -96,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_rank(*argv: str) -> None:
-    """A rank started by train.sh's launcher (flame.supervise), forked from it: ``python -m flame.train`` without the imports."""
-    from flame.supervise import die_with_parent
-
+    """A rank started by train.sh's launcher (flame.launch.supervise), forked from it: ``python -m flame.train`` without the imports."""
     die_with_parent(signal.SIGKILL)
     if status := main(list(argv)):
         sys.exit(status)

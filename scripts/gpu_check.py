@@ -359,7 +359,7 @@ SUITES = {
     "loader": Suite(
         "flame.data's loader throughput on this machine's CPUs (0-16 workers, rows of --tokens)",
         report="lines",
-        setup=(Command("loader_bench", ("{python}", "-m", "flame.data.bench", "--workers", "0,1,4,8,16", "--batches",
+        setup=(Command("loader_bench", ("{python}", "-m", "flame.tools.loader_bench", "--workers", "0,1,4,8,16", "--batches",
                                         "300", "--", *DEBUG_JOB, "--training.seq_len", "{tokens}",
                                         "--training.batch_size", "8"), show=r"^ *(workers|\d+) "),),
         tokens=4096, timeout=300,

@@ -17,7 +17,7 @@ from typing import NamedTuple, TypeVar
 
 import pytest
 
-from flame import run_record
+from flame.base import run_record
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"  # programs tests run in processes of their own; each says how
@@ -210,12 +210,10 @@ def write_job_toml(path: Path, model_config: str, training: str, job: str = "") 
 
 def parse_job(monkeypatch, world_size: int, *args: str):
     """The JobConfig the ranks of a ``world_size``-process job would parse from ``args`` (validation included)."""
-    from flame.config_manager import (
-        FlameConfigManager,  # conftest itself imports no flame module
-    )
+    from flame.prepare import prepared  # conftest itself imports no flame module
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    return FlameConfigManager().parse_args(list(args))
+    return prepared(list(args))
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -4,8 +4,7 @@
                      names flame uses
     transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
-    fla_mamba.py     fla's Mamba layer (mamba, samba) with flame's selective scan: fast, documents kept apart
-    fla_mamba2.py    fla's Mamba2 layer on fla's Triton conv and scan, packed documents kept apart
+    fla_mamba.py     fla's Mamba and Mamba2 layers on flame's kernels: fast, packed documents kept apart
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
     triton.py        autotuning that waits for its own stream (pipeline parallelism); forwards that launch no kernel
     guard.py         how a change is declared, checked against the installed library, applied once
@@ -13,7 +12,7 @@
 Each change is a function (a ``guard.Patch``) whose docstring says what upstream does, what
 flame changes and why; its module names the version it was written for. Importing flame
 changes nothing; the changes apply where flame calls them:
-- ``apply(job_config)``: at the start of every process that trains (the Trainer); flame.launch
+- ``apply(job_config, checkpoint_manager)``: at the start of every process that trains (the Trainer); flame.launch.preflight
   runs its guard alone (``check``), so that a changed torchtitan is refused before torchrun starts;
 - ``apply_after_fla_import``: once, by flame.models.registry.import_fla, the one place flame
   imports fla (lazily: it costs seconds);
@@ -22,18 +21,19 @@ changes nothing; the changes apply where flame calls them:
   ``flame.register()`` (loading exports) applies it and fla's changes up front;
 - ``fla.kernels_take_cp_context``/``fla.gsa_norm_gathers_heads``: by context and tensor
   parallelism, for the fla models they run;
-- ``transformers.fused_rotary(module)``: by flame.models.fused, once per modeling module of an HF
+- ``transformers.fused_rotary(module)``: by flame.models.kernels.fused, once per modeling module of an HF
   model flame builds with fused kernels (--model.fused_kernels).
 ``describe()`` is the startup log's line of the changes applied. The guard refuses to start when
 a change's target is missing or changed, and only warns about another version (guard.py says why).
 Each seam is imported when first used (``compat.fla``, ``from flame.compat import fla``): importing
 its library costs seconds (transformers' model code pulls in torch's compiler), and a process
-needs few of them: flame.launch the torchtitan seam only, loading an export (``flame.register``)
+needs few of them: flame.launch.preflight the torchtitan seam only, loading an export (``flame.register``)
 fla's and transformers' seams.
 """
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flame.compat.guard import Patch, applied
@@ -44,12 +44,12 @@ if TYPE_CHECKING:
     from flame.compat import fla
 
 __all__ = [
-    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "fla_mamba2", "mamba_ssm", "torchtitan",
+    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "mamba_ssm", "torchtitan",
     "transformers", "triton",
 ]
 
 
-_SEAMS = ("fla", "fla_mamba", "fla_mamba2", "mamba_ssm", "torchtitan", "transformers", "triton")
+_SEAMS = ("fla", "fla_mamba", "mamba_ssm", "torchtitan", "transformers", "triton")
 
 
 def __getattr__(name: str):
@@ -58,15 +58,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _startup_patches(job_config: "JobConfig") -> list[Patch]:
-    from flame import device
+def _startup_patches(job_config: "JobConfig", checkpoint_manager: type | None = None) -> list[tuple[Patch, tuple]]:
+    """The changes a training process needs at startup, each with the arguments it is applied with."""
+    from flame.base import device  # it imports torchtitan, which loading an export (flame.register) does not need
     from flame.compat import torchtitan, triton
 
-    patches = [torchtitan.checkpoints_with_manifests, torchtitan.ends_without_sleep]
+    patches = [(torchtitan.checkpoints_with_manifests, (checkpoint_manager,)), (torchtitan.ends_without_sleep, ())]
     if not device.CUDA:
-        patches.append(torchtitan.cpu_without_accelerator)
+        patches.append((torchtitan.cpu_without_accelerator, ()))
     elif job_config.parallelism.pipeline_parallel_degree > 1:
-        patches.append(triton.autotune_on_the_current_stream)
+        patches.append((triton.autotune_on_the_current_stream, ()))
     return patches
 
 
@@ -75,26 +76,28 @@ def check(job_config: "JobConfig") -> None:
     from flame.compat import torchtitan
 
     torchtitan.check_private_names()
-    for patch in _startup_patches(job_config):
+    for patch, _ in _startup_patches(job_config):
         patch.check()
 
 
-def apply(job_config: "JobConfig") -> None:
-    """Check, then apply the changes this job's processes need at startup (each once)."""
+def apply(job_config: "JobConfig", checkpoint_manager: type) -> None:
+    """Check, then apply the changes this job's processes need at startup (each once); ``checkpoint_manager``:
+    the class torchtitan's Trainer builds instead of its own (flame.checkpoint.manager.FlameCheckpointManager)."""
     from flame.compat import torchtitan
 
     torchtitan.check_private_names()
-    for patch in _startup_patches(job_config):
-        patch()
+    for patch, args in _startup_patches(job_config, checkpoint_manager):
+        patch(*args)
 
 
-def apply_after_fla_import(flash_attn: "fla.FlashAttn") -> None:
-    """fla's changes, flame's Mamba scan, and mamba_ssm's where it is installed (by flame.models.registry.import_fla only)."""
-    from flame.compat import fla, fla_mamba, fla_mamba2, mamba_ssm
+def apply_after_fla_import(flash_attn: "fla.FlashAttn", mamba_mix: Callable, mamba2_forward: Callable) -> None:
+    """fla's changes, flame's Mamba computations, and mamba_ssm's where it is installed (by flame.models.registry.import_fla
+    only, which hands in flame's attention and Mamba kernels: flame.compat imports nothing of flame.models)."""
+    from flame.compat import fla, fla_mamba, mamba_ssm
 
     fla.apply(flash_attn)
-    fla_mamba.mamba_scans_documents()
-    fla_mamba2.mamba2_keeps_documents_apart()
+    fla_mamba.mamba_scans_documents(mamba_mix)
+    fla_mamba.mamba2_keeps_documents_apart(mamba2_forward)
     if importlib.util.find_spec("mamba_ssm") is not None:  # without it preflight refuses mamba3
         mamba_ssm.apply()
 

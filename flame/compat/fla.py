@@ -24,8 +24,8 @@ FLA = Library("fla", "fla-core", "0.6.0")
 
 @dataclass(frozen=True)
 class FlashAttn:
-    """flame's stand-ins for the flash-attn functions fla's layers call (flame.models.attention and
-    flame.models.flash_attn_internals hold them)."""
+    """flame's stand-ins for the flash-attn functions fla's layers call (flame.models.kernels.attention and
+    flame.models.kernels.flash_attn_internals hold them)."""
 
     flash_attn_func: Callable
     flash_attn_varlen_func: Callable
@@ -106,7 +106,7 @@ def tune_once_per_shape() -> None:
     Upstream: Triton benchmarks every config of an autotuned kernel once per value of its key
     arguments; fla's deltaformer keys its kernels on the length of the chunk (``C``) or document
     (``T``) they run on, and its varlen path calls them document by document, so under packed
-    documents each new length benchmarks 8-16 configs again: training stalls (docs/models.md).
+    documents each new length benchmarks 8-16 configs again: training stalls (docs/models-verified.md).
     flame: the kernels are tuned at the first length they see and keep that choice. The lengths
     are masked inside the kernels, so every config computes the same result.
     """
@@ -136,7 +136,7 @@ def level_scales_in_query_dtype() -> None:
 
     Upstream: the layer computes the level scales from a float32 weight, so under bf16 autocast
     (flame's one-GPU and DDP runs) they reach the kernel as float32 beside bf16 queries, and
-    Triton refuses the kernel's ``tl.dot`` of the two (docs/models.md).
+    Triton refuses the kernel's ``tl.dot`` of the two (docs/models-verified.md).
     flame: casts them to the queries' dtype. Under FSDP's bf16 weights they are bf16 already:
     the cast gives autocast runs the same inputs.
     """
@@ -157,7 +157,7 @@ def outside_compiled_graphs() -> None:
     step with a device-side index assert in an inductor kernel; fla's ``RMSNormGated`` (mamba3)
     failed while tracing: dynamo made the norm's width symbolic (fla's ``input_guard`` wrapper is
     one code object shared by every kernel it wraps, so sizes seen there change between calls)
-    and could not pass the ``num_warps`` computed from it to the Triton kernel (docs/models.md).
+    and could not pass the ``num_warps`` computed from it to the Triton kernel (docs/models-verified.md).
     flame: the layers call that function, or build that module class, under
     ``torch.compiler.disable`` (a graph break per layer, as flame's own attention has); the
     blocks' projections, norms and MLPs still compile, and the loss curve is eager's.

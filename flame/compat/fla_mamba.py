@@ -1,15 +1,16 @@
-"""fla's Mamba layer (model types mamba and samba) with flame's selective scan: fast, and documents kept apart.
+"""fla's Mamba and Mamba2 layers computed by flame's kernels: fast, and packed documents kept apart.
 
-Written for fla-core 0.6.0, whose ``fla.layers.mamba.Mamba`` trains with mamba_ssm's and
-causal_conv1d's CUDA kernels where they are installed (``mamba_inner_fn``, ``selective_scan_fn``)
-and with a token-by-token PyTorch scan where not; neither takes ``cu_seqlens``, so packed
-documents shared their state. flame.compat.apply_after_fla_import applies this change.
+Written for fla-core 0.6.0 and mamba-ssm 2.3.2.post1. fla's ``Mamba`` (mamba, samba) trains with
+mamba_ssm's and causal_conv1d's CUDA kernels where they are installed and with a token-by-token
+PyTorch scan where not; its ``Mamba2`` through mamba_ssm's fused kernel or a PyTorch reference that
+runs out of memory at 340M. None of them takes ``cu_seqlens``, so packed documents shared their
+state. The computations that replace them are flame's (flame.models.kernels.mamba, .mamba2), handed
+in by flame.models.registry.import_fla through flame.compat.apply_after_fla_import.
 """
 
 import importlib
-
-import torch
-import torch.nn.functional as F
+import logging
+from collections.abc import Callable
 
 from flame.compat.fla import FLA
 from flame.compat.guard import Target, patch
@@ -21,52 +22,17 @@ _CONV = Target(FLA, "fla.modules.causal_conv1d", "causal_conv1d",
                 "cu_seqlens"))
 
 
-def mamba_mix(
-    layer, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None, attention_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """fla's Mamba layer's output, every document (of ``cu_seqlens``, or every row) starting from zero state.
-
-    fla's computation, in its order: in_proj -> causal conv + SiLU -> x_proj (dt, B, C) -> dt_proj ->
-    selective scan gated by SiLU(z) -> out_proj. The scan adds dt_proj's bias in float32 before
-    the softplus, as mamba_ssm's kernels do. A padding mask zeroes the padded tokens before and
-    after the convolution, as fla's layer does.
-    """
-    # imported here: flame.compat imports none of flame.models
-    from flame.models.selective_scan import document_conv, selective_scan
-
-    if layer.activation not in ("silu", "swish"):
-        raise ValueError(f"fla's Mamba layer with hidden_act {layer.activation!r}: flame's scan gates by SiLU only")
-    x, z = layer.in_proj(hidden_states).chunk(2, dim=-1)
-    mask = None if attention_mask is None else attention_mask[..., None].to(x.dtype)
-    if mask is not None:
-        x = x * mask
-    weight = layer.conv1d.weight.squeeze(1)  # [D, kernel width]
-    bias = layer.conv1d.bias if layer.use_conv_bias else None
-    if x.is_cuda:
-        conv = importlib.import_module(_CONV.module).causal_conv1d
-        x, _ = conv(x=x.contiguous(), weight=weight, bias=bias, activation="silu", cu_seqlens=cu_seqlens)
-    else:
-        x = F.silu(document_conv(x, weight, bias, cu_seqlens))
-    if mask is not None:
-        x = x * mask
-    dt, B, C = torch.split(layer.x_proj(x), [layer.dt_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1)
-    dt = F.linear(dt, layer.dt_proj.weight)  # its bias: inside the scan, in float32
-    A = -torch.exp(layer.A_log.float())
-    y = selective_scan(x, dt, A, B, C, layer.D.float(), z, layer.dt_proj.bias.float(), cu_seqlens)
-    return layer.out_proj(y)
-
-
 @patch(FLA, _MAMBA, _CONV)
-def mamba_scans_documents() -> None:
+def mamba_scans_documents(mamba_mix: Callable) -> None:
     """Give fla's Mamba layer (mamba, samba) flame's selective scan in training and prefill.
 
     Upstream: without mamba_ssm's and causal_conv1d's CUDA builds (they compile with nvcc; no GPU
     image here has them) the layer scans token by token in PyTorch, 1k tokens/s on a tiny model;
     with them or without, it ignores ``cu_seqlens``, so a packed document starts from the state
-    the previous one left (docs/models.md).
+    the previous one left (docs/models-verified.md).
     flame: a forward without a cache (training, validation, scoring) runs ``mamba_mix``: fla's
     causal_conv1d Triton kernel, which restarts at every document, and flame's selective scan
-    (flame.models.selective_scan: Triton kernels on GPUs, a PyTorch loop on CPUs), whose state
+    (flame.models.kernels.selective_scan: Triton kernels on GPUs, a PyTorch loop on CPUs), whose state
     restarts at every document. Same parameters, same math. Decoding with a cache (``generate``)
     keeps fla's path, which takes one sequence per row: given packed documents there, it refuses.
     """
@@ -86,3 +52,27 @@ def mamba_scans_documents() -> None:
     forward.scans_documents = True
     layer.Mamba.forward = forward
 
+
+FLA_MAMBA2 = "fla.layers.mamba2"
+
+
+@patch(
+    FLA,
+    Target(FLA, FLA_MAMBA2, "Mamba2.forward", ("self", "hidden_states", "attention_mask", "past_key_values", "use_cache")),
+    Target(FLA, FLA_MAMBA2, "get_layer_cache", ("module", "past_key_values")),
+    Target(FLA, FLA_MAMBA2, "update_layer_cache", ("module", "past_key_values")),
+    Target(FLA, "fla.modules.causal_conv1d", "causal_conv1d", ("x", "weight", "bias")),
+    Target(FLA, "fla.ops.simple_gla", "chunk_simple_gla", ("q", "k", "v", "g", "g_gamma", "scale")),
+    Target(FLA, "fla.ops.gla", "chunk_gla", ("q", "k", "v", "g", "scale")),
+)
+def mamba2_keeps_documents_apart(forward_keeping_documents_apart: Callable) -> None:
+    """Train fla's Mamba2 layers on fla's Triton kernels, each packed document on its own (module docstring).
+
+    fla warns, once per layer it builds (48 lines per rank at 340M), that it does not recommend
+    its Triton conv backend: flame chose that conv and checks it against fla's PyTorch path
+    (tests/models/test_mamba2_kernels.py, tests/gpu/test_mamba2_gpu.py), so that warning is dropped.
+    """
+    layer = importlib.import_module(FLA_MAMBA2)
+    layer.Mamba2.forward = forward_keeping_documents_apart(layer.Mamba2.forward)
+    logging.getLogger(FLA_MAMBA2).addFilter(
+        lambda record: not record.getMessage().startswith("Mamba2 does not recommend using Triton's conv1d backend"))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 
 # torchtitan's logger (the root logger), without importing torchtitan: loading an export needs none of it
 logger = logging.getLogger()

@@ -2,9 +2,9 @@
 
 Written for mamba-ssm 2.3.2.post1 (the release fla 0.6's mamba3 layer calls) and fla-core 0.6.0.
 mamba_ssm is optional: flame.compat.apply_after_fla_import applies these only where it is
-installed; without it flame.preflight refuses mamba3 with the install command. A kernel that
+installed; without it flame.prepare.model refuses mamba3 with the install command. A kernel that
 cannot be imported from the mamba_ssm installed here is recorded in ``mamba3_kernel_errors``,
-and flame.preflight refuses the mamba3 configs that need it with the reason.
+and flame.prepare.model refuses the mamba3 configs that need it with the reason.
 """
 
 import functools
@@ -56,7 +56,7 @@ def import_kernel_module(name: str):
 def ssd_scan():
     """mamba_ssm's Triton SSD scan (``mamba_chunk_scan_combined``), or None where mamba_ssm is not installed.
 
-    flame.compat.fla_mamba2 trains Mamba-2 layers with it: scalar decays per head, B and C per
+    flame.models.kernels.mamba2 trains Mamba-2 layers with it: scalar decays per head, B and C per
     group, documents restarting at ``seq_idx``, and a backward that keeps little (docs/perf-log.md).
     """
     if importlib.util.find_spec("mamba_ssm") is None:
@@ -64,7 +64,7 @@ def ssd_scan():
     module = import_kernel_module(_SSD_MODULE)
     Target(MAMBA_SSM, _SSD_MODULE, "mamba_chunk_scan_combined",
            ("x", "dt", "A", "B", "C", "chunk_size", "D", "z", "dt_bias", "initial_states", "seq_idx")
-           ).require("flame.compat.fla_mamba2")
+           ).require("flame.models.kernels.mamba2")
     # outside compiled graphs, as fla's kernels are: dynamo would trace into its launches
     return torch.compiler.disable(module.mamba_chunk_scan_combined)
 
@@ -95,7 +95,7 @@ def mamba3_backward_unpacks_saved_tensors_once() -> None:
 
     Upstream: its backward (SISO and MIMO, ``_Mamba3Function``) reads ``ctx.saved_tensors``
     twice, once to check it is not empty; torch's checkpointing lets each saved tensor be
-    unpacked once, so full and op-level AC fail in the first backward (docs/models.md).
+    unpacked once, so full and op-level AC fail in the first backward (docs/models-verified.md).
     flame: that backward gets a context whose saved tensors were unpacked once.
     """
     layer = importlib.import_module(_MAMBA3_LAYER)

@@ -2,10 +2,10 @@
 
 Written for torchtitan 0.2.2 (3rdparty/requirements.txt). flame uses torchtitan's private names
 only through the functions here (``checkpoint_block``, ``build_metric_logger``,
-``purge_stale_checkpoints``), plus two ``ConfigManager`` hooks that flame.config_manager
+``purge_stale_checkpoints``), plus two ``ConfigManager`` hooks that flame.config.manager
 overrides; ``PRIVATE_NAMES`` lists them all, and ``check_private_names`` (run at startup by
 flame.compat.apply) refuses a torchtitan that lacks one or changed its signature. The
-``CheckpointManager`` methods flame.components.checkpoint overrides are the targets of
+``CheckpointManager`` methods flame.checkpoint.manager overrides are the targets of
 ``checkpoints_with_manifests``, checked the same way.
 """
 
@@ -21,7 +21,7 @@ from torchtitan.config import ActivationCheckpoint, JobConfig
 from torchtitan.distributed import ParallelDims
 
 from flame.compat.guard import Library, Target, patch
-from flame.device import CpuDeviceModule
+from flame.base.device import CpuDeviceModule
 
 TORCHTITAN = Library("torchtitan", "torchtitan", "0.2.2")
 
@@ -54,9 +54,9 @@ def cpu_without_accelerator() -> None:
     ``maybe_enable_amp`` autocasts the forward in --training.mixed_precision_param, and
     ``get_peak_flops`` guesses an A100 for an unknown device.
     flame: points each module's ``device_type``/``device_module`` at "cpu" and
-    ``flame.device.CpuDeviceModule`` (those modules read the globals at call time), runs the
+    ``flame.base.device.CpuDeviceModule`` (those modules read the globals at call time), runs the
     forward without autocast (CPU runs compute in fp32), and reports no peak FLOPS (NaN: a CPU
-    has no MFU). flame.device decides everything else that differs on the CPU.
+    has no MFU). flame.base.device decides everything else that differs on the CPU.
     """
     for module_name, names in _DEVICE_GLOBALS.items():
         module = importlib.import_module(module_name)
@@ -71,7 +71,7 @@ _TRAINER_CHECKPOINT_MANAGER = Target(
     holds=lambda value: isinstance(value, type) and issubclass(value, CheckpointManager),
     shape="torchtitan.components.checkpoint.CheckpointManager",
 )
-# the methods flame.components.checkpoint.FlameCheckpointManager overrides or extends
+# the methods flame.checkpoint.manager.FlameCheckpointManager overrides or extends
 _CHECKPOINT_METHODS = tuple(
     Target(TORCHTITAN, "torchtitan.components.checkpoint", f"CheckpointManager.{name}", parameters)
     for name, parameters in (
@@ -85,22 +85,19 @@ _CHECKPOINT_METHODS = tuple(
 
 
 @patch(TORCHTITAN, _TRAINER_CHECKPOINT_MANAGER, *_CHECKPOINT_METHODS)
-def checkpoints_with_manifests() -> None:
+def checkpoints_with_manifests(manager: type) -> None:
     """Record a manifest of every checkpoint step, and load only steps whose files match theirs.
 
     Upstream: a step counts as saved once DCP's ``.metadata`` is there; a truncated or changed
     file fails deep inside DCP's load (or unpickling ``.metadata``) without naming it; a folder
     whose name merely contains ``step-N`` counts as step N, for loading and for
     ``--checkpoint.keep_latest_k``'s purge alike.
-    flame: torchtitan's Trainer builds ``flame.components.checkpoint.FlameCheckpointManager``,
+    flame: torchtitan's Trainer builds ``manager`` (flame.checkpoint.manager.FlameCheckpointManager),
     which records each step's manifest after its save, checks a step against it before loading,
     sets a damaged latest step aside and loads the newest intact one, and counts only folders
     named exactly ``step-N``.
     """
-    # imported here: it imports flame's model registry, which imports flame.compat
-    from flame.components.checkpoint import FlameCheckpointManager
-
-    importlib.import_module(_TRAINER_CHECKPOINT_MANAGER.module).CheckpointManager = FlameCheckpointManager
+    importlib.import_module(_TRAINER_CHECKPOINT_MANAGER.module).CheckpointManager = manager
 
 
 class _TimeWithoutSleep:
@@ -155,10 +152,10 @@ _BUILD_METRIC_LOGGER = Target(
 _PURGE_STALE_CHECKPOINTS = Target(
     TORCHTITAN, "torchtitan.components.checkpoint", "CheckpointManager._purge_stale_checkpoints", ("self",)
 )
-# hooks of torchtitan's ConfigManager that flame.config_manager.FlameConfigManager overrides
+# hooks of torchtitan's ConfigManager that flame.config.manager.FlameConfigManager overrides
 _DICT_TO_DATACLASS = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._dict_to_dataclass", ("self", "cls", "data"))
 _VALIDATE_CONFIG = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._validate_config", ("self",))
-# flame.config_fields.merge_configs: the merge keeps flame's field help for -h
+# flame.config.merge.merge_configs: the merge keeps flame's field help for -h
 _MERGE_CONFIGS = Target(TORCHTITAN, "torchtitan.config.manager", "ConfigManager._merge_configs", ("base", "custom"))
 
 PRIVATE_NAMES = (

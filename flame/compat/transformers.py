@@ -23,7 +23,7 @@ def attention_implementation(name: str, function: Callable) -> None:
 
     Upstream: a model built with ``attn_implementation=name`` looks its attention function up in
     ``AttentionInterface``'s process-wide registry, which holds eager, sdpa, flash and flex.
-    flame: adds its document-masked attention ("flame": flame.models.attention), which keeps
+    flame: adds its document-masked attention ("flame": flame.models.kernels.attention), which keeps
     packed documents apart using the ``cu_seq_lens_q`` flame passes with each batch. Applied when
     flame first resolves a model type (flame.models.registry.ensure_model_type), before any model
     is built.
@@ -43,10 +43,10 @@ def _fused_rotary(module_name: str, fuse: Callable[[Callable], Callable]) -> Non
     sin)``, which rotates q and k through ``rotate_half`` (two slices, a negation, a concatenation,
     two products and a sum: about six kernels per tensor each way in eager code). The attention
     looks the function up in its module at every call, so it can only be replaced there, for
-    every model of that module in the process. flame: the replacement (flame.models.fused) runs
+    every model of that module in the process. flame: the replacement (flame.models.kernels.fused) runs
     the same rotation in one fla kernel per tensor on CUDA, and calls the original everywhere
     else (CPU, inside compiled graphs, arguments it does not take). Applied once per modeling
-    module by flame.models.fused.use_fused_kernels, only where the module's function computes the
+    module by flame.models.kernels.fused.use_fused_kernels, only where the module's function computes the
     rotation fla's kernel computes (checked on a probe first).
     """
     module = importlib.import_module(module_name)
@@ -77,7 +77,7 @@ def scikit_learn_imported_when_used() -> None:
     generator with scikit-learn reported missing, then gives it back the real availability
     check and a ``roc_curve`` that imports scikit-learn's on first call, so generation behaves
     as upstream. Applied first thing in train.sh's preflight, each rank and the HF export
-    (flame.launch, flame.train, flame.supervise, flame.utils.convert_dcp_to_hf); where the
+    (flame.launch.preflight, flame.train, flame.launch.supervise, flame.checkpoint.export); where the
     module was imported already, there is nothing left to defer.
     """
     if CANDIDATE_GENERATOR in sys.modules:

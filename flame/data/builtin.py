@@ -18,7 +18,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 
 PREFIX = "builtin:"
 CORPUS = "python-stdlib"

@@ -31,8 +31,8 @@ from torchtitan.tools.logging import logger
 from flame.data.packing import ROW_COUNTERS, collate_rows
 from flame.data.shards import DataPlan, DataShard, shards_of_reader
 from flame.data.streams import SourceExhausted
-from flame.errors import ConfigError, DataError
-from flame.supervise import die_with_parent
+from flame.base.errors import ConfigError, DataError
+from flame.base.process import die_with_parent
 
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 from flame.data.packing import TokenizedSource, WholeDocument
 from flame.data.sources import SourceSpec, column_names
 from flame.data.tokenizer import Delimiters
-from flame.errors import ConfigError, DataError, gist
+from flame.base.errors import ConfigError, DataError, gist
 
 ROLES = ("system", "user", "assistant")
 # shape -> (columns it needs, columns it reads when present)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from torchtitan.tools.logging import logger
 
-from flame.config_manager import split_list
+from flame.config.manager import split_list
 from flame.data.packing import (
     DOCUMENTS_PER_READ,
     DocumentMixer,
@@ -26,7 +26,7 @@ from flame.data.sft import ChatEncoder, ChatSource, padding_token, record_column
 from flame.data.sources import SourceSpec, document_column, load_source, source_specs
 from flame.data.streams import IterStream, MapStream
 from flame.data.tokenizer import Delimiters, document_delimiters
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 
 DEFAULT_SHARDS = 64
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import datasets
 
-from flame.config_manager import split_list
+from flame.config.manager import split_list
 from flame.data import builtin
-from flame.errors import ConfigError, gist
+from flame.base.errors import ConfigError, gist
 
 # file extension -> datasets' packaged builder
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}

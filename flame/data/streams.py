@@ -13,7 +13,7 @@ from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 from torchtitan.tools.logging import logger
 
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 
 
 class SourceExhausted(Exception):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from flame.data import builtin
-from flame.errors import ConfigError, gist
+from flame.base.errors import ConfigError, gist
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GIVE = "give a directory holding tokenizer.json, a hub name in the local HF cache (org/name), or builtin:python-stdlib-bpe"

@@ -10,7 +10,7 @@ the pieces of documents it holds.
 
 Softmax attention (HF models through transformers' registry, fla's attention layers through
 the flash-attn shims; both reach ``attention.document_attention``, which finds this layout in
-the batch being computed (flame.batch_context), so no model needs code of its own). Each layer all-gathers K and V over the
+the batch being computed (flame.base.batch_context), so no model needs code of its own). Each layer all-gathers K and V over the
 CP group (backward: their gradients are reduce-scattered back), puts them in global token
 order, and attends the local queries to them: the query at global position p of document d
 sees the keys g of d with g <= p (and p - g < window) -- the mask one process would use.
@@ -44,10 +44,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.nn.attention.flex_attention import create_block_mask
 from torchtitan.tools.logging import logger
 
-from flame import compat, device
-from flame.batch_context import documents_of
-from flame.errors import ConfigError
-from flame.models import attention
+from flame import compat
+
+from flame.base import device
+from flame.base.batch_context import documents_of
+from flame.base.errors import ConfigError
+from flame.models.kernels import attention
 from flame.models.inputs import is_fla_model, uses_flame_attention
 from flame.models.support import ContextParallelism, model_types_where, support_for
 
@@ -298,7 +300,7 @@ class ContextParallel:
         return cls(parallel_dims.get_mesh("cp"), balanced=balanced)
 
     def shard(self, batch: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor, BatchLayout]:
-        """This rank's part of the batch, and its layout (for the batch's context: flame.batch_context).
+        """This rank's part of the batch, and its layout (for the batch's context: flame.base.batch_context).
 
         The batch's documents are read on the CPU (a small sync).
         """

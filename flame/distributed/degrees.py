@@ -4,7 +4,7 @@ Errors are ``ConfigError``: one line saying what is wrong and what to change."""
 
 from torchtitan.config import JobConfig
 
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 
 
 def data_parallel_degree(config: JobConfig, world_size: int) -> int:

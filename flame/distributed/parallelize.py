@@ -22,10 +22,12 @@ from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from flame import compat, device
+from flame import compat
+
+from flame.base import device
 from flame.distributed import degrees
 from flame.distributed.tensor_parallel import apply_tensor_parallel
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 from flame.models.registry import decoder_layers
 from flame.models.support import support_for
 

@@ -40,10 +40,10 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 from torchtitan.tools.logging import logger
 
-from flame import batch_context, device
-from flame.batch_context import BatchContext
-from flame.components.loss import LossHead
-from flame.errors import ConfigError
+from flame.base import batch_context, device
+from flame.base.batch_context import BatchContext
+from flame.models.loss import LossHead
+from flame.base.errors import ConfigError
 from flame.models.inputs import document_kwargs, flattens_rows, segments_from_positions
 from flame.models.registry import decoder_layers
 
@@ -252,7 +252,7 @@ def _stage_metadata(model: nn.Module, spec: StageSpec, job_config, parallel_dims
 class TokenNormalizedLoss:
     """The schedule's loss: each microbatch's summed loss over the step's global target count.
 
-    The count comes from the step's context (flame.batch_context), which the trainer makes
+    The count comes from the step's context (flame.base.batch_context), which the trainer makes
     around the schedule's step.
     """
 

@@ -19,13 +19,13 @@ How a model runs on a TP mesh of ``tp`` ranks (Megatron's layout):
 - Embedding: vocabulary rows sharded, output reduce-scattered to sequence shards. lm_head:
   vocabulary rows sharded; its logits stay sharded over the vocabulary for torch's
   ``loss_parallel`` (gathered with --parallelism.disable_loss_parallel); a fused LossHead
-  computes a vocabulary-parallel chunked cross entropy (flame.components.loss).
+  computes a vocabulary-parallel chunked cross entropy (flame.models.loss).
 
 Adding a model type: write its ``Plan`` (where the decoder blocks and the final norm are, and
 for each module of a block how it runs, as a ``Local``), add it to PLANS, and name it in the
 type's record (``tensor_parallel_plan`` in flame/models/support.py). ``plan_layout``
 refuses a plan that misses a parameter or names a module the model lacks, and a degree that
-does not divide a sharded size; tests/test_tensor_parallel.py checks every plan on a tiny config.
+does not divide a sharded size; tests/distributed/test_tensor_parallel.py checks every plan on a tiny config.
 """
 
 import fnmatch
@@ -57,7 +57,7 @@ from flame.distributed.tp_local import (
     maybe_enable_async_tp,
     submodule,
 )
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 from flame.models.registry import meta_model
 from flame.models.support import model_types_where, support_for
 
@@ -192,7 +192,7 @@ def _mamba2_refusal(config) -> str | None:
     return None
 
 
-# Mamba2 (flame's forward, flame.compat.fla_mamba2, whatever is installed): x, z, dt and the scan split
+# Mamba2 (flame's forward, flame.models.kernels.mamba2, whatever is installed): x, z, dt and the scan split
 # by heads; B and C (n_groups groups shared by heads h, h + n_groups, ...) computed whole on
 # every rank, so each rank's heads (a multiple of n_groups) meet their groups. The gated norm
 # spans the heads of a group, so the scan output moves to sequence shards first (all-to-all) and
@@ -296,8 +296,11 @@ def plan_layout(model: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[Local,
     return entries
 
 
-def check_tensor_parallel(config: PretrainedConfig, job_config) -> None:
-    """Refuse a tensor-parallel layout this model cannot take, before any process group exists."""
+def check_tensor_parallel(config: PretrainedConfig, job_config, meta: Callable[[], nn.Module] | None = None) -> None:
+    """Refuse a tensor-parallel layout this model cannot take, before any process group exists.
+
+    ``meta``: the model on the meta device, built once by the caller for all its checks (default: built here).
+    """
     parallelism = job_config.parallelism
     tp = parallelism.tensor_parallel_degree
     if parallelism.enable_async_tensor_parallel:
@@ -337,7 +340,7 @@ def check_tensor_parallel(config: PretrainedConfig, job_config) -> None:
             f"--training.seq_len {seq_len} is not divisible by --parallelism.tensor_parallel_degree {tp} "
             "(sequence parallelism splits every row's tokens over the TP ranks)"
         )
-    plan_layout(meta_model(config), plan, tp)
+    plan_layout(meta() if meta is not None else meta_model(config), plan, tp)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, job_config) -> None:

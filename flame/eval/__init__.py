@@ -5,5 +5,5 @@
 - flame.eval.tasks: lm-eval's tasks by name, built before the model (one-line errors);
 - flame.eval.report: lm-eval's results files, results.md, and the scores in the run's logs.
 
-Training starts it in the background at checkpoints (--eval.tasks: flame.components.evaluation).
+Training starts it in the background at checkpoints (--eval.tasks: flame.training.evaluation).
 """

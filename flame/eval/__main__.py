@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 
-from flame.errors import ConfigError, gist
+from flame.base import autotune
+from flame.base.errors import ConfigError, gist
+from flame.base.process import PARENT_PID, die_with_parent
 
 PROG = "python -m flame.eval"
 
@@ -57,14 +59,14 @@ def evaluate(args: argparse.Namespace, cfg) -> int:
     import torch
     from lm_eval import simple_evaluate
 
-    import flame
-    from flame import device
+    from flame.base import device
     from flame.eval import model, report, tasks
+    from flame.models.registry import register_all
 
     rank, world, default_device = device.evaluation_process()
     if world > 1 and args.device:
         raise ConfigError(f"--device {args.device}: under torchrun every process scores on its own GPU; drop --device")
-    flame.register()
+    register_all()  # every model type flame trains loads (flame.register)
     source = model.resolve(args.model, args.step)
     model.check_model_args(cfg.model_args)
     hflm_args = {key: value for key, value in cfg.model_args.items() if key != "dtype"}
@@ -110,17 +112,13 @@ def kernels_keep_their_tile_choices() -> None:
     GPU and several, or between two runs. Cached choices (flame's shipped ones, then each new
     shape's first winner) make every later process use the same tiles, and skip the tuning.
     """
-    from flame import autotune
-
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     autotune.share_triton_cache()
     autotune.install()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flame.supervise import PARENT_PID, die_with_parent
-
-    if os.environ.get(PARENT_PID):  # started by a training rank (flame.components.evaluation): it ends with it
+    if os.environ.get(PARENT_PID):  # started by a training rank (flame.training.evaluation): it ends with it
         die_with_parent(signal.SIGTERM)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as lm-eval's command line: no fork warnings

@@ -1,6 +1,6 @@
 """The model flame.eval scores: an HF export, or a DCP step of a dump folder loaded in memory, as lm-eval's HFLM.
 
-A dump folder's step loads as the HF export of that step would (flame.utils.convert_dcp_to_hf:
+A dump folder's step loads as the HF export of that step would (flame.checkpoint.export:
 the run's model config, tokenizer and export dtype, LoRA adapters merged), without writing a
 file. ``FlameLM`` is lm-eval's own HF model class around that model; it only adds data
 parallelism over flame.eval's process group and the batch policy of the model type.
@@ -14,8 +14,11 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from flame.dump_folder import RUN_CONFIG_FILE
-from flame.errors import ConfigError, gist
+from flame.base.dump_folder import RUN_CONFIG_FILE
+from flame.base.errors import ConfigError, gist
+from flame.checkpoint.export import find_step, load_adapters, load_hf_model_from_dcp, run_settings
+from flame.data.tokenizer import load_tokenizer
+from flame.models import load_model_config, lora
 from flame.models.support import support_for
 
 logger = logging.getLogger("flame.eval")
@@ -49,8 +52,6 @@ def resolve(path: str, step: int | None) -> Source:
     if not os.path.isdir(path):
         raise ConfigError(f"--model {path} is not a directory; give an HF model directory or a run's dump folder")
     if is_dump_folder(path):
-        from flame.utils.convert_dcp_to_hf import find_step, run_settings
-
         _, found = find_step(path, run_settings(path), -1 if step is None else step)
         return Source(path, path, found)
     if step is not None:
@@ -62,8 +63,6 @@ def resolve(path: str, step: int | None) -> Source:
 
 def load(source: Source, dtype: str, device: torch.device) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """The model (in ``dtype``: a name, or "auto" for the export's own) on ``device``, and its tokenizer."""
-    from flame.data.tokenizer import load_tokenizer
-
     if source.dump_folder is None:
         try:
             model = AutoModelForCausalLM.from_pretrained(source.path, dtype=DTYPES.get(dtype, "auto"))
@@ -76,14 +75,6 @@ def load(source: Source, dtype: str, device: torch.device) -> tuple[torch.nn.Mod
 
 
 def _load_step(source: Source, dtype: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    from flame.data.tokenizer import load_tokenizer
-    from flame.models import load_model_config, lora
-    from flame.utils.convert_dcp_to_hf import (
-        find_step,
-        load_hf_model_from_dcp,
-        run_settings,
-    )
-
     run = run_settings(source.dump_folder)
     config_path, tokenizer_path = run["model"]["config"], run["model"]["tokenizer_path"]
     checkpoint, _ = find_step(source.dump_folder, run, source.step)
@@ -91,7 +82,7 @@ def _load_step(source: Source, dtype: str) -> tuple[torch.nn.Module, PreTrainedT
     model = load_hf_model_from_dcp(checkpoint, config, runnable=True)
     adapters = lora.LoraSettings.of(run.get("lora") or {})
     if adapters is not None:  # scored as the merged model
-        model = lora.load_adapters(model, adapters, checkpoint, lora.base_model_path(config_path)).merge_and_unload()
+        model = load_adapters(model, adapters, checkpoint, lora.base_model_path(config_path)).merge_and_unload()
     dtype = run.get("checkpoint", {}).get("export_dtype", "float32") if dtype == "auto" else dtype
     return model.to(DTYPES[dtype]), load_tokenizer(tokenizer_path or config_path)
 

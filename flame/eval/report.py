@@ -5,9 +5,9 @@
   ``<folder>/results.md``: lm-eval's table. The folder: --output_path, else
   ``<dump_folder>/eval/step-N`` for a dump folder's step, else ``<model>/eval``.
 - A dump folder's run also gets the scores at their step, as ``eval/<task>/<metric>``: one line
-  appended to metrics.jsonl (flame.run_record) and, when the run wrote TensorBoard files, an
+  appended to metrics.jsonl (flame.base.run_record) and, when the run wrote TensorBoard files, an
   event file in its latest TensorBoard folder. W&B gets them from the trainer when the run itself
-  started the evaluation (flame.components.evaluation): a W&B run takes one writer at a time.
+  started the evaluation (flame.training.evaluation): a W&B run takes one writer at a time.
 """
 
 import glob
@@ -17,7 +17,8 @@ import os
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.utils import make_table
 
-from flame import run_record
+from flame.base import run_record
+from flame.checkpoint.export import run_settings
 from flame.eval.model import Source
 
 logger = logging.getLogger("flame.eval")
@@ -79,8 +80,6 @@ def log_to_run(source: Source, results: dict) -> dict[str, float]:
 
 def _tensorboard_folder(dump_folder: str) -> str | None:
     """The run's latest TensorBoard folder (<dump_folder>/<metrics.save_tb_folder>/<date-time>), if it wrote one."""
-    from flame.utils.convert_dcp_to_hf import run_settings
-
     metrics = run_settings(dump_folder).get("metrics", {})
     if not metrics.get("enable_tensorboard"):
         return None

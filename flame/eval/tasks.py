@@ -12,7 +12,7 @@ import os
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import pattern_match
 
-from flame.errors import ConfigError, gist
+from flame.base.errors import ConfigError, gist
 
 EXAMPLE = "configs/eval/ holds an example"
 

@@ -1,6 +1,6 @@
 """flame's memory plan (--memory.plan): fit a job into its GPU budget before any process group exists.
 
-``apply`` runs in ``flame.config_manager.finalize``, in train.sh's preflight and on every rank
+``apply`` runs in ``flame.prepare.prepare``, in train.sh's preflight and on every rank
 alike, so every process takes the same plan and a job that cannot fit stops in one line before
 anything is built. The estimate is ``flame.memory.estimate``'s, the choice ``flame.memory.plan``'s, the layouts' prices
 ``flame.memory.price``'s; the activations are measured by ``flame.memory.activations``, and the
@@ -16,12 +16,16 @@ import dataclasses
 import functools
 import math
 import os
+from collections.abc import Callable
 
+from torch import nn
 from torchtitan.tools.logging import logger
 
-from flame import device
-from flame.errors import ConfigError
-from flame.memory.estimate import GIB
+from flame.base import device
+from flame.base.errors import ConfigError
+from flame.distributed.degrees import data_parallel_degree, fsdp_enabled
+from flame.memory import activations
+from flame.memory.estimate import GIB, estimate, gpu_bytes
 from flame.memory.layout import (
     FIRST,
     Job,
@@ -32,6 +36,10 @@ from flame.memory.layout import (
     first_blocks,
 )
 from flame.memory.plan import choose, table
+from flame.models.inputs import is_fla_config
+from flame.models.model_config import load_model_config
+from flame.models.registry import decoder_layers, meta_model
+from flame.optim.host import leading_units, units_of
 
 HOST_SHARE = 0.9  # of the available RAM: the rest for the data loaders, page cache and the OS
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
@@ -79,18 +87,14 @@ def _available_ram() -> float | None:
     return None
 
 
-def job_of(config, world_size: int) -> Job:
-    """The job as the estimate sees it: the model built on the meta device, the layout's degrees."""
-    from flame.distributed.degrees import data_parallel_degree, fsdp_enabled
-    from flame.memory import (
-        activations,  # transformers and the models: only for jobs that plan
-    )
-    from flame.models.builder import load_model_config
-    from flame.models.inputs import is_fla_config
-    from flame.models.registry import decoder_layers, meta_model
+def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Module] | None = None) -> Job:
+    """The job as the estimate sees it: the model built on the meta device, the layout's degrees.
 
-    model_config = load_model_config(config.model.config)
-    model = meta_model(model_config)
+    ``model_config`` and ``meta`` (gives the model on the meta device): the ones flame.prepare read and built for
+    its checks; read and built here when not given (the trainer's log of the estimate).
+    """
+    model_config = model_config or load_model_config(config.model.config)
+    model = meta() if meta is not None else meta_model(model_config)
     params, matrices, block = count_params(model, decoder_layers(model))
     p, t = config.parallelism, config.training
     fsdp = fsdp_enabled(config, world_size)
@@ -133,9 +137,7 @@ def job_of(config, world_size: int) -> Job:
 
 def gpu_state_params(model, gpu_blocks: int, fsdp: bool) -> int:
     """The parameters whose optimizer state ``--optimizer.gpu_blocks`` keeps on the GPU (with --optimizer.on_host):
-    those of the units the forward computes up to the last of those blocks (flame.components.host_optimizer)."""
-    from flame.components.host_optimizer import leading_units, units_of
-
+    those of the units the forward computes up to the last of those blocks (flame.optim.host)."""
     units = units_of(model)
     counted = units[: leading_units(units, model, gpu_blocks)]
     if fsdp and counted and units[-1].after:  # under FSDP the head and the final norm join the embeddings' unit
@@ -187,8 +189,12 @@ def expandable_segments(config) -> bool:
     return "expandable_segments:true" in own.replace(" ", "").lower()
 
 
-def apply(config, world_size: int, given: dict[str, int]) -> None:
-    """Plan the job and set what the plan changes; refuse, in one line, a job that fits no plan."""
+def apply(config, world_size: int, given: dict[str, int], model_config=None,
+          meta: Callable[[], nn.Module] | None = None) -> None:
+    """Plan the job and set what the plan changes; refuse, in one line, a job that fits no plan.
+
+    ``model_config``, ``meta``: the job's, as flame.prepare read and built them (see ``job_of``).
+    """
     m = config.memory
     budget_given = any(f"memory.{flag}" in given for flag in ("gpu_budget_gib", "host_budget_gib"))
     if budget_given and "memory.plan" not in given:
@@ -206,7 +212,7 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
     if gpu is None and not announce:
         return  # a CPU run without a budget: nothing to fit, the estimate is only shown
     try:
-        job = job_of(config, world_size)
+        job = job_of(config, world_size, model_config, meta)
     except Exception as error:  # noqa: BLE001 - without a budget the estimate is only shown; it must not stop a run
         if gpu is not None:
             raise
@@ -227,7 +233,7 @@ def apply(config, world_size: int, given: dict[str, int]) -> None:
     set_layout(config, plan.start, plan.layout)
     if announce:
         peak = "" if device.CUDA else "\nmeasured peak: not measurable on CPU (no device memory)"
-        logger.info(f"Memory plan (--memory.plan auto; README: Memory plan):\n{table(plan, as_run(job, plan.layout).activations.method)}{peak}")
+        logger.info(f"Memory plan (--memory.plan auto; docs/memory-plan.md):\n{table(plan, as_run(job, plan.layout).activations.method)}{peak}")
 
 
 def set_layout(config, start: Layout, layout: Layout) -> None:
@@ -281,6 +287,4 @@ def check_same_plan(config) -> None:
 
 def planned_gpu_gib(config, world_size: int) -> float:
     """The estimate of the job as it now stands (the plan applied): the trainer logs it beside the measured peak."""
-    from flame.memory.estimate import estimate, gpu_bytes
-
     return gpu_bytes(estimate(job_of(config, world_size), layout_of(config))) / GIB

@@ -8,7 +8,7 @@ each decoder block attribute what is saved between its start and its end to that
 the rest (embeddings, final norm, head input) to the model around them. A dispatch mode counts,
 in the same forward, the outputs that torchtitan's op-level selective AC policy keeps (its save
 list, every second ``mm`` recomputed), so op-level AC is measured the same way.
-A GPU job's eager HF blocks run flame's fused norms and MLPs (flame.models.fused), whose kernels
+A GPU job's eager HF blocks run flame's fused norms and MLPs (flame.models.kernels.fused), whose kernels
 keep less than HF's code; their meta forward keeps what those kernels keep (``fused``).
 
 Runs at three row lengths fit ``bytes = a + b·T + c·T²`` per block exactly: ``c`` is the T x T
@@ -16,7 +16,7 @@ attention weights that PyTorch's math SDPA path (the one meta tensors take) keep
 flash-style kernels (flame's ``varlen`` and ``flex`` attention) keep a per-row logsumexp instead,
 so the planner counts ``c`` only for ``sdpa`` attention. For a job on those kernels an HF model's
 meta forward attends through flame's attention, which on meta tensors keeps what the kernel keeps
-(flame.models.attention.kept_as_flash_kernels): without it, the math path's float32 copies of the
+(flame.models.kernels.attention.kept_as_flash_kernels): without it, the math path's float32 copies of the
 queries, keys and values would count too.
 
 Models whose forward cannot run on meta tensors (fla's Triton kernels), and jobs under autocast
@@ -42,8 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
 from flame import compat
-from flame.models import attention as attention_kernels
-from flame.models.fused import kept_as_on_cuda, use_fused_kernels
+from flame.models.kernels import attention as attention_kernels
+from flame.models.kernels.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.inputs import flattens_rows
 from flame.models.registry import decoder_layers, meta_model
 
@@ -227,11 +227,11 @@ def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False,
     """The activation profile of ``config``'s model computing in ``dtype`` (cached per argument).
 
     ``fused``: the job runs an HF model's norms and MLPs on flame's fused CUDA kernels
-    (flame.models.fused, eager on a GPU): the meta forward keeps what those kernels keep.
+    (flame.models.kernels.fused, eager on a GPU): the meta forward keeps what those kernels keep.
     ``autocast``: the job keeps float32 weights and computes under autocast to ``dtype`` (no FSDP);
     the GPU probe runs so (autocast does not reach meta tensors: the meta forward runs in ``dtype``).
     ``attention``: the job's attention backend; under ``varlen`` or ``flex`` an HF model's meta forward keeps
-    what that kernel keeps (flame.models.attention.kept_as_flash_kernels), not what math attention keeps.
+    what that kernel keeps (flame.models.kernels.attention.kept_as_flash_kernels), not what math attention keeps.
     """
     key = (config.to_json_string(use_diff=False), dtype, fused, autocast, attention)
     if key not in _PROFILES:

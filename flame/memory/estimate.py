@@ -33,7 +33,7 @@ ONE_GPU, FSDP, FSDP_ALONE = "one GPU", "FSDP", "FSDP over one rank"
 # (transformer 7B and 1B on an H100). docs/perf-log.md 2026-11-27, -28
 MARGINS = {(True, ONE_GPU): 0.05, (False, ONE_GPU): 0.10, (True, FSDP): 0.20, (False, FSDP): 0.35,
            (True, FSDP_ALONE): 0.15, (False, FSDP_ALONE): 0.35}
-FUSED_LOSS_CHUNK = 8192  # flame.components.loss's fused cross entropy computes this many tokens' logits at a time
+FUSED_LOSS_CHUNK = 8192  # flame.models.loss's fused cross entropy computes this many tokens' logits at a time
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
 def _loss(job: Job, tokens: int) -> tuple[float, float, str]:
     """(bytes only the forward's end holds, bytes kept into the backward, the note) of the loss over ``tokens``."""
     if job.fused_loss:
-        # flame.components.loss: each chunk's fp32 logits and their gradient, then freed; the hidden states'
+        # flame.models.loss: each chunk's fp32 logits and their gradient, then freed; the hidden states'
         # gradient (in their dtype) and the head's fp32 weight gradient kept for the backward
         logits = 2 * 4 * min(tokens, FUSED_LOSS_CHUNK) * job.vocab_size
         kept = tokens * job.hidden_size * job.hidden_bytes + 4 * job.vocab_size * job.hidden_size / job.tensor_parallel

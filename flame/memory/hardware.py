@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from flame import device
+from flame.base import device
 from flame.data import builtin
-from flame.errors import ConfigError
-from flame.memory.measured_once import UNREADABLE, measured_once, write
+from flame.base.errors import ConfigError
+from flame.base.measured_once import UNREADABLE, measured_once, write
 
 ROWS = (256, 1024, 4096, 16384)  # the matmul rows measured; between them the rate is interpolated in log(M)
 WIDTH = 4096  # the matmuls' inner and outer size: a 1B-7B model's hidden size
@@ -51,7 +51,7 @@ REPEATS = 5
 
 @dataclass(frozen=True)
 class Hardware:
-    """The rates that price the plan's layouts (README: Memory plan)."""
+    """The rates that price the plan's layouts (docs/memory-plan.md)."""
 
     name: str  # the device, as measured
     matmul_tflops: dict[int, float]  # rows -> TFLOP/s of a [rows, WIDTH] x [WIDTH, WIDTH] product, compute dtype

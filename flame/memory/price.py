@@ -27,7 +27,7 @@ INTERCONNECT_GBPS = 100.0  # FSDP's gathers between GPUs (NVLink-class): not mea
 
 @dataclass(frozen=True)
 class Price:
-    """What one optimizer step costs on one rank under a layout, in seconds (README: Memory plan)."""
+    """What one optimizer step costs on one rank under a layout, in seconds (docs/memory-plan.md)."""
 
     compute: float  # the passes' forwards and backwards: the GPU's work plus the host's launches
     recompute: float  # the forwards activation checkpointing runs again
@@ -82,7 +82,7 @@ def host_step(job: Job, hardware: Hardware, hidden_by: float) -> float:
     """The seconds of ``--optimizer.on_host``'s step the next forward (``hidden_by`` seconds) does not hide.
 
     Unit by unit (the embeddings, each block, the head), the gradients go down, the host steps
-    and the weights go up (flame.components.host_optimizer): a pipeline as slow as its slowest
+    and the weights go up (flame.optim.host): a pipeline as slow as its slowest
     stage, the host's AdamW, and filled by one unit's three stages, which the forward's start
     waits for. Calibrated on an H100 (fla transformer 1B, one row of 32K; docs/perf-log.md,
     2026-11-27): AdamW ran ``HOST_STEP_SLOWDOWN`` times slower beside the training loop than the

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from flame import device
+from flame.base import device
 from flame.data import builtin
 from flame.memory.activations import (
     FALLBACK_TENSORS_PER_HIDDEN,
@@ -48,8 +48,9 @@ from flame.memory.activations import (
     Quadratic,
     fitted_profile,
 )
-from flame.memory.measured_once import measured_once
-from flame.models.fused import use_fused_kernels
+from flame.base.measured_once import measured_once
+from flame.models.kernels.fused import use_fused_kernels
+from flame.models.builder import reinitialize
 from flame.models.registry import meta_model
 
 # the probe's rows: long enough for kernels that work in chunks of 64, short enough that a 7B's
@@ -135,9 +136,6 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
     weights in ``dtype``, as FSDP's mixed precision gathers them. Autocast's weight copies are kept
     for the backward too, but they do not grow with the row: the fit's per-token terms leave them out.
     """
-    # torchtitan's side of flame: only jobs that plan get here
-    from flame.models.builder import reinitialize
-
     where = torch.device(where)
     with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):  # the job's RNG stream untouched
         model = meta_model(config)

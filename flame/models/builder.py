@@ -23,12 +23,13 @@ from torchtitan.protocols import BaseModelArgs
 from torchtitan.tools.logging import logger
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from flame import device
-from flame.components.loss import use_fused_cross_entropy
-from flame.errors import ConfigError
-from flame.models import attention, lora
+from flame.base import device
+from flame.models.loss import use_fused_cross_entropy
+from flame.base.errors import ConfigError
+from flame.models.kernels import attention
+from flame.models import lora
 from flame.models.flops import model_flops
-from flame.models.fused import prepare_kernels, use_fused_kernels
+from flame.models.kernels.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
 from flame.models.lora import LoraSettings
 from flame.models.model_config import load_model_config
@@ -111,7 +112,7 @@ class FlameModelArgs(BaseModelArgs):
         self.context_len = job_config.training.context_len
         self.seed = job_config.debug.seed
         self.lora = LoraSettings.of(job_config.lora)
-        config = load_model_config(self.config_path)  # checked by the Trainer (flame.preflight)
+        config = load_model_config(self.config_path)  # checked by the Trainer (flame.prepare.model)
         self._config = config
         self.hf_config = config.to_diff_dict()
         attention.set_backend(job_config.model.attention)
@@ -141,7 +142,7 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
 
     HF models get flame's document-masked attention; a model that cannot take a registered
     attention function keeps its own (with a warning: documents may see each other). Their RMS
-    norms, SiLU-gated MLPs and rotary embeddings get fused kernels (flame.models.fused). With
+    norms, SiLU-gated MLPs and rotary embeddings get fused kernels (flame.models.kernels.fused). With
     --lora.rank, PEFT's LoRA adapters go on last, and everything else is frozen (flame.models.lora).
     """
     config = model_args.config
@@ -193,7 +194,7 @@ def _from_config(config: PretrainedConfig, model_args: FlameModelArgs) -> nn.Mod
             raise
         logger.warning(
             f"{config.model_type} cannot use flame's attention ({error}); its own attention gets restarting "
-            "position ids, which does not reliably keep packed documents apart (docs/models.md)"
+            "position ids, which does not reliably keep packed documents apart (docs/models-verified.md)"
         )
         return AutoModelForCausalLM.from_config(config)
 

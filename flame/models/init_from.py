@@ -12,7 +12,7 @@
 - Load: the run's model is built as usual (meta device, parallelized, materialized, initialized,
   non-persistent buffers such as rotary frequencies included), then its weights are read from
   the safetensors files straight into each rank's shards (``load``), model only: optimizer,
-  schedule and data start fresh. flame.components.checkpoint does this where torchtitan would
+  schedule and data start fresh. flame.checkpoint.manager does this where torchtitan would
   load a checkpoint, and only when the dump folder has none: a resumed run reads its own.
 
 Why torch's ``HuggingFaceStorageReader`` with ``dcp.load``: the state dict of the parallelized
@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from flame.data.tokenizer import TOKENIZER_FILES
-from flame.errors import ConfigError, gist
+from flame.base.errors import ConfigError, gist
 
 FLAG = "--model.init_from"
 SAFETENSORS = ".safetensors"
@@ -90,7 +90,7 @@ def check_other_starts(checkpoint) -> None:
 def default_model_files(model, given: dict[str, int]) -> None:
     """model.config and model.tokenizer_path from the init_from folder, unless given where init_from is or later.
 
-    ``given``: where each setting came from (flame.config_fields: TOML < CLI). A job TOML's model
+    ``given``: where each setting came from (flame.config.merge: TOML < CLI). A job TOML's model
     config and tokenizer describe its template's model, so ``--model.init_from`` on the command
     line replaces them; a ``--model.config`` on the command line stays (and must fit the weights).
     """

@@ -14,8 +14,8 @@ A batch holds rows of packed documents: ``position_ids`` restart at every docume
 import torch
 from torch import nn
 
-from flame.batch_context import BatchContext
-from flame.models import attention
+from flame.base.batch_context import BatchContext
+from flame.models.kernels import attention
 from flame.models.support import Documents, support_for
 
 
@@ -90,7 +90,7 @@ def batch_inputs(
     fused loss head, its targets. Training and validation compute their batches alike.
     """
     # here, not at the top: flame.models must import without torchtitan (flame.register() for exports)
-    from flame.components.loss import LossHead
+    from flame.models.loss import LossHead
 
     layout = None
     if context_parallel is not None:

@@ -12,12 +12,12 @@
   gets PEFT's init again (``reset_adapters``: A kaiming-uniform, B zero, so training starts
   from the base model's function). A model-only load (--model.init_from, the step-0 checkpoint
   that convert_hf_to_dcp writes, or --checkpoint.initial_load_path) loads the base weights alone
-  (flame.components.checkpoint), so the adapters start from that init on top of them.
+  (flame.checkpoint.manager), so the adapters start from that init on top of them.
 - Checkpoints: every checkpoint holds the frozen base weights (it is self-contained: the export
   and a resume read nothing else) under the plain model's names, and the adapters under the
   names of PEFT's adapter file without its ``base_model.model.`` prefix
   (``model.layers.0.self_attn.q_proj.lora_A.weight``), with their optimizer state: a resume is exact.
-- Export (flame.utils.convert_dcp_to_hf): the base model from the checkpoint, the adapters
+- Export (flame.checkpoint.export): the base model from the checkpoint, the adapters
   loaded into a PeftModel over it, saved in PEFT's format or merged into a plain model.
 
 Adapters work only where the model calls its Linear: a layer whose weight a fused kernel reads
@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.pytorch_utils import Conv1D
 
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 from flame.models.registry import decoder_layers
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
@@ -226,29 +225,3 @@ def holds_weights(path: str) -> bool:
     return os.path.isdir(path) and any(
         name.endswith((".safetensors", ".bin")) and name.startswith(("model", "pytorch_model")) for name in os.listdir(path)
     )
-
-
-def load_adapters(model: nn.Module, settings: LoraSettings, checkpoint: str, base_model: str) -> nn.Module:
-    """A PeftModel over ``model`` (its base weights loaded) holding the adapters of the DCP ``checkpoint``."""
-    from peft import get_peft_model
-
-    from flame.checkpoints import weight_mismatches
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peft_model = get_peft_model(model, settings.peft_config())
-    peft_model.peft_config[ADAPTER].base_model_name_or_path = base_model
-    adapters = {
-        checkpoint_name(name.removeprefix("base_model.model.")): param.data
-        for name, param in peft_model.named_parameters() if param.requires_grad
-    }
-    problems = weight_mismatches(dcp.FileSystemReader(checkpoint).read_metadata(), adapters)
-    if problems:
-        raise ConfigError(
-            f"checkpoint {checkpoint} does not hold the adapters of the run's --lora settings ({'; '.join(problems[:3])}): "
-            "was it saved by this run?"
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # that no process group exists: the export runs in one process
-        dcp.load(adapters, checkpoint_id=checkpoint)
-    return peft_model

@@ -12,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from flame.errors import ConfigError, gist
+from flame.base.errors import ConfigError, gist
 from flame.models.registry import ensure_model_type, fla_model_types
 
 

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from flame import compat
-from flame.errors import ConfigError
-from flame.models import attention, flash_attn_internals
+from flame.base.errors import ConfigError
+from flame.models.kernels import attention, flash_attn_internals, mamba, mamba2
 
 # the class attribute each fla config declares, e.g. ``model_type = 'gla'`` in fla/models/gla/configuration_gla.py
 _MODEL_TYPE = re.compile(r"""^\s+model_type\s*=\s*['"](\w+)['"]""", re.MULTILINE)
@@ -57,7 +57,7 @@ def import_fla() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fla warns at import when no GPU is present
         import fla  # noqa: F401
-    compat.apply_after_fla_import(FLASH_ATTN)
+    compat.apply_after_fla_import(FLASH_ATTN, mamba.mamba_mix, mamba2.forward_keeping_documents_apart)
 
 
 def ensure_model_type(model_type: str) -> None:

@@ -2,12 +2,12 @@
 
 Every check and table that depends on the model type reads these records:
 - how it takes packed documents (flame.models.inputs; the build warning in flame.models.builder),
-- whether it compiles, the dtypes, device and packages its kernels need (flame.preflight),
+- whether it compiles, the dtypes, device and packages its kernels need (flame.prepare.model),
 - its tensor-parallel plan, by name (the plans are in flame.distributed.tensor_parallel),
 - whether and how it runs context parallel (flame.distributed.context_parallel),
 - which of its layers FLOPs count as softmax attention (flame.models.flops),
 - measured gradient spikes it warns about (flame.models.builder),
-- the support table: ``python -m flame.models`` (``--markdown``: the README's, flame.models.support_table).
+- the support table: ``python -m flame.models`` (``--markdown``: docs/models.md's, flame.models.support_table).
 
 A learned position table (GPT-2's ``wpe``, fla's ``cat``) is not recorded: preflight finds it in
 the model itself, so it covers any HF model. A model type without a record (any other
@@ -38,7 +38,7 @@ class ContextParallelism(Enum):
     """How a model type's token mixers see the tokens of other context-parallel ranks."""
 
     NONE = "no"
-    ATTENTION = "softmax attention"  # K/V all-gathered over the CP ranks (flame.models.attention)
+    ATTENTION = "softmax attention"  # K/V all-gathered over the CP ranks (flame.models.kernels.attention)
     FLA_KERNELS = "fla's CP kernels"  # the recurrent state passed between ranks (NVIDIA GPUs)
 
 
@@ -137,7 +137,7 @@ def _rows_whole(why: str) -> dict:
 SOFTMAX, SPARSE, LINEAR, SSM, HYBRID = "softmax attention", "sparse attention", "linear attention", "state space", "hybrid"
 _ATTENTION_CP = {"context_parallel": ContextParallelism.ATTENTION}
 _HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
-_MEASURED = "packed and separate documents differ (measured, docs/models.md)"
+_MEASURED = "packed and separate documents differ (measured, docs/models-verified.md)"
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
 _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
@@ -145,11 +145,11 @@ _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding wi
 _COMPILED_SLOWER = "compiled blocks ran 340M at {compiled} tok/s against {eager} eager on an {card}"
 _MAMBA_SSM = Package("mamba_ssm", mamba_ssm.INSTALL, "mamba_ssm's Mamba-3 scan kernels")
 _TILELANG = Package("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang", "is_mimo")
-# (moba's calls to flash-attn need no package: flame provides them, flame.models.flash_attn_internals)
+# (moba's calls to flash-attn need no package: flame provides them, flame.models.kernels.flash_attn_internals)
 _FLASH_MOBA = Package("flash_moba", "pip install flash-moba", "FlashMoBA's fused kernel", "use_flash_moba")
 # gla's gradient is ill-conditioned at each document's first token: the output there is (q.k) v, which
 # the per-head output norm divides by |q.k|; how large a step's gradient comes out then depends on the
-# kernels' rounding, and fla's chunk kernels round it far from fused_recurrent's (docs/models.md)
+# kernels' rounding, and fla's chunk kernels round it far from fused_recurrent's (docs/models-verified.md)
 _GLA_SPIKES = GradientSpikes(
     "chunk",
     "its gradient is ill-conditioned at each document's first token, and the chunk kernels can make a step's "
@@ -173,7 +173,7 @@ _RECORDS = (
          notes="learned position table: rows of at most max_position_embeddings tokens"),
     _fla("comba", LINEAR, tilelang_on_hopper=True),
     _fla("cyclic_flow_attention", LINEAR,
-         **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models.md)")),
+         **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models-verified.md)")),
     _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule",
          compile_slower=_COMPILED_SLOWER.format(compiled="82k", eager="110k", card="H200")),
     _fla("deltaformer", SOFTMAX,
@@ -196,7 +196,7 @@ _RECORDS = (
     _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
          compile_slower=_COMPILED_SLOWER.format(compiled="63k", eager="71k", card="H100"),
          notes="trains on fla's Triton conv and mamba_ssm's Triton SSD scan with one group, else fla's GLA scan "
-               "(flame.compat.fla_mamba2); tensor parallel with rmsnorm true"),
+               "(flame.models.kernels.mamba2); tensor parallel with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
     _fla("mesa_net", LINEAR),
     _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",)),

@@ -1,8 +1,8 @@
 """The support table, generated from the capability records (flame.models.support).
 
     python -m flame.models                  the table, as plain text
-    python -m flame.models --markdown       the README's table (with its legend)
-    python -m flame.models --write-readme   rewrite the README's table between its markers
+    python -m flame.models --markdown       docs/models.md's table (with its legend)
+    python -m flame.models --write-docs     rewrite docs/models.md's table between its markers
 """
 
 import argparse
@@ -16,7 +16,7 @@ from flame.models.support import (
     ModelSupport,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 BEGIN = "<!-- BEGIN support table: python -m flame.models --markdown -->"
 END = "<!-- END support table -->"
 COLUMNS = ("model type", "from", "family", "documents isolated", "compile", "TP", "CP", "needs", "notes")
@@ -85,17 +85,17 @@ def plain_table() -> str:
 
 
 def markdown_table() -> str:
-    """The README's support table and its legend."""
+    """docs/models.md's support table and its legend."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for model_type, *cells in rows():
         lines.append("| " + " | ".join([f"`{model_type}`" if model_type != "any other" else model_type, *cells]) + " |")
     return "\n".join(lines) + "\n\n" + LEGEND
 
 
-def readme_with_table(text: str) -> str:
-    """``text`` (the README) with the generated table between its markers."""
+def page_with_table(text: str) -> str:
+    """``text`` (docs/models.md) with the generated table between its markers."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"the README needs one line {BEGIN!r} and one line {END!r} after it, around the support table")
+        raise ValueError(f"docs/models.md needs one line {BEGIN!r} and one line {END!r} after it, around the support table")
     head, rest = text.split(BEGIN + "\n", 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{markdown_table()}\n{END}{tail}"
@@ -104,12 +104,12 @@ def readme_with_table(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flame.models", description="What flame supports, per model type.")
     output = parser.add_mutually_exclusive_group()
-    output.add_argument("--markdown", action="store_true", help="the README's Markdown table")
-    output.add_argument("--write-readme", action="store_true", help=f"rewrite the table in {README}")
+    output.add_argument("--markdown", action="store_true", help="docs/models.md's Markdown table")
+    output.add_argument("--write-docs", action="store_true", help=f"rewrite the table in {MODELS_PAGE}")
     args = parser.parse_args(argv)
-    if args.write_readme:
-        README.write_text(readme_with_table(README.read_text()))
-        print(f"wrote the support table into {README}")
+    if args.write_docs:
+        MODELS_PAGE.write_text(page_with_table(MODELS_PAGE.read_text()))
+        print(f"wrote the support table into {MODELS_PAGE}")
     else:
         print(markdown_table() if args.markdown else plain_table())
     return 0

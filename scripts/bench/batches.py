@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flame.config_manager import FlameConfigManager
+from flame.prepare import prepared
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 
@@ -35,7 +35,7 @@ def packed_batches(count: int, rows: int, seq_len: int, context_len: int = 4096,
     """
     flags = ["--job.config_file", str(DEBUG_JOB), *data_flags(rows, seq_len, context_len), "--training.num_workers", "0",
              "--memory.plan", "off"]  # batches of exactly ``rows`` rows, never split into micro-batches
-    job = FlameConfigManager().parse_args(flags)
+    job = prepared(flags)
     loader = build_dataloader(1, 0, load_tokenizer(job.model.tokenizer_path), job)
     batches = []
     for inputs, labels in itertools.islice(loader, count):

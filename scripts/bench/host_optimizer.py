@@ -3,7 +3,7 @@
     python scripts/bench/host_optimizer.py --config configs/transformer_1B.json --seq 32768 --ac-blocks 15 \
         --gpu-blocks 4 6
 
-Runs, in turn: torch's fused AdamW on the GPU; flame's host optimizer (flame.components.host_optimizer)
+Runs, in turn: torch's fused AdamW on the GPU; flame's host optimizer (flame.optim.host)
 with its default threads, with the ones --threads lists, and with the state of the first K blocks
 kept on the GPU for each K of --gpu-blocks; each without activation checkpointing and with full AC
 of the first --ac-blocks blocks. Per setting, one JSON line: the median step and,
@@ -22,9 +22,10 @@ import torch
 from torchtitan.config import ActivationCheckpoint
 from transformers import AutoModelForCausalLM
 
-from flame.components.host_optimizer import HostAdamW
+from flame.optim.host import HostAdamW
 from flame.distributed.parallelize import checkpoint_blocks
-from flame.models import attention, load_model_config
+from flame.models.kernels import attention
+from flame.models import load_model_config
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers
 from scripts.bench.batches import packed_batches
@@ -98,7 +99,7 @@ def main() -> None:
 
 def _full_ac(blocks: int) -> ActivationCheckpoint:
     ac = ActivationCheckpoint(mode="full")
-    ac.blocks = blocks  # flame's field (flame.config): full AC of the first N blocks
+    ac.blocks = blocks  # flame's field (flame.config.job): full AC of the first N blocks
     return ac
 
 

@@ -43,9 +43,9 @@ def report(places: Counter) -> str:
 def main(argv: list[str]) -> None:
     from torchtitan.tools.logging import init_logger
 
-    from flame import autotune
-    from flame.config_manager import FlameConfigManager
-    from flame.trainer import Trainer
+    from flame.base import autotune
+    from flame.prepare import prepared
+    from flame.training.trainer import Trainer
 
     init_logger()
     autotune.share_triton_cache()  # the kernels and autotune choices train.sh's runs use
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
             if torch.distributed.get_rank() == 0:
                 print(f"host waits of step {at_step}:\n{report(places)}", flush=True)
 
-    trainer = WatchedTrainer(FlameConfigManager().parse_args(argv))
+    trainer = WatchedTrainer(prepared(argv))
     try:
         trainer.train()
     finally:

@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torchtitan.config.job_config import ActivationCheckpoint
 
-from flame import batch_context
-from flame.batch_context import BatchContext
-from flame.components.loss import LossHead
+from flame.base import batch_context
+from flame.base.batch_context import BatchContext
+from flame.models.loss import LossHead
 from flame.distributed.parallelize import checkpoint_blocks
-from flame.models import FlameModelArgs, build_model, load_model_config, model_inputs
+from flame.models import load_model_config, model_inputs
+from flame.models.builder import FlameModelArgs, build_model
 from flame.models.registry import decoder_layers
 from scripts.bench.batches import packed_batches
 

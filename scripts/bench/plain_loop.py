@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from flame import batch_context
-from flame.batch_context import BatchContext
-from flame.models import attention, load_model_config, model_inputs
+from flame.base import batch_context
+from flame.base.batch_context import BatchContext
+from flame.models.kernels import attention
+from flame.models import load_model_config, model_inputs
 from flame.models.flops import model_flops
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers

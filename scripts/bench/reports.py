@@ -5,7 +5,7 @@ import re
 import statistics
 from pathlib import Path
 
-from flame import run_record
+from flame.base import run_record
 from scripts.bench.plan import BLOCK_LINES
 from scripts.bench.runs import Result
 
@@ -26,7 +26,7 @@ def log_lines(work: Path, result: Result) -> list[str]:
     return [ANSI.sub("", line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
 
 
-# flame.components.metrics, after the first logged step of a run with --memory.plan auto
+# flame.training.metrics, after the first logged step of a run with --memory.plan auto
 PLANNED = re.compile(r"memory: measured peak ([\d.]+) GiB reserved, planned ([\d.]+) GiB")
 
 
@@ -68,7 +68,7 @@ def lines(results: list[Result], work: Path, baseline: str | None = None) -> lis
 
 
 def metrics(work: Path, name: str) -> dict[int, dict] | None:
-    """step -> what the run logged (its lines merged as flame.run_record merges them), None without a log."""
+    """step -> what the run logged (its lines merged as flame.base.run_record merges them), None without a log."""
     path = work / name
     return run_record.metrics(str(path)) or None if (path / run_record.METRICS_FILE).is_file() else None
 

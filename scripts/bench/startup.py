@@ -10,7 +10,7 @@ For each config, four launches of the same job (2 steps, every step logged):
 Each prints the seconds from launch to "Training starts" and to step 1, and what the ranks
 spent compiling Triton kernels and benchmarking autotune configurations (a sitecustomize probe
 in the ranks: Triton's compilation listener and its autotuner's disk-cache check). At the end
-the cold run's choices are collected into flame/autotune_choices/ (python -m flame.autotune).
+the cold run's choices are collected into flame/base/autotune_choices/ (python -m flame.base.autotune).
 """
 
 import argparse
@@ -142,7 +142,7 @@ def main() -> int:
             results.append(result)
             print(json.dumps(result), flush=True)
         if "cold" in args.phases:
-            subprocess.run([sys.executable, "-m", "flame.autotune", "collect", "--cache", str(caches["cold"][0])],
+            subprocess.run([sys.executable, "-m", "flame.base.autotune", "collect", "--cache", str(caches["cold"][0])],
                            cwd=ROOT, env=base, check=False)
     (args.work / "startup.json").write_text(json.dumps(results, indent=1))
     print(f"{'config':<20} {'phase':<8} {'starts':>7} {'step 1':>7} {'compiled':>9} {'compile s':>9} "

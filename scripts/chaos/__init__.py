@@ -18,6 +18,6 @@ through ``bash train.sh`` as a user would, on a short schedule (--steps, a check
    reference's losses?
 4. two runs started together on one dump folder (two_runs.py): exactly one may run.
 
-It ends with a tally table and exits 1 if any check failed. tests/test_chaos.py runs the
+It ends with a tally table and exits 1 if any check failed. tests/launch/test_chaos.py runs the
 smallest version of each case in CI.
 """

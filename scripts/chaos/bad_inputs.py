@@ -11,7 +11,7 @@ the tally: cases tried / one-line errors (exit 2, stderr a single line starting 
 and holding the case's expected words) / tracebacks / not refused before torchrun / seconds /
 files of another run changed. Exits 0 when every case is a one-line error and nothing changed.
 
-tests/test_bad_input.py runs the same cases in-process (``flame.launch.main``, train.sh's
+tests/prepare/test_bad_input.py runs the same cases in-process (``flame.launch.preflight.main``, train.sh's
 preflight) and those of train.sh's environment through ``FLAME_DRY_RUN=1 bash train.sh``.
 """
 

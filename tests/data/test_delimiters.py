@@ -11,7 +11,7 @@ from flame.data.packing import (
 from flame.data.shards import DataPlan
 from flame.data.sources import SourceSpec, document_column
 from flame.data.tokenizer import Delimiters, document_delimiters, load_tokenizer
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 from tests.conftest import TOKENIZER
 from tests.data.conftest import (
     EOS_TEXT,

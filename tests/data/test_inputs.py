@@ -9,7 +9,7 @@ import pytest
 from flame.data.shards import DataPlan
 from flame.data.sources import SourceSpec, document_column, load_source
 from flame.data.streams import MapStream
-from flame.errors import ConfigError
+from flame.base.errors import ConfigError
 from tests.conftest import TOKENIZER
 from tests.data.conftest import (
     SHARDS_4,

@@ -8,11 +8,12 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from flame.batch_context import BatchContext, computing
+from flame.base.batch_context import BatchContext, computing
 from flame.memory import activations, probe
-from flame.models import attention, load_model_config
+from flame.models.kernels import attention
+from flame.models import load_model_config
 from flame.models.builder import reinitialize
-from flame.models.fused import use_fused_kernels
+from flame.models.kernels.fused import use_fused_kernels
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers, meta_model
 from tests.conftest import ROOT
@@ -100,7 +101,7 @@ def test_the_probe_prices_a_blocks_backward_at_eight_times_its_longest_row(name)
 
 def test_an_hf_models_meta_profile_counts_what_its_varlen_forward_keeps_on_the_gpu():
     """A job under FSDP (bf16 weights) plans an HF model from its meta forward, where the attention keeps what
-    flame's varlen kernel keeps (flame.models.attention.kept_as_flash_kernels): checked against the GPU's memory
+    flame's varlen kernel keeps (flame.models.kernels.attention.kept_as_flash_kernels): checked against the GPU's memory
     at rows past the meta forward's, two documents a row, through flame's attention as training calls it."""
     config = load_model_config(str(ROOT / "configs" / "llama_340M.json"))
     config.num_hidden_layers = 2

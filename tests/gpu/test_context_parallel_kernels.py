@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.test_context_parallel import (
+from tests.distributed.test_context_parallel import (
     DOCUMENTS,
     attention_of_local_queries,
     check_against_whole_batch,

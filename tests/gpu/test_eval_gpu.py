@@ -18,7 +18,7 @@ def test_fla_padded_batches_score_as_one_sequence_at_a_time(config, tmp_path):
     from flame.data.tokenizer import load_tokenizer
     from flame.eval.model import batch_size_for
     from flame.models import load_model_config
-    from tests.test_eval import loglikelihoods
+    from tests.eval.test_eval import loglikelihoods
 
     flame.register()
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def test_batches_reach_the_model_in_a_few_lengths_with_the_logits_of_their_own()
 def test_two_gpus_give_the_scores_of_one_for_an_fla_model(tmp_path):
     import subprocess
 
-    from tests.test_eval import OFFLINE, TASKS, TASKS_DIR, make_export, results
+    from tests.eval.test_eval import OFFLINE, TASKS, TASKS_DIR, make_export, results
 
     export = make_export(tmp_path / "gla", json.loads((ROOT / "configs" / "tiny" / "gla.json").read_text()))
     scores = {}

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import flame
 from flame.models import load_model_config
-from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
+from flame.checkpoint import export, import_hf
 from tests.conftest import ROOT, SCRIPTS, TOKENIZER, check, flame_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -28,11 +28,11 @@ def exports(tmp_path, model_type: str, *formats: str) -> dict[str, str]:
         model.lm_head.weight.mul_(30)
     model.save_pretrained(tmp_path / "hf_in")
     dump = tmp_path / "run"
-    assert convert_hf_to_dcp.main(["--model", str(tmp_path / "hf_in"), "--checkpoint", str(dump / "checkpoint" / "step-0")]) == 0
+    assert import_hf.main(["--model", str(tmp_path / "hf_in"), "--checkpoint", str(dump / "checkpoint" / "step-0")]) == 0
     out = {}
     for name in formats:
         out[name] = str(tmp_path / name)
-        assert convert_dcp_to_hf.main(["--path", str(dump), "--step", "0", "--config", config, "--tokenizer", TOKENIZER,
+        assert export.main(["--path", str(dump), "--step", "0", "--config", config, "--tokenizer", TOKENIZER,
                                        "--export_as", name, "--out", out[name]]) == 0
     return out
 

@@ -1,4 +1,4 @@
-"""flame's fused kernels for HF models (flame.models.fused) on CUDA against HF's own code: torch's
+"""flame's fused kernels for HF models (flame.models.kernels.fused) on CUDA against HF's own code: torch's
 fused rms_norm and fla's swiglu and rotary kernels, for llama and qwen3 (whose q/k norms are
 fused too), in fp32, in bf16 (FSDP's mixed precision) and under autocast (one GPU's). Skipped
 where there is no CUDA device."""
@@ -13,7 +13,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from flame.models import fused, load_model_config
+from flame.models.kernels import fused
+
+from flame.models import load_model_config
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

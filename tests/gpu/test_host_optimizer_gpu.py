@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flame.components.host_optimizer import HostAdamW
+from flame.optim.host import HostAdamW
 from tests.conftest import (
     TINY_DECODER,
     base_args,

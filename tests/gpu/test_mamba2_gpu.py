@@ -1,6 +1,6 @@
-"""fla's mamba2 under flame on CUDA (flame.compat.fla_mamba2): fla's Triton conv with mamba_ssm's SSD scan
+"""fla's mamba2 under flame on CUDA (flame.models.kernels.mamba2): fla's Triton conv with mamba_ssm's SSD scan
 (or fla's GLA scan without mamba_ssm) gives fla's PyTorch results, and a packed row gives each document its
-own results, at tiny size and at 340M x 8K tokens in bf16. tests/test_mamba2_kernels.py checks the same on CPU. Skipped where there is no CUDA device."""
+own results, at tiny size and at 340M x 8K tokens in bf16. tests/models/test_mamba2_kernels.py checks the same on CPU. Skipped where there is no CUDA device."""
 
 import time
 

@@ -1,4 +1,4 @@
-"""flame's selective scan on CUDA (flame.models.selective_scan): its Triton kernels against the PyTorch
+"""flame's selective scan on CUDA (flame.models.kernels.selective_scan): its Triton kernels against the PyTorch
 reference with document resets, up to a 340M layer's shape; fla's mamba and samba with it keep packed
 documents apart; a 340M training step's speed and memory. Timings are printed (pytest -s). Skipped
 where there is no CUDA device.
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from flame.models import load_model_config
 from flame.models.registry import import_fla
-from flame.models.selective_scan import reference_scan, triton_scan
+from flame.models.kernels.selective_scan import reference_scan, triton_scan
 from tests.conftest import ROOT, base_args, check, losses, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,11 +1,13 @@
 """flame's varlen forward/backward on CUDA: torch's FlashAttention path against the reference path
-(flame.models.flash_attn_internals; tests/test_moba_attention.py holds the reference to exact
+(flame.models.kernels.flash_attn_internals; tests/models/test_moba_attention.py holds the reference to exact
 attention on CPU). Skipped where there is no CUDA device."""
 
 import pytest
 import torch
 
-from flame.models import flash_attn_internals, registry
+from flame.models.kernels import flash_attn_internals
+
+from flame.models import registry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

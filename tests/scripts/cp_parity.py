@@ -20,11 +20,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 warnings.simplefilter("ignore")
 
-from flame import batch_context
-from flame.batch_context import BatchContext
-from flame.components.loss import cross_entropy_sum
+from flame.base import batch_context
+from flame.base.batch_context import BatchContext
+from flame.models.loss import cross_entropy_sum
 from flame.distributed.context_parallel import ContextParallel
-from flame.models import attention, load_model_config, model_inputs
+from flame.models.kernels import attention
+from flame.models import load_model_config, model_inputs
 from flame.models.inputs import is_fla_model
 from tests.scripts.tp_grad_parity import build
 

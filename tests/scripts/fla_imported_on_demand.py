@@ -13,7 +13,7 @@ import sys
 
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-import flame.trainer  # noqa: F401  (what `python -m flame.train` imports first)
+import flame.training.trainer  # noqa: F401  (what `python -m flame.train` imports first)
 from flame.models import load_model_config
 
 print("mamba" in CONFIG_MAPPING_NAMES, "fla" in sys.modules)

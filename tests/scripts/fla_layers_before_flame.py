@@ -10,7 +10,9 @@ after that (test_models.py expects False, then True).
 
 import fla.layers.attn  # first: before flame.models exists
 
-from flame.models import attention, load_model_config
+from flame.models.kernels import attention
+
+from flame.models import load_model_config
 
 print(getattr(fla.layers.attn, "flash_attn_varlen_func", None) is attention.flash_attn_varlen_func)
 load_model_config("configs/llama_4M.json")

@@ -16,8 +16,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import init_logger
 from transformers import AutoModelForCausalLM
 
-from flame.config_manager import FlameConfigManager
-from flame.trainer import Trainer
+from flame.prepare import prepared
+from flame.training.trainer import Trainer
 
 
 class FirstBatchTrainer(Trainer):
@@ -32,7 +32,7 @@ class FirstBatchTrainer(Trainer):
 if __name__ == "__main__":
     out = sys.argv[1]
     init_logger()
-    trainer = FirstBatchTrainer(FlameConfigManager().parse_args(sys.argv[2:]))
+    trainer = FirstBatchTrainer(prepared(sys.argv[2:]))
     try:
         trainer.train()
         assert trainer.gradient_accumulation_steps == 1  # the first micro-batch is the step's batch

@@ -5,8 +5,8 @@ import sys
 
 import torch
 
-from flame.config_manager import FlameConfigManager
-from flame.trainer import Trainer
+from flame.prepare import prepared
+from flame.training.trainer import Trainer
 
 BAD_STEPS = {int(step) for step in os.environ["FLAME_TEST_BAD_STEPS"].split(",")}
 
@@ -20,7 +20,7 @@ class InjectingTrainer(Trainer):
 
 
 if __name__ == "__main__":
-    trainer = InjectingTrainer(FlameConfigManager().parse_args(sys.argv[1:]))
+    trainer = InjectingTrainer(prepared(sys.argv[1:]))
     try:
         trainer.train()
     finally:

@@ -9,8 +9,10 @@ flame.train's arguments and exits as it does (2 bad input, 1 a stop).
 import os
 import sys
 
-from flame import train, trainer
-from flame.trainer import Trainer
+from flame import train
+
+from flame.training import trainer
+from flame.training.trainer import Trainer
 
 
 def _steps(name: str) -> set[int]:

@@ -18,10 +18,10 @@ import torch
 from peft import get_peft_model
 from torchtitan.tools.logging import init_logger
 
-from flame.components.loss import cross_entropy_sum
-from flame.config_manager import FlameConfigManager
+from flame.models.loss import cross_entropy_sum
+from flame.prepare import prepared
 from flame.models.lora import LoraSettings
-from flame.trainer import Trainer
+from flame.training.trainer import Trainer
 
 
 class RecordingTrainer(Trainer):
@@ -86,7 +86,7 @@ def train_peft(base_dir: str, trainer: RecordingTrainer) -> tuple[list[float], t
 if __name__ == "__main__":
     base_dir, out = sys.argv[1], sys.argv[2]
     init_logger()  # flame's log lines, as flame.train prints them
-    trainer = RecordingTrainer(FlameConfigManager().parse_args(sys.argv[3:]))
+    trainer = RecordingTrainer(prepared(sys.argv[3:]))
     try:
         trainer.train()
         flame_logits = logits_on_fixed_ids(trainer.model_parts[0])

@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 python tests/scripts/mamba2_interpreted.py
 
 One tiny Mamba2 layer (float32, PyTorch norms) over a packed row of documents: output, every
-gradient and the per-document cache states of ``flame.compat.fla_mamba2.prefill`` with
+gradient and the per-document cache states of ``flame.models.kernels.mamba2.prefill`` with
 ``kernels=True`` (fla's ``causal_conv1d`` with fla's ``chunk_simple_gla`` or ``chunk_gla``, or with
 mamba_ssm's SSD scan; interpreted) against ``kernels=False``. Prints ``kernels = pytorch`` when they agree, else raises.
 
@@ -51,7 +51,8 @@ Autotuner.do_bench = property(lambda self: lambda call, quantiles: (call(), [0.0
 torch.cuda.device = lambda index: contextlib.nullcontext()
 torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=2)
 
-from flame.compat import fla_mamba2, mamba_ssm
+from flame.compat import mamba_ssm
+from flame.models.kernels import mamba2
 from flame.models import registry
 from tests.scripts.torch_kernels import _rms_norm_gated
 
@@ -79,13 +80,13 @@ def main() -> None:
     results, ssd_scan = {}, mamba_ssm.ssd_scan
     assert ssd_scan() is not None, "mamba_ssm is not installed (3rdparty/install.sh installs it)"
     for name, kernels, per_key_decay, use_cache in paths:
-        fla_mamba2.gated_chunk_backward_refused = lambda refused=per_key_decay: refused
-        fla_mamba2.mamba_ssm.ssd_scan = ssd_scan if name.startswith("mamba_ssm SSD") else lambda: None
+        mamba2.gated_chunk_backward_refused = lambda refused=per_key_decay: refused
+        mamba2.mamba_ssm.ssd_scan = ssd_scan if name.startswith("mamba_ssm SSD") else lambda: None
         backward = name != "mamba_ssm SSD, states"
         layer.zero_grad()
         hidden.grad = None
         with torch.set_grad_enabled(backward):
-            out, conv_state, ssm_state = fla_mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=use_cache,
+            out, conv_state, ssm_state = mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=use_cache,
                                                             kernels=kernels)
         states = {"conv_state": conv_state, "ssm_state": ssm_state} if use_cache else {}
         results[name] = {"output": out.detach(), **states}

@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 PYTHONPATH=<repository root> python tests/scripts/mamba_scan_interpreted.py
 
 A fresh interpreter: TRITON_INTERPRET must be set before the kernels are defined. Prints one JSON
-line, which tests/test_mamba_scan.py checks: for each case, the largest difference between the
+line, which tests/models/test_mamba_scan.py checks: for each case, the largest difference between the
 kernels' and the reference's output and gradients, each relative to the reference's largest value.
     packed   two rows of documents (cu_seqlens; a document starting on a chunk boundary, one
              spanning chunks), x/z and B/C as views of wider projections, as fla's layer makes them
@@ -17,7 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from flame.models.selective_scan import reference_scan, triton_scan
+from flame.models.kernels.selective_scan import reference_scan, triton_scan
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")
 

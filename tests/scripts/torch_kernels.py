@@ -3,7 +3,7 @@
     from tests.scripts.torch_kernels import use_torch_kernels
     use_torch_kernels(model)   # fla's norms, gated norms, rotary, swiglu and gla's recurrence
 
-Used by tp_grad_parity.py (tensor parallelism on CPU) and tests/test_mamba2_kernels.py.
+Used by tp_grad_parity.py (tensor parallelism on CPU) and tests/models/test_mamba2_kernels.py.
 """
 
 import itertools

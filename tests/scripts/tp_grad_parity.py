@@ -9,7 +9,7 @@ flame's plan (inputs from flame.models.inputs, as the trainer makes them) agains
 unsharded copy with the same weights. fla's Triton norms and activation are swapped for
 PyTorch equivalents in both models (CPU has no Triton driver; torch_kernels.py), so the fla
 models whose token mixer is plain PyTorch on CPU run: ``transformer`` (softmax attention through
-flame's attention) and ``mamba2`` (flame's PyTorch scan, flame.compat.fla_mamba2). ``gla`` runs too, its
+flame's attention) and ``mamba2`` (flame's PyTorch scan, flame.models.kernels.mamba2). ``gla`` runs too, its
 Triton recurrence replaced by the same recurrence written token by token in PyTorch: its plan's
 pieces (replicated low-rank gate input, gated output norm) are what this checks, not fla's kernel.
 With --cuda (nccl, one GPU per rank) nothing is swapped: fla's kernels run, in fp32. On GPUs
@@ -35,13 +35,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 warnings.simplefilter("ignore")
 
-from flame import batch_context
-from flame.batch_context import BatchContext
-from flame.components.loss import build_loss, use_fused_cross_entropy
+from flame.base import batch_context
+from flame.base.batch_context import BatchContext
+from flame.models.loss import build_loss, use_fused_cross_entropy
 from flame.distributed.tensor_parallel import apply_tensor_parallel
-from flame.models import attention, load_model_config, model_inputs
+from flame.models.kernels import attention
+from flame.models import load_model_config, model_inputs
 from flame.models.builder import _trainable_class
-from flame.models.fused import use_fused_kernels
+from flame.models.kernels.fused import use_fused_kernels
 from tests.scripts.torch_kernels import use_torch_kernels
 
 

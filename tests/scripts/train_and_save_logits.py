@@ -6,11 +6,11 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from flame.config_manager import FlameConfigManager
-from flame.trainer import Trainer
+from flame.prepare import prepared
+from flame.training.trainer import Trainer
 
 if __name__ == "__main__":
-    trainer = Trainer(FlameConfigManager().parse_args(sys.argv[1:]))
+    trainer = Trainer(prepared(sys.argv[1:]))
     try:
         trainer.train()
         model = trainer.model_parts[0]

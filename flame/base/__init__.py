@@ -1,0 +1,7 @@
+"""The ground floor: what every layer may use and that uses no other layer of flame's.
+
+errors (the error types), device (the one CPU/gloo vs CUDA/NCCL seam), batch_context (the batch
+being computed), process (a process tied to its parent, rank names), dump_folder (one run per
+folder, its attempts), run_record (what a run left, read back), autotune (shipped Triton choices),
+measured_once (a per-machine measurement cache).
+"""

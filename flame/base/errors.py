@@ -1,0 +1,30 @@
+"""The error types flame raises. A module of its own, importing nothing of flame's, so that
+every module can raise them without importing the config machinery (no import cycles)."""
+
+
+class ConfigError(ValueError):
+    """A job setting that cannot work. The message is one line: what is wrong and what to change.
+
+    Raised before any process group, dataset or model exists wherever the check allows it;
+    ``flame.train`` and ``flame.launch.preflight`` print it as ``flame: error: ...`` and exit with 2.
+    """
+
+
+class DataError(ConfigError):
+    """A record of the data that cannot be trained on (e.g. an SFT record without an assistant turn): one
+    line naming the source, the record and the fix. Raised before training for the records checked up
+    front; for the others while training, by the rank that reads the record only."""
+
+
+class UpdatesFailingError(RuntimeError):
+    """A step's update cannot be taken and may not be skipped: a NaN/Inf gradient norm without
+    --training.skip_nan_inf, or one skipped update (NaN/Inf or loss spike) more in a row than
+    --training.max_skipped_steps allows. Raised on every rank alike; the run stops, exit 1."""
+
+
+def gist(error: BaseException) -> str:
+    """A library error in a few words, for a one-line message: its innermost cause's first line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0].rstrip(".") if lines else type(error).__name__

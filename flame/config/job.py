@@ -1,0 +1,316 @@
+"""flame's configuration: the fields flame adds to torchtitan's JobConfig.
+
+torchtitan's ConfigManager merges these dataclasses into its JobConfig through
+``--job.custom_config_module=flame.config.job`` (flame passes that flag itself, see
+``flame.config.manager``). A field that exists in torchtitan too is overridden here only to
+change its default. The older spellings flame users know from earlier flame (and torchtitan)
+versions are fields here too, so that they parse; what each means, and torchtitan's fields
+that flame refuses, are in ``flame.config.spellings``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    dump_folder: str = "exp/flame"
+    """Folder for checkpoints, logs, TensorBoard files and the exported HF model"""
+
+
+@dataclass
+class Model:
+    name: str = "flame"
+    """Train spec name; flame registers 'flame' (HF/fla causal LMs built from model.config)"""
+    config: str = ""
+    """HF model config: a config.json file or a directory holding one (e.g. configs/llama_4M.json). Defaults to model.init_from"""
+    init_from: str | None = None
+    """Start from a Hugging Face model's weights: its folder (config.json + *.safetensors) or a hub name in the local HF cache. Model only (optimizer, schedule and data start fresh); not applied once the dump folder holds a checkpoint, from which the run resumes (docs/fine-tuning.md)"""
+    tokenizer_path: str | None = None
+    """Tokenizer: a local directory, a hub name in the local HF cache, or builtin:<name>. Defaults to the model.config directory (model.init_from's) when that holds a tokenizer"""
+    attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
+    """Document-masked softmax attention: varlen (torch's flash kernel, CUDA), flex (FlexAttention, CUDA), sdpa (dense mask; reference, CPU). auto = varlen on CUDA, sdpa on CPU"""
+    fused_kernels: bool = True
+    """HF models: RMS norms, SiLU-gated MLPs and rotary embeddings through fused kernels in eager code (torch's rms_norm; fla's swiglu and rotary kernels on CUDA), equal to HF's within rounding (flame/models/kernels/fused.py). --model.no-fused_kernels runs HF's own code: its exact rounding, or a way around a fused kernel failing on a new GPU"""
+
+
+@dataclass
+class Training:
+    dataset: str = ""
+    """Comma list of datasets: hub names (local HF cache), directories, files/globs of json/jsonl/parquet/txt/arrow, or builtin:python-stdlib"""
+    dataset_name: str | None = None
+    """Comma list, one per dataset: the dataset configuration name (empty entries allowed)"""
+    dataset_split: str | None = None
+    """Comma list, one per dataset: the split to read (default: train)"""
+    data_dir: str | None = None
+    """Comma list, one per dataset: data_dir passed to datasets.load_dataset"""
+    data_files: str | None = None
+    """Comma list, one per dataset: data_files passed to datasets.load_dataset (globs allowed)"""
+    data_probs: str | None = None
+    """Comma list of mixing probabilities, one per dataset (normalized if they do not sum to 1); see mix_unit"""
+    mix_unit: Literal["documents", "tokens"] = "documents"
+    """What data_probs are fractions of: documents drawn from each source, or tokens trained on from each source"""
+    streaming: bool = False
+    """Stream the datasets (nothing is downloaded or materialized up front)"""
+    text_column: str | None = None
+    """Column holding each document of a text source: text (default: 'text', then 'content'), or token ids (e.g. 'input_ids', used without tokenizing)"""
+    data_format: str = "text"
+    """Comma list, one per dataset (or one for all): text (documents, every token a target) or sft (chat/instruction records: 'messages', 'prompt'/'completion' or 'instruction'/'input'/'output'; docs/data.md)"""
+    sft_loss_on: Literal["completion", "prompt+completion"] = "completion"
+    """SFT sources: the targets trained on: the assistant turns only (completion), or every token of the conversation"""
+    truncate_long: bool = False
+    """SFT sources: cut a conversation longer than context_len to its first context_len tokens instead of dropping it (both counted: metrics data/<source>/dropped, data/<source>/truncated)"""
+    delimiters: Literal["auto", "eos", "bos", "bos+eos"] = "auto"
+    """Tokens flame puts around every document: auto = EOS after and BOS before, for whichever the tokenizer defines"""
+    separator_token: str | None = None
+    """A token to end documents with when the tokenizer defines neither BOS nor EOS"""
+    document_mask: bool = True
+    """Restart position ids (and attention) at every document; --training.no-document_mask concatenates documents plainly"""
+    shuffle_buffer: int = 0
+    """Documents held (per data shard) to shuffle a streamed source; saved in checkpoints. 0 = stream order"""
+    row_shuffle_buffer: int = 0
+    """Packed rows held (per data shard) to shuffle rows; saved in checkpoints. 0 = off"""
+    source_exhausted: Literal["restart", "stop"] = "restart"
+    """When a source runs out: restart it (new epoch, reshuffled) or stop training"""
+    data_shards: int = 0
+    """Logical data shards, fixed for a run: resuming on any number of ranks x workers up to this continues the same stream. 0 = max(64, readers) at the start (fewer for a smaller dataset)"""
+    context_len: int | None = None
+    """Longest attention span: documents longer than this are split into pieces of at most context_len (default: seq_len)"""
+    varlen: bool = False
+    """Pack documents into one row of seq_len tokens per device with cu_seqlens marking every document (needs batch_size 1)"""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step"""
+    fused_cross_entropy: Literal["auto", "on", "off"] = "auto"
+    """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
+    skip_nan_inf: bool = False
+    """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
+    max_skipped_steps: int = 10
+    """With skip_nan_inf or spike_sigma: the most updates skipped in a row (NaN/Inf and spikes alike); one more stops the run (it has diverged). 0 = no limit"""
+    spike_sigma: float = 0.0
+    """Skip the update of a step whose loss or gradient norm is more than this many standard deviations above the mean of the last spike_window steps (counted: spike_skips). 0 = off"""
+    spike_window: int = 100
+    """With spike_sigma: the recent steps a step is compared with; skipped steps join it too, so a lasting shift of the loss is absorbed within a window"""
+    spike_min_steps: int = 20
+    """With spike_sigma: steps the window must hold before any step is judged (the first ones of a run, or of a new spike_sigma, are not)"""
+    # Older spellings of torchtitan fields (ALIASES). Their defaults only show in `-h`: an alias
+    # counts where the TOML file or the command line gives it.
+    batch_size: int | None = None
+    """Alias of training.local_batch_size: rows per device per micro-batch"""
+    num_workers: int | None = None
+    """Alias of training.dataloader.num_workers: data loading worker processes per rank"""
+    prefetch_factor: int | None = None
+    """Alias of training.dataloader.prefetch_factor: batches each worker loads ahead"""
+    seed: int | None = None
+    """Alias of debug.seed: the seed for weight init, data order and dropout"""
+    compile: bool = False
+    """Alias of compile.enable: torch.compile each decoder block"""
+    data_parallel_shard_degree: int | None = None
+    """Alias of parallelism.data_parallel_shard_degree"""
+    data_parallel_replicate_degree: int | None = None
+    """Alias of parallelism.data_parallel_replicate_degree"""
+    tensor_parallel_degree: int | None = None
+    """Alias of parallelism.tensor_parallel_degree"""
+    warmup_steps: int | None = None
+    """Alias of lr_scheduler.warmup_steps"""
+    deterministic: bool = False
+    """Alias of debug.deterministic: deterministic algorithms wherever torch has them"""
+    disable_loss_parallel: bool = False
+    """Alias of parallelism.disable_loss_parallel"""
+
+
+@dataclass
+class Parallelism:
+    pipeline_parallel_split_points: str = ""
+    """Comma list: the index of the first decoder block of every pipeline stage after the first (e.g. 4,8,12). Empty = a balanced split (see pipeline_parallel_{first,last}_stage_less_layers)"""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """AdamW, Adam, or Muon: Muon for the weights of the decoder blocks' linear layers, AdamW (optimizer.lr, betas, eps, weight_decay) for embeddings, the head, norms and biases (docs/configuration.md)"""
+    muon_lr: float | None = None
+    """Muon: the lr of the hidden matrices, scaled per matrix by muon_adjust_lr and by the LR schedule (default: optimizer.lr)"""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon: the step of an A x B matrix. match_rms_adamw: lr * 0.2 * sqrt(max(A, B)), an update of AdamW's RMS, so AdamW's lr serves; original: lr * sqrt(max(1, A / B)), with an lr near 0.02"""
+    muon_momentum: float = 0.95
+    """Muon: momentum of the gradient, in [0, 1)"""
+    muon_nesterov: bool = True
+    """Muon: orthogonalize the Nesterov look-ahead (gradient + momentum) rather than the momentum itself"""
+    muon_weight_decay: float | None = None
+    """Muon: decoupled weight decay of the hidden matrices, times the unscaled lr (default: optimizer.weight_decay)"""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations that orthogonalize each update (1-99)"""
+    scheduler: str | None = None
+    """Alias of lr_scheduler.decay_type (linear, sqrt or cosine). wsd is refused: use lr_scheduler.decay_ratio"""
+    min_lr_ratio: float | None = None
+    """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * min_lr_ratio"""
+    fused: bool = True
+    """Alias of optimizer.implementation: fused when true, foreach when false"""
+    on_host: bool = False
+    """AdamW/Adam: keep the optimizer state (8 bytes a parameter) in host memory and step it there, overlapped with the next forward; the GPU keeps the weights and gradients. The memory plan turns it on when that is the cheapest layout that fits (docs/memory-plan.md)"""
+    gpu_blocks: int = 0
+    """With optimizer.on_host: the input embeddings and the first K decoder blocks keep their state on the GPU and step there, so the host starts on the blocks the next forward reaches later and the forward waits less (8 bytes a parameter of those blocks back on the GPU; 0: all on the host)"""
+
+
+@dataclass
+class LRScheduler:
+    lr_min: float | None = None
+    """Alias of lr_scheduler.min_lr_factor: the decay ends at optimizer.lr * lr_min"""
+
+
+@dataclass
+class Profiling:
+    nsys_start_step: int | None = None
+    """Nsight Systems window: cudaProfilerStart before this step (>= 1), for `nsys profile --capture-range=cudaProfilerApi`; NVTX ranges mark every step's data, forward, backward and optimizer. No-op on CPU (docs/performance.md)"""
+    nsys_stop_step: int | None = None
+    """Nsight Systems window: cudaProfilerStop before this step (> nsys_start_step): steps start..stop-1 are captured"""
+
+
+@dataclass
+class Checkpoint:
+    last_save_model_only: bool = False
+    """Save only the model at the last step. flame's default keeps the final checkpoint complete so the run can be extended"""
+    enable_checkpoint: bool = False
+    """Alias of checkpoint.enable"""
+    model_weights_only: bool = False
+    """Alias of checkpoint.last_save_model_only"""
+    export_as: Literal["native", "llama"] = "native"
+    """Architecture of the HF export (train.sh's, and convert_dcp_to_hf's default): native = the model's own; llama = fla's transformer as LlamaForCausalLM, the same weights under llama's names, for tools that read only standard architectures (vLLM, SGLang, llama.cpp). Options llama cannot express (qk_norm, window_size, ...) are refused at preflight"""
+
+
+@dataclass
+class Metrics:
+    rank_0_only: bool = True
+    """Alias of metrics.save_for_all_ranks, inverted: false saves the metrics of every rank"""
+
+
+@dataclass
+class Experimental:
+    pipeline_parallel_degree: int | None = None
+    """Alias of parallelism.pipeline_parallel_degree"""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Alias of parallelism.pipeline_parallel_split_points: module names (layers.4,layers.8) become block indices (4,8)"""
+    pipeline_parallel_schedule: str | None = None
+    """Alias of parallelism.pipeline_parallel_schedule"""
+    pipeline_parallel_schedule_csv: str | None = None
+    """Refused: flame builds the schedule from parallelism.pipeline_parallel_schedule"""
+    pipeline_parallel_microbatches: int | None = None
+    """Refused: use parallelism.pipeline_parallel_microbatch_size (rows per microbatch)"""
+    pipeline_parallel_split_mode: str | None = None
+    """Refused: flame splits the model by decoder blocks (parallelism.pipeline_parallel_split_points)"""
+    context_parallel_degree: int | None = None
+    """Alias of parallelism.context_parallel_degree"""
+
+
+@dataclass
+class MemoryEstimation:
+    enabled: bool = False
+    """Refused: flame estimates memory with --memory.plan"""
+
+
+@dataclass
+class Memory:
+    plan: Literal["auto", "off"] = "off"
+    """auto: fit the job into GPU memory before it starts: estimate each part (docs/memory-plan.md) and, if the job does not fit as configured, take the fastest layout that fits (full AC of the first K blocks or of all; FSDP resharding; CPU offload; the optimizer state on the host; micro-batches; and their mixes), priced from this machine's measured rates; settings you give are kept. off (default until the estimates are checked on GPUs) = change nothing; giving a budget turns it on"""
+    gpu_budget_gib: str = "auto"
+    """GPU memory one process may use, in GiB; auto = the GPU's memory less 1 GiB (CUDA context, NCCL). On a CPU machine auto plans nothing; a number plans as for a GPU of that size"""
+    host_budget_gib: str = "auto"
+    """Host memory one process may use for CPU offload, in GiB; auto = 90% of the available RAM, shared by the processes of a host"""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["selective", "full", "memory_budget", "none"] = "none"
+    """Activation checkpointing of decoder blocks: none, full, or selective (see selective_ac_option)"""
+    blocks: int | None = None
+    """With mode full: checkpoint only the first N decoder blocks and keep the others' activations (less recomputed, more memory; the memory plan picks N to fit a budget). Unset = every block"""
+
+
+@dataclass
+class Lora:
+    rank: int | None = None
+    """LoRA fine-tuning: train adapters of this rank on --lora.targets while the model's own weights stay frozen (PEFT's LoRA layers). Unset = train every weight"""
+    alpha: float = 16.0
+    """LoRA: an adapter adds (alpha / rank) x B(A(x)) to its layer's output"""
+    dropout: float = 0.0
+    """LoRA: dropout on each adapter's input (PEFT's lora_dropout)"""
+    targets: str = "all-linear"
+    """LoRA: comma list of the linear layers that get adapters, each a module name or its last parts (q_proj,v_proj: those of every block); all-linear = every linear layer but the output head"""
+    export: Literal["adapter", "merged"] = "adapter"
+    """LoRA: what the HF export writes: adapter (PEFT's adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained) or merged (a plain model with the adapters added into its weights)"""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate a fixed validation set every validation.freq steps and after the last step (docs/evaluation.md)"""
+    dataset: str = ""
+    """Comma list of validation datasets, in --training.dataset's syntax; or hold documents out of the training data (holdout_documents)"""
+    dataset_name: str | None = None
+    """Comma list, one per validation dataset: the dataset configuration name"""
+    dataset_split: str | None = None
+    """Comma list, one per validation dataset: the split to read (default: train)"""
+    data_dir: str | None = None
+    """Comma list, one per validation dataset: data_dir passed to datasets.load_dataset"""
+    data_files: str | None = None
+    """Comma list, one per validation dataset: data_files passed to datasets.load_dataset (globs allowed)"""
+    data_format: str = "text"
+    """Comma list, one per validation dataset (or one for all): text or sft, as --training.data_format"""
+    holdout_documents: int = 0
+    """Instead of validation.dataset: the first N documents (in dataset order) of every training source are never trained on and form the validation set (map-style sources)"""
+    freq: int = 500
+    """Evaluate every this many steps (and after the last step)"""
+    steps: int = -1
+    """Batches of each validation source evaluated, over all data-parallel ranks together; -1 = all of them"""
+    local_batch_size: int | None = None
+    """Rows per batch (default: training.batch_size)"""
+    seq_len: int | None = None
+    """Tokens per row (default: training.seq_len)"""
+
+    def __post_init__(self):
+        pass  # torchtitan's assertion would print a traceback; flame checks these in one line (config_manager)
+
+
+@dataclass
+class Eval:
+    tasks: str = ""
+    """lm-eval tasks scored during training (comma list, e.g. piqa,hellaswag): each saved checkpoint of an evaluation step goes to python -m flame.eval in the background (docs/evaluation.md)"""
+    interval: int = 0
+    """Steps between evaluations, a multiple of checkpoint.interval. 0 = every checkpoint step"""
+    include_path: str | None = None
+    """Folder of your own lm-eval task YAML files (lm-eval's --include_path; configs/eval/ holds an example)"""
+    limit: float | None = None
+    """At most this many examples per task (a fraction of them when < 1): lm-eval's --limit, for quick checks"""
+    batch_size: int = 8
+    """lm-eval's --batch_size (model types that do not honour padding score one sequence at a time)"""
+    num_fewshot: int | None = None
+    """lm-eval's --num_fewshot (default: each task's own)"""
+    device: str = "auto"
+    """Where the evaluations run: auto = rank 0's device (on a GPU they share it, and its memory, with training), or e.g. cpu"""
+
+
+@dataclass
+class Debug:
+    seed: int | None = 42
+    """Seed for weight init, data order and dropout (same seed, same run)"""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    profiling: Profiling = field(default_factory=Profiling)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    experimental: Experimental = field(default_factory=Experimental)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    memory: Memory = field(default_factory=Memory)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    lora: Lora = field(default_factory=Lora)
+    validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
+    debug: Debug = field(default_factory=Debug)

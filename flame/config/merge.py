@@ -1,0 +1,220 @@
+"""How flame's config fields meet torchtitan's: the merged JobConfig, older spellings, unused fields.
+
+- ``merge_configs`` builds the JobConfig that torchtitan parses: its dataclasses with flame's
+  (``flame.config.job``) merged in, so that ``-h`` shows the help of flame's fields too.
+- ``resolve_aliases`` copies each older spelling given (``flame.config.spellings.ALIASES``) onto the
+  torchtitan field it stands for, and refuses the spellings whose meaning is gone
+  (``REFUSED_SPELLINGS``) with the one to use instead.
+- ``check_unused_fields`` refuses torchtitan fields flame does not act on
+  (``UNUSED_TORCHTITAN_FIELDS``), so that no setting is silently ignored.
+- ``check_command_line`` refuses an unknown option, a switch given a value, or a value that
+  does not fit its option's type, in one line (tyro's own messages span a boxed screen).
+"""
+
+import difflib
+import types
+import typing
+from dataclasses import field, fields, is_dataclass, make_dataclass
+from typing import Any
+
+from flame.config.spellings import (
+    ALIAS_VALUES,
+    ALIASES,
+    REFUSED_SPELLINGS,
+    UNUSED_TORCHTITAN_FIELDS,
+)
+from flame.base.errors import ConfigError
+
+TOML, CLI = 1, 2  # where a setting is given; the command line overrides the TOML file
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj: Any, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def dotted_fields(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf field of a config dataclass, as dotted names ('training.dataloader.num_workers')."""
+    names = []
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        if is_dataclass(f.type):
+            names.extend(dotted_fields(f.type, name + "."))
+        else:
+            names.append(name)
+    return names
+
+
+def merge_configs(base: type, custom: type) -> type:
+    """torchtitan's config dataclass ``base`` with flame's ``custom`` merged in, section by section.
+
+    A field in both takes flame's type and default. The merged class derives from flame's class
+    and torchtitan's, in that order: tyro reads each field's help from the docstrings of the
+    class's bases, so flame's own help shows in ``-h`` (torchtitan's merge keeps only its own
+    class as the base, and flame's fields would show no help).
+    """
+    custom_fields = {f.name: f for f in fields(custom)}
+    specs: list[tuple[str, Any, Any]] = []
+    for f in fields(base):
+        mine = custom_fields.pop(f.name, None)
+        if mine is not None and is_dataclass(f.type) and is_dataclass(mine.type):
+            section = merge_configs(f.type, mine.type)
+            specs.append((f.name, section, field(default_factory=section)))
+        else:
+            chosen = mine or f
+            specs.append((f.name, chosen.type, chosen))
+    specs.extend((f.name, f.type, f) for f in custom_fields.values())
+    return make_dataclass(f"Merged{base.__name__}", specs, bases=(custom, base))
+
+
+def resolve_aliases(config: Any, given: dict[str, int]) -> None:
+    """Refuse the retired spellings given, and copy each alias given onto the field it stands for.
+
+    ``given`` maps the dotted names that the TOML file (TOML) and the command line (CLI) set.
+    Either spelling on the command line overrides the other one in the TOML file, as any flag
+    does; two spellings of one setting at the same level must agree.
+    """
+    for name, fix in REFUSED_SPELLINGS.items():
+        if name in given:
+            raise ConfigError(f"--{name} is no longer a flame option: {fix}")
+    levels = dict(given)
+    for alias, target in ALIASES.items():
+        level = levels.get(alias, 0)
+        if not level or levels.get(target, 0) > level:
+            continue
+        given_value = _get(config, alias)
+        if given_value is None:  # '--training.batch_size None': no value for the field it stands for
+            raise ConfigError(f"--{alias} needs a value (it sets --{target}); give one, or leave --{alias} out")
+        value = ALIAS_VALUES.get(alias, lambda same: same)(given_value)
+        current = _get(config, target)
+        if levels.get(target) == level and current != value:
+            raise ConfigError(f"--{alias} ({given_value}) and --{target} ({current}) are the same setting; give only one")
+        _set(config, target, value)
+        levels[target] = level  # a second alias of the same field is checked against this one
+
+
+def check_unused_fields(config: Any, defaults: Any) -> None:
+    """Refuse a torchtitan field (or any field of a section) flame does not act on, set off its default."""
+    for entry, why in UNUSED_TORCHTITAN_FIELDS.items():
+        section = _get(defaults, entry)
+        names = dotted_fields(type(section), f"{entry}.") if is_dataclass(section) else [entry]
+        for name in names:
+            if _get(config, name) != _get(defaults, name):
+                raise ConfigError(f"--{name} is a torchtitan option flame does not use: {why}")
+
+
+def type_mismatch(annotation: Any, value: Any) -> str | None:
+    """What a TOML value of a field annotated ``annotation`` should be, when ``value`` is not that; else None.
+
+    Checks the scalar types flame's and torchtitan's fields use (bool, int, float, str, their
+    optional forms and Literals); other annotations are left to the field's own checks.
+    """
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+    options = tuple(option for option in options if option is not type(None))
+    if value is None or len(options) != 1:
+        return None
+    expected = options[0]
+    if typing.get_origin(expected) is typing.Literal:
+        choices = typing.get_args(expected)
+        return None if value in choices else "one of " + ", ".join(repr(choice) for choice in choices)
+    names = {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}
+    if expected not in names:
+        return None
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return None  # 1 is a fine float
+    fits = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    return None if fits else names[expected]
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _options(annotation: Any) -> tuple[tuple[Any, ...], bool]:
+    """(the types an annotation allows besides None, whether it allows None): 'int | None' -> ((int,), True)."""
+    union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    options = typing.get_args(annotation) if union else (annotation,)
+    return tuple(option for option in options if option is not type(None)), type(None) in options
+
+
+def _cli_value_error(options: tuple[Any, ...], optional: bool, value: str) -> str | None:
+    """What an option of these types takes, when the command-line text ``value`` is not that; else None."""
+    if optional and value == "None":
+        return None
+    for option in options:
+        if typing.get_origin(option) is typing.Literal:
+            if value in typing.get_args(option):
+                return None
+            continue
+        try:
+            option(value)  # int, float or str, as tyro converts them
+            return None
+        except ValueError:
+            continue
+    return " or ".join(
+        "one of " + ", ".join(repr(c) for c in typing.get_args(option)) if typing.get_origin(option) is typing.Literal
+        else _TYPE_NAMES[option] for option in options
+    )
+
+
+def check_command_line(config_cls: type, args: list[str]) -> None:
+    """Refuse what tyro would refuse in a screenful: an unknown option (naming the closest one), a value
+    given to a switch, a missing value, or a value that is not of its option's type.
+
+    ``args`` as flame gives them to tyro: ``--section.key value``, ``--section.key=value``, switches
+    ``--section.flag`` / ``--section.no-flag``; hyphens and underscores alike in keys.
+    """
+    if any(arg in ("-h", "--help") for arg in args):
+        return  # tyro prints the help
+    annotations = {}
+    for name in dotted_fields(config_cls):
+        annotations[name] = _get_field(config_cls, name).type
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument {arg!r}: every option is --section.key value (e.g. --training.steps 100); "
+                "run `bash train.sh -h` for every option"
+            )
+        key, _, inline = arg.partition("=")
+        name = key[2:].replace("-", "_")
+        section, _, leaf = name.rpartition(".")
+        negated = f"{section}.{leaf.removeprefix('no_')}" if leaf.startswith("no_") else None
+        if name not in annotations and annotations.get(negated) is not bool:
+            close = difflib.get_close_matches(name, annotations, n=1, cutoff=0.6)
+            hint = f"; did you mean --{close[0]}?" if close else ""
+            raise ConfigError(f"unknown option --{name}{hint} Run `bash train.sh -h` for every option")
+        annotation = annotations.get(name, bool)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if annotation is bool:
+            value = inline if "=" in arg else (following if following is not None and not following.startswith("--") else None)
+            if value is not None:
+                on, off = f"--{section}.{leaf.removeprefix('no_')}", f"--{section}.no-{leaf.removeprefix('no_')}"
+                raise ConfigError(f"--{name} is a switch and takes no value ({value!r}): write {on} to turn it on, {off} to turn it off")
+            i += 1
+            continue
+        if "=" not in arg:
+            if following is None or following.startswith("--"):
+                raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
+            inline, i = following, i + 1
+        i += 1
+        options, optional = _options(annotation)
+        if not all(option in _TYPE_NAMES or typing.get_origin(option) is typing.Literal for option in options):
+            continue  # lists (comma lists on the command line): tyro parses them, flame's checks follow
+        if (expected := _cli_value_error(options, optional, inline)) is not None:
+            raise ConfigError(f"--{name} takes {expected}, not {inline!r}")
+
+
+def _get_field(cls: type, dotted: str):
+    *parents, last = dotted.split(".")
+    for part in parents:
+        cls = next(f.type for f in fields(cls) if f.name == part)
+    return next(f for f in fields(cls) if f.name == last)

@@ -1,0 +1,359 @@
+"""The job's settings, checked: values torch, torchtitan or flame's trainer would refuse only inside the
+ranks, after the processes started (or take silently and train wrong): numbers out of range, NaN or Inf,
+unknown optimizer names, lists that do not match the datasets, settings that act only together with
+another one. ``check`` refuses them in one line each, from ``flame.prepare.prepare``, before any process
+group exists; it also resolves the defaults that depend on other settings (context_len, validation's shapes).
+"""
+
+import math
+import os
+from typing import Any
+
+from flame.base.errors import ConfigError
+from flame.config.manager import split_list
+
+OPTIMIZERS = ("Adam", "AdamW", "Muon")  # torchtitan's build_optimizers knows Adam and AdamW; Muon is flame's
+
+
+def _number(flag: str, value: float, low: float, high: float = math.inf, *, high_open: bool = False,
+            meaning: str = "") -> None:
+    """``value`` is finite and within [low, high] (or [low, high) with ``high_open``)."""
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or value < low or above:
+        bound = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{flag} must be a number {bound}{meaning}, got {value}")
+
+
+def check(config: Any, given: dict[str, int], world_size: int) -> None:
+    """Refuse what torch, torchtitan or flame's trainer cannot run; ``given``: the dotted names the TOML and CLI set."""
+    if config.model.name != "flame":
+        raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
+    _check_training(config)
+    _check_seed_checkpoint(config, world_size)
+    _check_eval(config)
+    if not config.job.dump_folder.strip():
+        raise ConfigError("--job.dump_folder is empty; give the folder for this run's checkpoints and logs (e.g. exp/run)")
+    _check_optimizer(config.optimizer, given)
+    if config.optimizer.name == "Muon" and config.training.enable_cpu_offload:
+        raise ConfigError(
+            "--optimizer.name Muon does not combine with --training.enable_cpu_offload: Muon gathers and orthogonalizes "
+            "whole matrices on the GPU, and offloaded weights and gradients live on the CPU; leave offload off, or use AdamW"
+        )
+    _check_host_optimizer(config)
+    _check_checkpointed_blocks(config)
+    _check_nsys_window(config.profiling)
+    _check_lr_scheduler(config.lr_scheduler)
+    t = config.training
+    if math.isnan(t.max_norm):
+        raise ConfigError("--training.max_norm is NaN; give the gradient-norm bound, e.g. 1.0")
+    loader = t.dataloader
+    if "training.dataloader.prefetch_factor" in given or "training.prefetch_factor" in given:
+        if loader.num_workers == 0:
+            raise ConfigError(
+                "--training.prefetch_factor applies to data-loading workers, and there are none: add "
+                "--training.num_workers (e.g. 2), or drop --training.prefetch_factor"
+            )
+        if loader.prefetch_factor is not None and loader.prefetch_factor < 1:
+            raise ConfigError(f"--training.prefetch_factor must be >= 1 (batches per worker), got {loader.prefetch_factor}")
+    _check_skipping(t, given)
+    _check_lora(config, given)
+    _check_validation(config, given)
+
+
+def _check_checkpointed_blocks(config: Any) -> None:
+    """--activation_checkpoint.blocks N: full AC of the first N blocks of the model."""
+    ac = config.activation_checkpoint
+    if ac.blocks is None:
+        return
+    if ac.mode != "full":
+        raise ConfigError(f"--activation_checkpoint.blocks {ac.blocks} chooses how many blocks full AC checkpoints, and "
+                          f"--activation_checkpoint.mode is {ac.mode}: add --activation_checkpoint.mode full")
+    if ac.blocks < 1:
+        raise ConfigError(f"--activation_checkpoint.blocks must be at least 1, got {ac.blocks}; for no AC use "
+                          "--activation_checkpoint.mode none")
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("--activation_checkpoint.blocks counts the whole model's blocks, which pipeline stages split: "
+                          "use --activation_checkpoint.mode selective with an every-N option under pipeline parallelism")
+
+
+def _check_host_optimizer(config: Any) -> None:
+    """--optimizer.on_host steps AdamW or Adam on the host, one model at a time."""
+    if config.optimizer.gpu_blocks < 0:
+        raise ConfigError(f"--optimizer.gpu_blocks {config.optimizer.gpu_blocks}: a count of decoder blocks, 0 or more")
+    if not config.optimizer.on_host:
+        if config.optimizer.gpu_blocks:
+            raise ConfigError("--optimizer.gpu_blocks keeps some of the optimizer state on the GPU when the rest is on "
+                              "the host: add --optimizer.on_host, or drop gpu_blocks")
+        return
+    if config.optimizer.name == "Muon":
+        raise ConfigError("--optimizer.on_host steps AdamW or Adam on the host; Muon orthogonalizes whole matrices on "
+                          "the GPU: use --optimizer.name AdamW, or leave on_host off")
+    if config.training.enable_cpu_offload:
+        raise ConfigError("--optimizer.on_host and --training.enable_cpu_offload both move the optimizer state to the "
+                          "host (the second with the weights and gradients): give one of them")
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("--optimizer.on_host waits for each decoder block's weights in its forward, which pipeline "
+                          "stages run out of order: leave it off under --parallelism.pipeline_parallel_degree > 1")
+
+
+def _check_optimizer(o: Any, given: dict[str, int]) -> None:
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer.name {o.name}: flame trains with {', '.join(OPTIMIZERS)}; choose one of them")
+    if o.name != "Muon":
+        if muon := sorted(name for name in given if name.startswith("optimizer.muon_")):
+            raise ConfigError(f"--{muon[0]} sets the Muon optimizer, but --optimizer.name is {o.name}: add "
+                              "--optimizer.name Muon, or drop the muon_ settings")
+    else:
+        if o.muon_lr is not None:
+            _number("--optimizer.muon_lr", o.muon_lr, 0)
+        _number("--optimizer.muon_momentum", o.muon_momentum, 0, 1, high_open=True)
+        if o.muon_weight_decay is not None:
+            _number("--optimizer.muon_weight_decay", o.muon_weight_decay, 0)
+        _number("--optimizer.muon_ns_steps", o.muon_ns_steps, 1, 99, meaning=" (Newton-Schulz iterations; 5 is usual)")
+    _number("--optimizer.lr", o.lr, 0)  # 0 is a use: a step that loads and saves the weights unchanged
+    _number("--optimizer.beta1", o.beta1, 0, 1, high_open=True)
+    _number("--optimizer.beta2", o.beta2, 0, 1, high_open=True)
+    _number("--optimizer.eps", o.eps, 0)
+    _number("--optimizer.weight_decay", o.weight_decay, 0)
+
+
+def _check_lr_scheduler(s: Any) -> None:
+    if s.warmup_steps < 0:
+        raise ConfigError(f"--lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    if s.total_steps is not None and s.total_steps < 1:
+        raise ConfigError(
+            f"--lr_scheduler.total_steps must be >= 1 (the steps the schedule spans), got {s.total_steps}; "
+            "leave it out to span --training.steps"
+        )
+    if s.decay_ratio is not None:
+        _number("--lr_scheduler.decay_ratio", s.decay_ratio, 0, 1, meaning=" (the fraction of steps that decay)")
+    _number("--lr_scheduler.min_lr_factor", s.min_lr_factor, 0, 1, meaning=" (the last lr as a fraction of --optimizer.lr)")
+
+
+def _check_skipping(t: Any, given: dict[str, int]) -> None:
+    """The settings of skipped updates: NaN/Inf gradients and loss spikes (flame.training.spikes)."""
+    _number("--training.spike_sigma", t.spike_sigma, 0, meaning=" (standard deviations; 0 = off)")
+    spikes = t.spike_sigma > 0
+    for name in ("spike_window", "spike_min_steps"):
+        if f"training.{name}" in given and not spikes:
+            raise ConfigError(
+                f"--training.{name} sets the loss-spike policy, which is off: add --training.spike_sigma (e.g. 6), "
+                f"or drop --training.{name}"
+            )
+    if spikes and not 2 <= t.spike_min_steps <= t.spike_window:
+        raise ConfigError(
+            f"--training.spike_min_steps {t.spike_min_steps} and --training.spike_window {t.spike_window}: a spike is "
+            "judged against at least 2 steps and at most the window, so set 2 <= spike_min_steps <= spike_window"
+        )
+    if "training.max_skipped_steps" in given and not (t.skip_nan_inf or spikes):
+        raise ConfigError(
+            "--training.max_skipped_steps limits skipped updates, and none are skipped: add --training.skip_nan_inf "
+            "or --training.spike_sigma, or drop --training.max_skipped_steps"
+        )
+
+
+def _check_nsys_window(p: Any) -> None:
+    """--profiling.nsys_start_step / nsys_stop_step: both or neither, 1 <= start < stop."""
+    start, stop = p.nsys_start_step, p.nsys_stop_step
+    if start is None and stop is None:
+        return
+    if start is None or stop is None:
+        missing = "nsys_start_step" if start is None else "nsys_stop_step"
+        raise ConfigError(f"--profiling.{missing} is missing: an Nsight Systems window needs both ends, e.g. "
+                          "--profiling.nsys_start_step 10 --profiling.nsys_stop_step 13 (steps 10-12)")
+    if not 1 <= start < stop:
+        raise ConfigError(f"--profiling.nsys_start_step {start} and nsys_stop_step {stop}: the window captures steps "
+                          "start..stop-1, so give 1 <= start < stop")
+def _check_lora(config: Any, given: dict[str, int]) -> None:
+    """LoRA's settings, and the layouts its adapters run under (flame.models.lora)."""
+    lora = config.lora
+    if lora.rank is None:
+        if others := sorted(name for name in given if name.startswith("lora.") and name != "lora.rank"):
+            raise ConfigError(f"--{others[0]} sets up LoRA, which is off: add --lora.rank (e.g. 16), or drop --{others[0]}")
+        return
+    if lora.rank <= 0:
+        raise ConfigError(f"--lora.rank must be a positive number of adapter dimensions (e.g. 16), got {lora.rank}")
+    if not math.isfinite(lora.alpha) or lora.alpha <= 0:
+        raise ConfigError(f"--lora.alpha must be a positive number (adapters are scaled by alpha / rank), got {lora.alpha}")
+    _number("--lora.dropout", lora.dropout, 0, 1, high_open=True)
+    entries = [entry.strip() for entry in lora.targets.split(",")]
+    if not all(entries) or ("all-linear" in entries and len(entries) > 1):
+        raise ConfigError(
+            f"--lora.targets {lora.targets!r}: give module names (q_proj,v_proj), or all-linear alone"
+        )
+    # PEFT's adapter layers wrap the Linear modules that flame's tensor-parallel plans shard
+    if config.parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"--lora.rank with --parallelism.tensor_parallel_degree {config.parallelism.tensor_parallel_degree}: "
+            "LoRA's adapter layers take no tensor-parallel plan; shard with FSDP instead "
+            "(--parallelism.data_parallel_shard_degree), which LoRA runs under"
+        )
+
+
+def _check_validation(config: Any, given: dict[str, int]) -> None:
+    """The validation set's settings (flame.training.validation); resolves its defaults from training's."""
+    v, t = config.validation, config.training
+    if not v.enable:
+        if others := sorted(name for name in given if name.startswith("validation.") and name != "validation.enable"):
+            raise ConfigError(f"--{others[0]} sets up validation, which is off: add --validation.enable, or drop --{others[0]}")
+        return
+    if v.holdout_documents < 0:
+        raise ConfigError(f"--validation.holdout_documents must be >= 0 (documents per training source), got {v.holdout_documents}")
+    if bool(v.dataset.strip()) == bool(v.holdout_documents):
+        both = "both --validation.dataset and" if v.holdout_documents else "neither --validation.dataset nor"
+        raise ConfigError(
+            f"--validation.enable with {both} --validation.holdout_documents: give one, a validation dataset or the "
+            "number of documents to hold out of each training source"
+        )
+    if v.holdout_documents and t.streaming:
+        raise ConfigError(
+            "--validation.holdout_documents holds out the first documents of map-style sources, and --training.streaming "
+            "streams them: give a separate --validation.dataset, or drop --training.streaming"
+        )
+    if v.freq < 1:
+        raise ConfigError(f"--validation.freq must be >= 1 (steps between evaluations), got {v.freq}")
+    if v.steps < 1 and v.steps != -1:
+        raise ConfigError(f"--validation.steps must be >= 1 (batches per source) or -1 (all), got {v.steps}")
+    v.local_batch_size = t.local_batch_size if v.local_batch_size is None else v.local_batch_size
+    v.seq_len = t.seq_len if v.seq_len is None else v.seq_len
+    for name in ("local_batch_size", "seq_len"):
+        if getattr(v, name) < 1:
+            raise ConfigError(f"--validation.{name} must be >= 1, got {getattr(v, name)}")
+    p = config.parallelism
+    if p.pipeline_parallel_degree > 1 and (v.local_batch_size, v.seq_len) != (t.local_batch_size, t.seq_len):
+        raise ConfigError(
+            "--validation.local_batch_size and seq_len: pipeline stages take the shapes of training's batches; "
+            "leave them at training's (unset) under --parallelism.pipeline_parallel_degree"
+        )
+    datasets = [entry.strip() for entry in v.dataset.split(",")] if v.dataset.strip() else []
+    for name in ("dataset_name", "dataset_split", "data_dir", "data_files", "data_format"):
+        value = getattr(v, name)
+        entries = value.split(",") if value is not None and f"validation.{name}" in given else []
+        if entries and (not datasets or len(entries) not in (1, len(datasets))):
+            raise ConfigError(
+                f"--validation.{name} has {len(entries)} entries for {len(datasets)} validation datasets: give one "
+                "entry per dataset (empty entries allowed) or a single one for all"
+            )
+    check_data_formats("--validation", v.data_format, t.document_mask)
+
+
+def _check_training(config: Any) -> None:
+    t = config.training
+    if not t.dataset:
+        raise ConfigError("no dataset given: set --training.dataset (e.g. builtin:python-stdlib or a path)")
+    if t.seq_len <= 0:
+        raise ConfigError(f"--training.seq_len must be positive, got {t.seq_len}")
+    if t.context_len is None:
+        t.context_len = t.seq_len
+    if t.context_len <= 0 or t.context_len > t.seq_len:
+        raise ConfigError(
+            f"--training.context_len {t.context_len} must be between 1 and --training.seq_len {t.seq_len}"
+        )
+    if t.local_batch_size <= 0:
+        raise ConfigError(f"--training.batch_size must be positive, got {t.local_batch_size}")
+    if t.varlen and t.local_batch_size != 1:
+        raise ConfigError(
+            f"--training.varlen packs one row per device but --training.batch_size is {t.local_batch_size}: "
+            "set --training.batch_size 1 and raise --training.seq_len instead"
+        )
+    if t.gradient_accumulation_steps < 1:
+        raise ConfigError(
+            f"--training.gradient_accumulation_steps must be >= 1, got {t.gradient_accumulation_steps}"
+        )
+    if t.steps < 1 and not config.checkpoint.create_seed_checkpoint:
+        raise ConfigError(
+            f"--training.steps must be >= 1 (optimizer steps to train), got {t.steps}; to write initial weights "
+            "without training, use --checkpoint.create_seed_checkpoint"
+        )
+    if t.max_norm <= 0:
+        raise ConfigError(f"--training.max_norm must be positive, got {t.max_norm}")
+    for name in ("num_workers", "shuffle_buffer", "row_shuffle_buffer", "data_shards", "max_skipped_steps"):
+        value = t.dataloader.num_workers if name == "num_workers" else getattr(t, name)
+        if value < 0:
+            raise ConfigError(f"--training.{name} must be >= 0, got {value}")
+    datasets = split_list(t.dataset)
+    for name in ("dataset_name", "dataset_split", "data_dir", "data_files", "data_format"):
+        entries = split_list(getattr(t, name))
+        if entries and len(entries) not in (1, len(datasets)):
+            raise ConfigError(
+                f"--training.{name} has {len(entries)} entries for {len(datasets)} datasets: "
+                "give one entry per dataset (empty entries allowed) or a single one for all"
+            )
+    sft_flag = "--training.truncate_long" if t.truncate_long else (
+        f"--training.sft_loss_on {t.sft_loss_on}" if t.sft_loss_on != "completion" else None)
+    check_data_formats("--training", t.data_format, t.document_mask, sft_flag)
+    if t.data_probs is not None:
+        probs = split_list(t.data_probs)
+        if len(probs) != len(datasets):
+            raise ConfigError(
+                f"--training.data_probs has {len(probs)} entries for {len(datasets)} datasets; give one per dataset"
+            )
+        try:
+            values = [float(p) for p in probs]
+        except ValueError:
+            raise ConfigError(f"--training.data_probs must be numbers, got {t.data_probs!r}") from None
+        if any(v <= 0 for v in values):
+            raise ConfigError(f"--training.data_probs must all be positive, got {t.data_probs!r}")
+    if config.checkpoint.keep_latest_k == 1:
+        raise ConfigError(
+            "--checkpoint.keep_latest_k 1 could delete the only loadable checkpoint during a save: use 0 (keep all) or >= 2"
+        )
+    if config.checkpoint.keep_latest_k < 0:
+        raise ConfigError(
+            f"--checkpoint.keep_latest_k {config.checkpoint.keep_latest_k}: use 0 (keep every checkpoint) or >= 2 "
+            "(keep that many of the newest)"
+        )
+    if config.checkpoint.interval <= 0:
+        raise ConfigError(f"--checkpoint.interval must be positive, got {config.checkpoint.interval}")
+    if config.metrics.log_freq <= 0:
+        raise ConfigError(f"--metrics.log_freq must be positive, got {config.metrics.log_freq}")
+
+
+def check_data_formats(section: str, data_format: str | None, document_mask: bool, sft_flag: str | None = None) -> None:
+    """``<section>.data_format``: a known format per dataset; SFT keeps each conversation a document of its own.
+
+    ``sft_flag``: an SFT-only setting the job gives (training's truncate_long or sft_loss_on), which needs an SFT source.
+    """
+    formats = {entry or "text" for entry in split_list(data_format)}
+    if unknown := formats - {"text", "sft"}:
+        raise ConfigError(f"{section}.data_format {data_format}: {', '.join(sorted(unknown))} is not a format; "
+                          "give text or sft per dataset")
+    if "sft" in formats and not document_mask:
+        raise ConfigError(f"{section}.data_format sft keeps each conversation a document of its own: "
+                          "drop --training.no-document_mask")
+    if sft_flag and "sft" not in formats:
+        raise ConfigError(f"{sft_flag} applies to SFT sources, and no dataset is one: set --training.data_format sft "
+                          "for the chat datasets, or drop the flag")
+
+
+def _check_seed_checkpoint(config: Any, world_size: int) -> None:
+    if not config.checkpoint.create_seed_checkpoint:
+        return
+    if world_size != 1:
+        raise ConfigError(
+            f"--checkpoint.create_seed_checkpoint writes unsharded initial weights from one process, but this job has "
+            f"{world_size}: run it with NGPU=1 (one node), then start any layout from it"
+        )
+    if not config.checkpoint.enable:
+        raise ConfigError("--checkpoint.create_seed_checkpoint saves a checkpoint: drop --checkpoint.no-enable")
+
+
+def _check_eval(config: Any) -> None:
+    """Refuse --eval settings that cannot work (flame.training.evaluation scores the saved checkpoints)."""
+    e, c = config.eval, config.checkpoint
+    if not e.tasks.strip():
+        if e.interval or e.include_path or e.limit is not None or e.num_fewshot is not None:
+            raise ConfigError("--eval.interval/include_path/limit/num_fewshot apply to --eval.tasks, which is empty: "
+                              "name the tasks (e.g. --eval.tasks piqa,hellaswag) or drop them")
+        return
+    if not c.enable or c.load_only:
+        raise ConfigError("--eval.tasks scores saved checkpoints, and this run saves none: add --checkpoint.enable "
+                          "(without --checkpoint.load_only), or drop --eval.tasks")
+    if e.interval < 0 or (e.interval and e.interval % c.interval):
+        raise ConfigError(f"--eval.interval {e.interval} must be a positive multiple of --checkpoint.interval "
+                          f"{c.interval} (evaluations score saved checkpoints), or 0 for every checkpoint")
+    if e.include_path and not os.path.isdir(e.include_path):
+        raise ConfigError(f"--eval.include_path {e.include_path} is not a directory; give the folder of your task "
+                          "YAML files (configs/eval/ holds an example)")
+    if e.batch_size < 1 or (e.limit is not None and e.limit <= 0) or (e.num_fewshot is not None and e.num_fewshot < 0):
+        raise ConfigError("--eval.batch_size must be >= 1, --eval.limit > 0 and --eval.num_fewshot >= 0")
