@@ -31,7 +31,7 @@ from flame.config.merge import (
 )
 from flame.base.errors import ConfigError
 
-FLAME_ROOT = Path(__file__).resolve().parent.parent
+FLAME_ROOT = Path(__file__).resolve().parents[2]  # the checkout: flame/config/manager.py
 CONFIG_MODULE = "flame.config.job"
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flame.models import load_model_config
+from tests.conftest import ROOT
 from flame.models.registry import import_fla
 
 with warnings.catch_warnings():
@@ -21,7 +22,7 @@ with warnings.catch_warnings():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = ROOT / "configs"
 CONFIGS = sorted(CONFIG_DIR.rglob("*.json"))
 SIZE_IN_NAME = re.compile(r"_(\d+(?:\.\d+)?)([MB])\.json$")
 UNITS = {"M": 10**6, "B": 10**9}

@@ -22,9 +22,8 @@ from scripts.bench import reports, runs, torchtitan_peer
 from scripts.bench.batches import packed_batches
 from scripts.bench.plan import Run, Step
 from scripts.bench.runs import Result
-from tests.conftest import flame_env
+from tests.conftest import ROOT, flame_env
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name", sorted(gpu_check.SUITES))
@@ -329,7 +328,7 @@ def test_a_profiled_step_is_summed_by_kernel_kind_with_the_gpus_idle_time(tmp_pa
     cpu_trace = tmp_path / "cpu_trace.json"
     profiler.export_chrome_trace(str(cpu_trace))
     result = subprocess.run([sys.executable, "-m", "scripts.bench.trace_summary", str(cpu_trace)], capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1])
+                            text=True, cwd=ROOT)
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"trace_summary: error: {cpu_trace} holds no GPU kernels: it was recorded without CUDA activity "
         "(train.sh's --profiling.enable_profiling on a GPU records them)"]
