@@ -210,10 +210,10 @@ def write_job_toml(path: Path, model_config: str, training: str, job: str = "") 
 
 def parse_job(monkeypatch, world_size: int, *args: str):
     """The JobConfig the ranks of a ``world_size``-process job would parse from ``args`` (validation included)."""
-    from flame.prepare import prepared  # conftest itself imports no flame module
+    from flame.prepare import settled  # conftest itself imports no flame module
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    return prepared(list(args))
+    return settled(list(args))
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

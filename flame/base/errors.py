@@ -1,6 +1,8 @@
 """The error types flame raises. A module of its own, importing nothing of flame's, so that
 every module can raise them without importing the config machinery (no import cycles)."""
 
+import math
+
 
 class ConfigError(ValueError):
     """A job setting that cannot work. The message is one line: what is wrong and what to change.
@@ -28,3 +30,13 @@ def gist(error: BaseException) -> str:
         error = error.__cause__
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0].rstrip(".") if lines else type(error).__name__
+
+
+def check_number(flag: str, value: float, low: float, high: float = math.inf, *, high_open: bool = False,
+                 meaning: str = "") -> None:
+    """Refuse ``value`` unless finite and within [low, high] (or [low, high) with ``high_open``): the range check of
+    every numeric setting, here so that the optimizer records (flame.optim) and flame.prepare share it."""
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or value < low or above:
+        bound = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{flag} must be a number {bound}{meaning}, got {value}")

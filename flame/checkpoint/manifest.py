@@ -43,8 +43,8 @@ class Defect(NamedTuple):
 def crc32(path: str) -> str:
     """The CRC-32 of a file, as 8 hex digits (zlib's, read in chunks; it releases the GIL, so threads add up).
 
-    The fastest checksum of the standard library (4.7 GB/s, SHA-1 2.1, BLAKE2b 1.3: docs/perf-log.md,
-    2026-11-25): it finds truncated or changed files; a manifest is no signature, whatever the hash.
+    The fastest checksum of the standard library (against SHA-1 and BLAKE2b: docs/perf-log.md, 2026-11-25):
+    it finds truncated or changed files; a manifest is no signature, whatever the hash.
     """
     value = 0
     with open(path, "rb") as f:

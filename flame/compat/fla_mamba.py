@@ -27,7 +27,7 @@ def mamba_scans_documents(mamba_mix: Callable) -> None:
     """Give fla's Mamba layer (mamba, samba) flame's selective scan in training and prefill.
 
     Upstream: without mamba_ssm's and causal_conv1d's CUDA builds (they compile with nvcc; no GPU
-    image here has them) the layer scans token by token in PyTorch, 1k tokens/s on a tiny model;
+    image here has them) the layer scans token by token in PyTorch, far too slow to train;
     with them or without, it ignores ``cu_seqlens``, so a packed document starts from the state
     the previous one left (docs/models-verified.md).
     flame: a forward without a cache (training, validation, scoring) runs ``mamba_mix``: fla's

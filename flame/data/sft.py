@@ -210,6 +210,10 @@ class ChatEncoder:
             return None
         return WholeDocument(document.tokens[: self.context_len], labels, truncated=True)
 
+    def documents(self, stream, window: int, shuffle_seed: tuple[int, ...] | None = None) -> "ChatSource":
+        """The source's conversations from ``stream``, as its format's record reads them (flame.data.formats.sft)."""
+        return ChatSource(stream, self, window, shuffle_seed)
+
     def check_sample(self, dataset) -> None:
         """Encode the first records before training: bad records, columns and templates fail here, in one line."""
         records = list(dataset.select_columns(list(self.columns)).take(SAMPLE))

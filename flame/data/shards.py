@@ -14,6 +14,7 @@ import numpy as np
 from torchtitan.tools.logging import logger
 
 from flame.config.manager import split_list
+from flame.data.formats import DataFormat, SourceEncoder, data_format
 from flame.data.packing import (
     DOCUMENTS_PER_READ,
     DocumentMixer,
@@ -22,8 +23,8 @@ from flame.data.packing import (
     RowShuffler,
     TokenizedSource,
 )
-from flame.data.sft import ChatEncoder, ChatSource, padding_token, record_columns
-from flame.data.sources import SourceSpec, document_column, load_source, source_specs
+from flame.data.sft import padding_token
+from flame.data.sources import SourceSpec, load_source, source_specs
 from flame.data.streams import IterStream, MapStream
 from flame.data.tokenizer import Delimiters, document_delimiters
 from flame.base.errors import ConfigError
@@ -36,10 +37,9 @@ class DataPlan:
     """Everything a data shard needs, resolved and checked once in the main process (picklable)."""
 
     specs: list[SourceSpec]
+    formats: list[DataFormat]  # each source's record (flame.data.formats)
     datasets: list
-    columns: list[str | tuple[str, ...]]  # a text source's column; the columns of an SFT source's records
-    pretokenized: list[bool]
-    encoders: list[ChatEncoder | None]  # SFT sources' (flame.data.sft); None for text sources
+    encoders: list[SourceEncoder]  # each source's reader, made by its format's record
     probabilities: list[float]
     mix_unit: str
     streaming: bool
@@ -63,17 +63,9 @@ class DataPlan:
         specs = source_specs(training)
         datasets = [load_source(spec, training.streaming) for spec in specs]
         delimiters = document_delimiters(tokenizer, training.delimiters, training.separator_token)
-        columns, encoders = [], []
-        for dataset, spec in zip(datasets, specs):
-            if spec.data_format == "sft":
-                encoder = ChatEncoder(tokenizer, delimiters, record_columns(dataset, spec), spec.path,
-                                      training.context_len, training.sft_loss_on, training.truncate_long)
-                encoder.check_sample(dataset)
-                columns.append((encoder.columns, False))
-            else:
-                encoder = None
-                columns.append(document_column(dataset, spec, training.text_column))
-            encoders.append(encoder)
+        formats = [data_format(spec.data_format) for spec in specs]
+        encoders = [fmt.encoder(dataset, spec, training, tokenizer, delimiters)
+                    for fmt, dataset, spec in zip(formats, datasets, specs)]
         validation = job_config.validation
         holdout = validation.holdout_documents if validation.enable else 0
         for spec, dataset in zip(specs, datasets):
@@ -87,9 +79,8 @@ class DataPlan:
             logger.warning(f"--training.data_probs {training.data_probs} sum to {sum(probabilities):g}; normalizing")
         return cls(
             specs=specs,
+            formats=formats,
             datasets=datasets,
-            columns=[column for column, _ in columns],
-            pretokenized=[tokens for _, tokens in columns],
             encoders=encoders,
             probabilities=probabilities,
             mix_unit=training.mix_unit,
@@ -116,9 +107,6 @@ class DataPlan:
 
     def source_names(self) -> list[str]:
         return [spec.path.removeprefix("builtin:") for spec in self.specs]
-
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def warn_about_stream_splitting(self, shards: int) -> None:
         if not self.streaming:
@@ -156,8 +144,9 @@ class DataShard:
 
 
 def document_source(plan: DataPlan, index: int, shard: int, shards: int) -> TokenizedSource:
-    """Source ``index``'s documents in shard ``shard`` of ``shards``, tokenized and delimited (or encoded, SFT)."""
-    dataset, column, spec = plan.datasets[index], plan.columns[index], plan.specs[index]
+    """Source ``index``'s documents in shard ``shard`` of ``shards``, encoded as its format encodes them."""
+    dataset, encoder, spec = plan.datasets[index], plan.encoders[index], plan.specs[index]
+    column = encoder.columns
     if plan.streaming:
         stream = IterStream(dataset, column, shard, shards, spec.path, stop_at_end=plan.stop_at_end)
     else:
@@ -166,10 +155,7 @@ def document_source(plan: DataPlan, index: int, shard: int, shards: int) -> Toke
     shuffled = plan.streaming and plan.shuffle_buffer > 0
     window = max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ
     shuffle_seed = (plan.seed, shard, index) if shuffled else None
-    if plan.encoders[index] is not None:
-        return ChatSource(stream, plan.encoders[index], window, shuffle_seed)
-    tokenize = None if plan.pretokenized[index] else plan.tokenize
-    return TokenizedSource(stream, tokenize, plan.delimiters, window, shuffle_seed)
+    return encoder.documents(stream, window, shuffle_seed)
 
 
 def shards_of_reader(reader: int, readers: int, shards: int) -> list[int]:

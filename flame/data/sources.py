@@ -23,7 +23,7 @@ class SourceSpec:
     split: str = "train"
     data_dir: str | None = None
     data_files: str | None = None
-    data_format: str = "text"  # text or sft (flame.data.sft)
+    data_format: str | None = None  # its format's name (flame.data.formats); None: the default
 
 
 def source_specs(training) -> list[SourceSpec]:
@@ -37,7 +37,7 @@ def source_specs(training) -> list[SourceSpec]:
 
     return [
         SourceSpec(path=path, name=name, split=split or "train", data_dir=data_dir, data_files=data_files,
-                   data_format=data_format or "text")
+                   data_format=data_format)
         for path, name, split, data_dir, data_files, data_format in zip(
             paths,
             per_entry(training.dataset_name),

@@ -81,7 +81,7 @@ def fsdp_alone(config: JobConfig, world_size: int) -> bool:
 
     Why the second: such a job is one too large for its GPU, and FSDP's mixed precision casts each
     block's weights to bf16 as it runs, where autocast keeps a bf16 copy of every weight all step and
-    a float32 residual stream (a 7B: 12.5 GiB of copies, twice the checkpointed block inputs).
+    a float32 residual stream (for a 7B, twice the checkpointed block inputs: docs/perf-log.md).
     """
     return world_size == 1 and (config.training.enable_cpu_offload or config.optimizer.on_host)
 

@@ -40,6 +40,7 @@ from flame.models.inputs import is_fla_config
 from flame.models.model_config import load_model_config
 from flame.models.registry import decoder_layers, meta_model
 from flame.optim.host import leading_units, units_of
+from flame.optim.record import optimizer_record
 
 HOST_SHARE = 0.9  # of the available RAM: the rest for the data loaders, page cache and the OS
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
@@ -104,22 +105,23 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     dtype = device.compute_dtype(config)
     # Eager HF blocks on a GPU run flame's fused norms and MLPs (flame.models.builder), which keep less than HF's
     # code. Compiled blocks run HF's code, but inductor fuses its elementwise ops and keeps about what the fused
-    # kernels keep: they stand in for it (llama 340M at 64K tokens, compiled: 60.8 GiB reserved, planned at 66.5
-    # this way and at 96.6 from HF's eager code; docs/perf-log.md, 2026-11-28).
+    # kernels keep: they stand in for it (HF's eager code overestimated a compiled llama by half: docs/perf-log.md,
+    # 2026-11-28).
     fused = device.CUDA and (config.model.fused_kernels or config.compile.enable) and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1
     autocast = not fsdp and dtype_bytes(dtype) < 4  # torchtitan's AMP: float32 weights, autocast keeps cast copies
+    optimizer = optimizer_record(config.optimizer.name)
     job = Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size, compute_bytes=dtype_bytes(dtype),
-        hidden_bytes=4 if autocast else dtype_bytes(dtype), optimizer=config.optimizer.name, rows=t.local_batch_size,
+        hidden_bytes=4 if autocast else dtype_bytes(dtype), optimizer=optimizer, rows=t.local_batch_size,
         accumulates=t.gradient_accumulation_steps > 1,
         tokens_per_row=t.seq_len // p.context_parallel_degree,
         weight_shards=shards * p.tensor_parallel_degree * p.pipeline_parallel_degree, fsdp=fsdp,
         alone=fsdp and world_size == 1,
         can_offload=device.CUDA and (fsdp or world_size == 1),
-        can_step_on_host=device.CUDA and config.optimizer.name != "Muon" and not pipelined,
+        can_step_on_host=device.CUDA and optimizer.steps_on_host and not pipelined,
         gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, fsdp),
         autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(config, model_config.vocab_size),
         expandable_segments=expandable_segments(config), dense_attention=attention == "sdpa",
@@ -175,9 +177,8 @@ def fixed_settings(config, given: dict[str, int]) -> set[str]:
 
 
 # Under the memory plan, CUDA's caching allocator grows its segments in place instead of reserving fixed
-# blocks: what it reserves then follows what the tensors take (fla transformer 1B, FSDP over 2 GPUs: 17.3 GiB
-# reserved for 13.1 allocated without it, 15.6 with it; docs/perf-log.md, 2026-11-27), and the plan's margin
-# for fragmentation shrinks to match. A PYTORCH_CUDA_ALLOC_CONF of the user's own is left as it is.
+# blocks: what it reserves then follows what the tensors take more closely (docs/perf-log.md, 2026-11-27), and
+# the plan's margin for fragmentation shrinks to match. A PYTORCH_CUDA_ALLOC_CONF of the user's own is left as it is.
 PLANNED_ALLOCATOR = "expandable_segments:True"
 
 

@@ -194,7 +194,7 @@ def backward_peak(output: torch.Tensor, wanted: list[torch.Tensor], retain_graph
     what is live when it starts (the saved tensors and that gradient): the gradients it passes on and its kernels'
     buffers. The probe asks a block for its input's gradient alone: the weights' gradients do not grow with the
     row (the plan counts them itself), and asked for they set the peak of the probe's short rows (a 7B block's
-    0.4 GB of them outweighed its per-token buffers up to 4K tokens, and the rows' fit then sloped down)."""
+    outweighed its per-token buffers there, and the rows' fit then sloped down: docs/perf-log.md)."""
     where = output.device
     arriving = torch.ones_like(output)
     torch.cuda.synchronize(where)

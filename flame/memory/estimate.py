@@ -1,11 +1,12 @@
 """What one rank holds at its training step's peak, part by part, under a layout (``estimate``).
 
 ``estimate`` adds up, per rank, under the job's parallel layout: fp32 parameters, fp32 gradients,
-the optimizer's fp32 state (AdamW/Adam: two moments; Muon: one momentum for the blocks' matrices,
-AdamW's two for the rest), FSDP's all-gather buffers (one block's weights in the compute dtype,
-twice: the block computing and the one prefetched; every block's once FSDP keeps them gathered
-after the forward), autocast's weight copies (no FSDP, bf16; ``autocast_copies``), the activations
-(``flame.memory.activations``: measured), the loss's logits, and an allocator margin.
+the optimizer's fp32 state (its record's bytes a parameter, flame.optim.record: AdamW/Adam two
+moments; Muon one momentum for the blocks' matrices, AdamW's two for the rest), FSDP's all-gather
+buffers (one block's weights in the compute dtype, twice: the block computing and the one
+prefetched; every block's once FSDP keeps them gathered after the forward), autocast's weight
+copies (no FSDP, bf16; ``autocast_copies``), the activations (``flame.memory.activations``:
+measured), the loss's logits, and an allocator margin.
 
 A step peaks at one of these moments, and the estimate is the largest: the forward's end, where
 every block's kept activations and the loss's chunk of logits are live and the gradients are
@@ -13,9 +14,8 @@ not yet allocated (unless a step accumulates them over micro-batches); the backw
 where that block's activations (recomputed when checkpointed) and its backward's buffers are
 live beside what the blocks before it kept, the logits are gone, and the gradients of this
 block and the ones after it are allocated; and the backward's end, every gradient allocated.
-Summing the moments' parts overestimated full AC by a sixth (gla 340M on an H100), and counting
-every gradient at the backward's first blocks overestimated the 1B by 4 GiB (docs/perf-log.md,
-2026-11-27 and 2026-11-28).
+Summing the moments' parts overestimated full AC, and counting every gradient at the backward's
+first blocks overestimated a 1B (docs/perf-log.md, 2026-11-27 and 2026-11-28).
 """
 
 from __future__ import annotations
@@ -48,23 +48,22 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     """What one rank holds at its peak, part by part (the largest of the moments in the module's doc)."""
     job = as_run(job, layout)
     weights = job.params / job.weight_shards
-    state = 8 * weights if job.optimizer != "Muon" else 4 * job.matrix_params / job.weight_shards + 8 * (
-        job.params - job.matrix_params) / job.weight_shards
+    state = job.optimizer.state_of(job.params, job.matrix_params) / job.weight_shards
     kept = "host (CPU offload)" if layout.offload else "GPU"
-    moments = "one momentum for matrices, AdamW's two for the rest" if job.optimizer == "Muon" else "two moments"
+    state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
     parts = [Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank")]
     gradients = Part("gradients", 4 * weights, kept, "fp32")
     if layout.host_optimizer:
         # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU
-        on_gpu = 8 * job.gpu_state_params / job.weight_shards
-        parts.append(Part("optimizer state", state - on_gpu, "host (stepped there)", f"{job.optimizer}: fp32, {moments}"))
+        on_gpu = job.optimizer.state_bytes * job.gpu_state_params / job.weight_shards
+        parts.append(Part("optimizer state", state - on_gpu, "host (stepped there)", state_note))
         if on_gpu:
             parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
                                                                   "(--optimizer.gpu_blocks)"))
         parts.append(Part("host step buffers", 8 * (weights - job.gpu_state_params / job.weight_shards),
                           "host (pinned)", "fp32 copies of the weights and gradients"))
     else:
-        parts.append(Part("optimizer state", state, kept, f"{job.optimizer}: fp32, {moments}"))
+        parts.append(Part("optimizer state", state, kept, state_note))
     if job.fsdp or layout.offload:
         gathered = job.params if not layout.reshard else 2 * job.block_params
         why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"

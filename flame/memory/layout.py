@@ -11,6 +11,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from flame.memory.activations import ActivationProfile
+    from flame.optim.record import OptimizerRecord
 
 FIRST = "first:"  # Layout.ac "first:K": full AC of the first K blocks only (--activation_checkpoint.blocks K)
 
@@ -64,7 +65,7 @@ class Job:
     hidden_size: int
     compute_bytes: int  # bytes per element of the compute dtype
     hidden_bytes: int  # bytes per element of the residual stream: float32 under autocast, else the compute dtype
-    optimizer: str
+    optimizer: OptimizerRecord  # its state's bytes and whether it offloads (flame.optim.record)
     rows: int  # training.batch_size (per rank, before any split into micro-batches)
     accumulates: bool  # the job's own gradient accumulation: gradients live through every forward
     tokens_per_row: int  # seq_len over the context-parallel degree
@@ -72,7 +73,7 @@ class Job:
     fsdp: bool
     alone: bool  # FSDP over this process's one rank (flame.distributed.degrees.fsdp_alone): no other rank to talk to
     can_offload: bool  # a GPU job under FSDP, or of one process (FSDP wraps it alone to offload it)
-    can_step_on_host: bool  # a GPU job with AdamW or Adam, not pipelined (--optimizer.on_host)
+    can_step_on_host: bool  # a GPU job, not pipelined, whose optimizer steps on the host (--optimizer.on_host)
     gpu_state_params: int  # under --optimizer.on_host, the parameters whose state --optimizer.gpu_blocks keeps on the GPU
     autocast_copies: bool  # no FSDP and a bf16/fp16 compute dtype: autocast keeps a cast copy of each weight
     fused_loss: bool

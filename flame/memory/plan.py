@@ -60,7 +60,7 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
     """Every layout the plan may take from ``start``: each setting the job does not give, in each allowed value.
 
     Activation checkpointing only recomputes more than ``start`` does (``ac_options``). Offload
-    needs a GPU job that FSDP can wrap, an optimizer that steps on the host (not Muon), and room in
+    needs a GPU job that FSDP can wrap, an optimizer that runs offloaded (its record says), and room in
     the host budget; so does the optimizer on the host, which a pipeline cannot take and which
     FSDP2's offload already is. Micro-batches divide the rows evenly.
     """
@@ -71,7 +71,7 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
         return host_budget is None or host_bytes(estimate(job, dataclasses.replace(start, **change))) <= host_budget
 
     offloads = [start.offload]
-    if job.can_offload and "offload" not in fixed and not start.offload and job.optimizer != "Muon" and fits_host(
+    if job.can_offload and "offload" not in fixed and not start.offload and job.optimizer.offloads and fits_host(
             offload=True, host_optimizer=False):
         offloads.append(True)
     on_host = [start.host_optimizer]
@@ -96,8 +96,7 @@ def ac_options(job: Job, current: str) -> list[str]:
 
     Never op-level selective AC: torchtitan's policy keeps only PyTorch ops' outputs, so it runs
     again every Triton kernel of fla's blocks and most of an HF block, and measured slower than
-    full AC while keeping more (HF llama 340M on an H100: 78.8k tok/s at 23.4 GiB against 99.2k
-    at 12.6 GiB; docs/perf-log.md 2026-11-27). A job may still give it.
+    full AC while keeping more (docs/perf-log.md, 2026-11-27). A job may still give it.
     """
     blocks = len(job.activations.blocks)
     firsts = [f"{FIRST}{count}" for count in range(1, blocks)]

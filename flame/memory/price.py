@@ -101,8 +101,8 @@ def recompute_share(ac: str, blocks: int) -> float:
     """The share of the forward an AC setting runs again: none 0, the first K or every N-th of ``blocks``
     blocks, all.
 
-    Op-level selective AC counts as all: on these models it costs more than full AC (HF llama
-    340M on an H100: 78.8k tok/s against 99.2k; mamba2 340M: 40.4k against 56.0k).
+    Op-level selective AC counts as all: on these models it measured slower than full AC (HF llama
+    and mamba2 at 340M: docs/perf-log.md, 2026-11-27).
     """
     shares = {"none": 0.0, "memory_budget": 0.0, "op": 1.0, "full": 1.0}
     if ac in shares:

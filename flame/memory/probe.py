@@ -14,8 +14,8 @@ of it.
 
 The probe also measures what a block's backward allocates beyond what the forward kept: the
 gradients flowing through the block and its kernels' buffers (fla's chunked kernels build and
-free state tensors there: gated_deltanet 340M's measured peak at 32K tokens stood 2.8 GiB above
-its saved tensors). The last block's backward runs at each row length, from its own output, with
+free state tensors there: gated_deltanet's measured peak stood well above its saved tensors,
+docs/perf-log.md). The last block's backward runs at each row length, from its own output, with
 the peak of allocated memory read around it. Only the input's gradient is asked for: the weights'
 gradients do not grow with the row (the plan counts them itself), and they would set the short rows'
 peaks. What grows between the two longest rows is the per-token slope the plan extrapolates.

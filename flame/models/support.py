@@ -108,13 +108,12 @@ class ModelSupport:
         return [p for p in self.packages if p.option is None or getattr(config, p.option, False)]
 
 
-# Every fla type measured at 340M (one 32K-token varlen row, docs/perf-log.md) trained slower with its blocks
-# compiled, by 7-30%: fla runs its token mixers outside the compiled graph and its norms and SwiGLU are
-# Triton kernels already, so inductor has little to fuse, and the graph's pieces cost host time every
-# step. So --training.compile leaves every fla type's blocks eager (the measured types say by how much).
-FLA_COMPILED_SLOWER = ("fla's token mixers run outside the compiled graph, and every fla type measured at "
-                       "340M (transformer, gla, gated_deltanet, delta_net, hgrn2, mamba2, samba) trained 7-30% "
-                       "slower compiled")
+# Every fla type measured at 340M trained slower with its blocks compiled (docs/performance.md): fla runs
+# its token mixers outside the compiled graph and its norms and SwiGLU are Triton kernels already, so
+# inductor has little to fuse, and the graph's pieces cost host time every step. So --training.compile
+# leaves every fla type's blocks eager (the measured types say so).
+FLA_COMPILED_SLOWER = ("fla's token mixers run outside the compiled graph, and every fla type measured "
+                       "(docs/performance.md) trained slower compiled")
 _FLA_DEFAULTS = {
     "documents": Documents.CU_SEQLENS,
     "cuda_only": "runs fla's Triton kernels (its norms, activations and token mixer)",
@@ -142,7 +141,7 @@ _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
 _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
 # the 340M config, one 32K-token varlen row (docs/perf-log.md, 2026-11-25, 2026-11-27 and 2026-11-28)
-_COMPILED_SLOWER = "compiled blocks ran 340M at {compiled} tok/s against {eager} eager on an {card}"
+_COMPILED_SLOWER = "its compiled blocks trained 340M slower than eager (measured: docs/performance.md)"
 _MAMBA_SSM = Package("mamba_ssm", mamba_ssm.INSTALL, "mamba_ssm's Mamba-3 scan kernels")
 _TILELANG = Package("tilelang", "pip install tilelang", "the Mamba-3 MIMO kernels, written in TileLang", "is_mimo")
 # (moba's calls to flash-attn need no package: flame provides them, flame.models.kernels.flash_attn_internals)
@@ -175,26 +174,26 @@ _RECORDS = (
     _fla("cyclic_flow_attention", LINEAR,
          **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models-verified.md)")),
     _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule",
-         compile_slower=_COMPILED_SLOWER.format(compiled="82k", eager="110k", card="H200")),
+         compile_slower=_COMPILED_SLOWER),
     _fla("deltaformer", SOFTMAX,
          compile_fails="Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it"),
     _fla("forgetting_transformer", SOFTMAX, softmax_layers=("ForgettingAttention",)),
     _fla("gated_deltanet", LINEAR, tensor_parallel_plan="gated_deltanet",
          context_parallel=ContextParallelism.FLA_KERNELS, tilelang_on_hopper=True,
-         compile_slower=_COMPILED_SLOWER.format(compiled="76k", eager="108k", card="H200")),
+         compile_slower=_COMPILED_SLOWER),
     _fla("gated_deltaproduct", LINEAR, float32_refused_by="chunk_gated_delta_product"),
     _fla("gla", LINEAR, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES,
-         compile_slower=_COMPILED_SLOWER.format(compiled="111k", eager="128k", card="H200")),
+         compile_slower=_COMPILED_SLOWER),
     _fla("gsa", LINEAR, tensor_parallel_plan="gsa"),
     _fla("hgrn", LINEAR),
-    _fla("hgrn2", LINEAR, compile_slower=_COMPILED_SLOWER.format(compiled="94k", eager="105k", card="H200")),
+    _fla("hgrn2", LINEAR, compile_slower=_COMPILED_SLOWER),
     _fla("kda", LINEAR, context_parallel=ContextParallelism.FLA_KERNELS),
     _fla("lightnet", LINEAR),
     _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
     _fla("mamba", SSM, notes=_MAMBA_SCAN),
     _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
-         compile_slower=_COMPILED_SLOWER.format(compiled="63k", eager="71k", card="H100"),
+         compile_slower=_COMPILED_SLOWER,
          notes="trains on fla's Triton conv and mamba_ssm's Triton SSD scan with one group, else fla's GLA scan "
                "(flame.models.kernels.mamba2); tensor parallel with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
@@ -214,12 +213,12 @@ _RECORDS = (
     _fla("rwkv7", LINEAR,
          compile_fails="inductor fails on an in-place op on a view returned by fla's custom autograd Function"),
     _fla("samba", HYBRID, softmax_layers=("Attention",), notes=_MAMBA_SCAN,
-         compile_slower=_COMPILED_SLOWER.format(compiled="68k", eager="73k", card="H200")),
+         compile_slower=_COMPILED_SLOWER),
     _fla("stickbreaking_attn", SOFTMAX, compile_fails="the compiled blocks give a NaN loss",
          softmax_layers=("StickBreakingAttention",)),
     # fla's Attention is also the softmax layer of the hybrids' attn layers
     _fla("transformer", SOFTMAX, tensor_parallel_plan="fla_transformer", softmax_layers=("Attention",),
-         compile_slower=_COMPILED_SLOWER.format(compiled="106k", eager="140k", card="H100") + (
+         compile_slower=_COMPILED_SLOWER + (
              " (the graph breaks at fla's attention); at 1B 62k against 67k"), **_ATTENTION_CP),
     _fla("wall_transformer", SOFTMAX),
     _fla("yoco", HYBRID, tilelang_on_hopper=True),

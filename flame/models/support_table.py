@@ -32,8 +32,8 @@ LEGEND = """\
   not: each row is one sequence (flame warns; `--training.no-varlen` with short rows limits the mixing).
 - **compile**: `--training.compile` (**eager**: its compiled blocks train slower than eager, so the flag
   leaves them eager and the log says so. Every fla type: fla runs its token mixers outside the compiled
-  graph, and each fla type measured at 340M trained 7-30% slower compiled; the notes give the measured
-  ones' figures); **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
+  graph, and each fla type measured at 340M trained slower compiled; the notes name the measured ones, and
+  [performance](performance.md#compiled-against-eager) gives their figures); **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
   `--parallelism.context_parallel_degree` (softmax attention all-gathers K/V over the CP ranks; fla's CP
   kernels pass the recurrent state between them). What a type cannot do is refused at preflight.
 - **needs**: a CUDA GPU for fla's Triton kernels, bf16 compute for kernels that refuse float32 (on GPUs,

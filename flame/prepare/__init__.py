@@ -1,6 +1,7 @@
 """Everything decided about a job before a process group exists: every check, and the memory plan.
 
     prepare(job, world_size)                 each rank, before its Trainer is built (flame.train)
+    prepare_settings(job, world_size)        the same short of the model's own checks (tests of settings, data)
     prepare(job, world_size, sources=True)   train.sh's preflight, once, before any rank starts
                                              (flame.launch.preflight): also the dump folder, the
                                              checkpoint the run would load, and every data source
@@ -29,35 +30,45 @@ from flame.distributed.degrees import check_fsdp_options, data_parallel_degree
 from flame.prepare import inputs, settings
 from flame.prepare.model import ModelUnderCheck, check_model
 
-__all__ = ["ModelUnderCheck", "prepare", "prepared"]
+__all__ = ["ModelUnderCheck", "prepare", "prepare_settings", "prepared", "settled"]
 
 
 def prepare(job: ParsedJob, world_size: int, *, sources: bool = False) -> ModelUnderCheck:
     """Check ``job`` for ``world_size`` processes and apply its memory plan (it changes ``job.config`` in place:
     defaults that depend on other settings, the plan's layout, the global batch); the model it checked."""
+    if sources:
+        # A refusal is one line on stderr: the libraries' own warnings and progress bars stay out of it
+        # (the ranks load the same model and data, and show them there).
+        transformers.logging.set_verbosity_error()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs an error before raising it
+        datasets.disable_progress_bars()
+    model = prepare_settings(job, world_size)
+    check_model(job.config, model)
+    if sources:
+        _check_sources(job.config, model)
+    return model
+
+
+def prepare_settings(job: ParsedJob, world_size: int) -> ModelUnderCheck:
+    """``prepare`` short of the model's own checks: the files found, the settings checked, the memory plan applied.
+
+    What a test of the settings or the data needs from a job; every run goes through ``prepare``.
+    """
     config, given = job.config, job.given
-    settings.check(config, given, world_size)
     inputs.resolve_model_files(config, given)
+    settings.check(config, given, world_size)
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
     check_fsdp_options(config, world_size)
-    model = ModelUnderCheck(config.model.config)
+    model = ModelUnderCheck.load(config.model.config)
     # may split batch_size into micro-batches: the global batch stays
     memory.apply(config, world_size, given, model.config, lambda: model.meta)
     config.training.global_batch_size = config.training.local_batch_size * dp * config.training.gradient_accumulation_steps
-    check_model(config, model)
-    if sources:
-        _check_sources(config, model)
     return model
 
 
 def _check_sources(config, model: ModelUnderCheck) -> None:
     """The dump folder, the checkpoint the run would load, the tokenizer and every data source (train.sh's preflight)."""
-    # A refusal is one line on stderr: the libraries' own warnings and progress bars stay out of it
-    # (the ranks load the same model and data, and show them there).
-    transformers.logging.set_verbosity_error()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs an error before raising it
-    datasets.disable_progress_bars()
     inputs.check_dump_folder(config.job.dump_folder)
     check_checkpoint_fits_model(config, model.meta_copy, check_checkpoint(config))
     tokenizer = load_tokenizer(config.model.tokenizer_path)
@@ -68,9 +79,21 @@ def _check_sources(config, model: ModelUnderCheck) -> None:
 
 def prepared(args: list[str], world_size: int | None = None):
     """The JobConfig a rank builds its Trainer from: ``args`` parsed and prepared (``world_size``: WORLD_SIZE's)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    job = parse(args)
+    prepare(job, _world_size(world_size))
+    return job.config
+
+
+def settled(args: list[str], world_size: int | None = None):
+    """The JobConfig of ``args`` with its settings prepared (``prepare_settings``): for what builds no model, like the
+    loader's benchmark."""
+    job = parse(args)
+    prepare_settings(job, _world_size(world_size))
+    return job.config
+
+
+def _world_size(given: int | None) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if given is None else given
     if world_size < 1:
         raise ConfigError(f"WORLD_SIZE {world_size}: a job runs at least one process")
-    job = parse(args)
-    prepare(job, world_size)
-    return job.config
+    return world_size

@@ -15,6 +15,8 @@ from flame.models import init_from
 def resolve_model_files(config: Any, given: dict[str, int]) -> None:
     """The model config and tokenizer the job names, found (--model.init_from gives both), or a one-line refusal."""
     model = config.model
+    if model.name != "flame":
+        raise ConfigError(f"--model.name {model.name}: flame trains HF/fla models only; leave it unset")
     if model.init_from:  # its folder, found once (offline), gives the model config and tokenizer
         init_from.check_other_starts(config.checkpoint)
         model.init_from = init_from.resolve(resolve_path(model.init_from))

@@ -34,8 +34,13 @@ from flame.models.support import Documents, support_for
 class ModelUnderCheck:
     """The job's model config, read once, and its model on the meta device, built once when first asked for."""
 
-    def __init__(self, config_path: str):
-        self.config: PretrainedConfig = load_model_config(config_path)
+    def __init__(self, config: PretrainedConfig):
+        self.config = config
+
+    @classmethod
+    def load(cls, config_path: str) -> "ModelUnderCheck":
+        """The model of the config JSON at ``config_path`` (or of the directory holding it)."""
+        return cls(load_model_config(config_path))
 
     @functools.cached_property
     def meta(self) -> nn.Module:

@@ -10,34 +10,26 @@ import os
 from typing import Any
 
 from flame.base.errors import ConfigError
+from flame.base.errors import check_number as _number  # shared with the optimizer records' checks
 from flame.config.manager import split_list
-
-OPTIMIZERS = ("Adam", "AdamW", "Muon")  # torchtitan's build_optimizers knows Adam and AdamW; Muon is flame's
-
-
-def _number(flag: str, value: float, low: float, high: float = math.inf, *, high_open: bool = False,
-            meaning: str = "") -> None:
-    """``value`` is finite and within [low, high] (or [low, high) with ``high_open``)."""
-    above = value >= high if high_open else value > high
-    if not math.isfinite(value) or value < low or above:
-        bound = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ConfigError(f"{flag} must be a number {bound}{meaning}, got {value}")
+from flame.data.formats import DATA_FORMATS, choices, data_format as format_record
+from flame.optim.record import OPTIMIZERS, OptimizerRecord, first_that, optimizer_record
 
 
 def check(config: Any, given: dict[str, int], world_size: int) -> None:
     """Refuse what torch, torchtitan or flame's trainer cannot run; ``given``: the dotted names the TOML and CLI set."""
-    if config.model.name != "flame":
-        raise ConfigError(f"--model.name {config.model.name}: flame trains HF/fla models only; leave it unset")
     _check_training(config)
     _check_seed_checkpoint(config, world_size)
     _check_eval(config)
     if not config.job.dump_folder.strip():
         raise ConfigError("--job.dump_folder is empty; give the folder for this run's checkpoints and logs (e.g. exp/run)")
     _check_optimizer(config.optimizer, given)
-    if config.optimizer.name == "Muon" and config.training.enable_cpu_offload:
+    record = optimizer_record(config.optimizer.name)
+    if not record.offloads and config.training.enable_cpu_offload:
         raise ConfigError(
-            "--optimizer.name Muon does not combine with --training.enable_cpu_offload: Muon gathers and orthogonalizes "
-            "whole matrices on the GPU, and offloaded weights and gradients live on the CPU; leave offload off, or use AdamW"
+            f"--optimizer.name {record.name} does not combine with --training.enable_cpu_offload: {record.on_gpu_only}, "
+            "and offloaded weights and gradients live on the CPU; leave offload off, or use "
+            f"{first_that(lambda other: other.offloads).name}"
         )
     _check_host_optimizer(config)
     _check_checkpointed_blocks(config)
@@ -85,9 +77,11 @@ def _check_host_optimizer(config: Any) -> None:
             raise ConfigError("--optimizer.gpu_blocks keeps some of the optimizer state on the GPU when the rest is on "
                               "the host: add --optimizer.on_host, or drop gpu_blocks")
         return
-    if config.optimizer.name == "Muon":
-        raise ConfigError("--optimizer.on_host steps AdamW or Adam on the host; Muon orthogonalizes whole matrices on "
-                          "the GPU: use --optimizer.name AdamW, or leave on_host off")
+    record = optimizer_record(config.optimizer.name)
+    if not record.steps_on_host:
+        hosted = [other.name for other in OPTIMIZERS.values() if other.steps_on_host]
+        raise ConfigError(f"--optimizer.on_host steps {' or '.join(hosted)} on the host; {record.on_gpu_only}: use "
+                          f"--optimizer.name {hosted[0]}, or leave on_host off")
     if config.training.enable_cpu_offload:
         raise ConfigError("--optimizer.on_host and --training.enable_cpu_offload both move the optimizer state to the "
                           "host (the second with the weights and gradients): give one of them")
@@ -97,24 +91,25 @@ def _check_host_optimizer(config: Any) -> None:
 
 
 def _check_optimizer(o: Any, given: dict[str, int]) -> None:
-    if o.name not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer.name {o.name}: flame trains with {', '.join(OPTIMIZERS)}; choose one of them")
-    if o.name != "Muon":
-        if muon := sorted(name for name in given if name.startswith("optimizer.muon_")):
-            raise ConfigError(f"--{muon[0]} sets the Muon optimizer, but --optimizer.name is {o.name}: add "
-                              "--optimizer.name Muon, or drop the muon_ settings")
-    else:
-        if o.muon_lr is not None:
-            _number("--optimizer.muon_lr", o.muon_lr, 0)
-        _number("--optimizer.muon_momentum", o.muon_momentum, 0, 1, high_open=True)
-        if o.muon_weight_decay is not None:
-            _number("--optimizer.muon_weight_decay", o.muon_weight_decay, 0)
-        _number("--optimizer.muon_ns_steps", o.muon_ns_steps, 1, 99, meaning=" (Newton-Schulz iterations; 5 is usual)")
+    """The optimizer's record (flame.optim.record): a known name, no settings of another optimizer, its own in range."""
+    record = optimizer_record(o.name)
+    for other in OPTIMIZERS.values():
+        if other is not record and (owned := sorted(name for name in other.owns if name in given)):
+            raise ConfigError(f"--{owned[0]} sets the {other.name} optimizer, but --optimizer.name is {o.name}: add "
+                              f"--optimizer.name {other.name}, or drop {_own_settings(other)}")
+    record.check(o)
     _number("--optimizer.lr", o.lr, 0)  # 0 is a use: a step that loads and saves the weights unchanged
     _number("--optimizer.beta1", o.beta1, 0, 1, high_open=True)
     _number("--optimizer.beta2", o.beta2, 0, 1, high_open=True)
     _number("--optimizer.eps", o.eps, 0)
     _number("--optimizer.weight_decay", o.weight_decay, 0)
+
+
+def _own_settings(record: OptimizerRecord) -> str:
+    """How a refusal names an optimizer's own settings: by their common prefix (the muon_ settings), or the one flag."""
+    names = [name.partition(".")[2] for name in record.owns]
+    prefix = os.path.commonprefix(names)
+    return f"the {prefix} settings" if len(names) > 1 and prefix else f"--{record.owns[0]}"
 
 
 def _check_lr_scheduler(s: Any) -> None:
@@ -279,9 +274,7 @@ def _check_training(config: Any) -> None:
                 f"--training.{name} has {len(entries)} entries for {len(datasets)} datasets: "
                 "give one entry per dataset (empty entries allowed) or a single one for all"
             )
-    sft_flag = "--training.truncate_long" if t.truncate_long else (
-        f"--training.sft_loss_on {t.sft_loss_on}" if t.sft_loss_on != "completion" else None)
-    check_data_formats("--training", t.data_format, t.document_mask, sft_flag)
+    check_data_formats("--training", t.data_format, t.document_mask, t)
     if t.data_probs is not None:
         probs = split_list(t.data_probs)
         if len(probs) != len(datasets):
@@ -309,21 +302,30 @@ def _check_training(config: Any) -> None:
         raise ConfigError(f"--metrics.log_freq must be positive, got {config.metrics.log_freq}")
 
 
-def check_data_formats(section: str, data_format: str | None, document_mask: bool, sft_flag: str | None = None) -> None:
-    """``<section>.data_format``: a known format per dataset; SFT keeps each conversation a document of its own.
+def check_data_formats(section: str, data_format: str | None, document_mask: bool, training: Any = None) -> None:
+    """``<section>.data_format``: a known format per dataset (flame.data.formats), its documents kept apart where
+    its record needs them apart.
 
-    ``sft_flag``: an SFT-only setting the job gives (training's truncate_long or sft_loss_on), which needs an SFT source.
+    ``training``: the job's training config, whose format-only fields (a record's ``options``) set away from
+    their defaults need a source of a format that reads them.
     """
-    formats = {entry or "text" for entry in split_list(data_format)}
-    if unknown := formats - {"text", "sft"}:
-        raise ConfigError(f"{section}.data_format {data_format}: {', '.join(sorted(unknown))} is not a format; "
-                          "give text or sft per dataset")
-    if "sft" in formats and not document_mask:
-        raise ConfigError(f"{section}.data_format sft keeps each conversation a document of its own: "
-                          "drop --training.no-document_mask")
-    if sft_flag and "sft" not in formats:
-        raise ConfigError(f"{sft_flag} applies to SFT sources, and no dataset is one: set --training.data_format sft "
-                          "for the chat datasets, or drop the flag")
+    entries = split_list(data_format) or [None]
+    if unknown := sorted({entry for entry in entries if entry and entry not in DATA_FORMATS}):
+        raise ConfigError(f"{section}.data_format {data_format}: {', '.join(unknown)} is not a format; "
+                          f"give {choices()} per dataset")
+    given = {format_record(entry).name for entry in entries}
+    formats = [record for record in DATA_FORMATS.values() if record.name in given]  # in the registry's order
+    for record in formats:
+        if record.document_mask and not document_mask:
+            raise ConfigError(f"{section}.data_format {record.name} {record.document_mask}: "
+                              "drop --training.no-document_mask")
+    read = {option.name for record in formats for option in record.options}
+    for record in DATA_FORMATS.values():
+        for option in record.options:
+            value = getattr(training, option.name, option.default)
+            if option.name not in read and value != option.default:
+                raise ConfigError(f"{option.flag(value)} applies to {record.label} sources, and no dataset is one: set "
+                                  f"--training.data_format {record.name} for the {record.kind} datasets, or drop the flag")
 
 
 def _check_seed_checkpoint(config: Any, world_size: int) -> None:

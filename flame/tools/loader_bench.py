@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from flame.prepare import prepared
+from flame.prepare import settled
 from flame.data.loader import build_dataloader
 from flame.data.tokenizer import load_tokenizer
 from flame.base.errors import ConfigError
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(w) for w in args.workers.split(",")]
         rows = []
         for workers in counts:
-            tokens_per_second = measure(prepared(job_args), workers, args.batches)
+            tokens_per_second = measure(settled(job_args), workers, args.batches)
             rows.append((workers, tokens_per_second))
     except (ConfigError, ValueError) as error:
         print(f"bench: error: {error}", file=sys.stderr)

@@ -107,7 +107,7 @@ class Trainer(TorchtitanTrainer):
             self.maybe_enable_amp = contextlib.nullcontext()
             if getattr(self, "validator", None) is not None:
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
-        self.updates = UpdateGuard(job_config.training, self.optimizers, self._what_is_saved)
+        self.updates = UpdateGuard(job_config.training, job_config.optimizer, self.optimizers, self._what_is_saved)
         self.checkpointer.before_save = self.updates.settle  # the train state counts the skips of every step
         self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
@@ -317,17 +317,18 @@ class Trainer(TorchtitanTrainer):
         return f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
 
     def _data_metrics(self) -> dict[str, float]:
-        """Documents and tokens trained on from each source, over all ranks, since the run started; for SFT
-        sources also the conversations dropped or truncated as too long and the padding before them."""
+        """The counters each source's format logs (flame.data.formats), over all ranks, since the run started:
+        documents and tokens trained on; for SFT sources also the conversations dropped or truncated as too
+        long and the padding before them."""
         loader = self.dataloader
         counts = torch.tensor(np.stack(list(loader.counts.values())), device=self.device)
         if self.parallel_dims.dp_enabled:
             torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
         metrics = {}
         plan = loader.dataset.plan
-        for name, spec, source_counts in zip(plan.source_names(), plan.specs, counts.T.tolist()):
+        for name, record, source_counts in zip(plan.source_names(), plan.formats, counts.T.tolist()):
             for counter, count in zip(loader.counts, source_counts):
-                if counter in ("tokens", "documents") or spec.data_format == "sft":
+                if counter in record.counters:
                     metrics[f"data/{name}/{counter}"] = count
         return metrics
 

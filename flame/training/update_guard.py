@@ -7,7 +7,8 @@ skip stops it, naming the last intact checkpoint.
 
 Where the check runs. Reading the gradient norm on the host makes the step wait for its whole
 backward: the GPU then idles while the host queues the update and the next step's first kernels.
-With fused Adam or AdamW (torchtitan's default implementation) the check stays on the GPU: the
+With an optimizer whose record says it skips on the GPU (flame.optim.record's ``skips_on_gpu``:
+fused Adam or AdamW, torchtitan's default implementation) the check stays on the GPU: the
 optimizer skips the update itself when the norm is not finite (its ``found_inf`` input, as
 under a gradient scaler), leaving the weights, moments and step count as they were, and the
 norms are read later, where the host waits anyway: at log steps, before a checkpoint is saved
@@ -23,31 +24,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim import Adam
 from torchtitan.tools.logging import logger
 
-from flame.training.spikes import SpikeWindow
 from flame.base.errors import UpdatesFailingError
-
-
-def skips_on_device(optimizers: list[torch.optim.Optimizer]) -> bool:
-    """Whether every optimizer can skip a non-finite update itself: fused Adam/AdamW (``found_inf``)."""
-    return bool(optimizers) and all(
-        isinstance(optimizer, Adam) and all(group.get("fused") for group in optimizer.param_groups)
-        for optimizer in optimizers
-    )
+from flame.optim.record import optimizer_record
+from flame.training.spikes import SpikeWindow
 
 
 class UpdateGuard:
     """The skip-or-stop policy of a run's updates, and its counts (part of the train state)."""
 
-    def __init__(self, training, optimizers, saved: Callable[[], str]):
-        """``training``: the job's training section; ``optimizers``: torchtitan's container; ``saved``: what
-        survives a stop now (``step-N, the last checkpoint, is intact``)."""
+    def __init__(self, training, optimizer, optimizers, saved: Callable[[], str]):
+        """``training``, ``optimizer``: the job's training and optimizer sections; ``optimizers``: torchtitan's
+        container built from the latter; ``saved``: what survives a stop now (``step-N, the last checkpoint, is
+        intact``)."""
         self.skip_nan_inf, self.limit = training.skip_nan_inf, training.max_skipped_steps
         self.spikes = SpikeWindow(training.spike_sigma, training.spike_window, training.spike_min_steps)
         self.optimizers, self.saved = optimizers, saved
-        self.deferred = not self.spikes.enabled and skips_on_device(optimizers.optimizers)
+        self.deferred = not self.spikes.enabled and optimizer_record(optimizer.name).skips_on_gpu(optimizer)
         self.unread: list[tuple[int, torch.Tensor]] = []  # (step, gradient norm) not yet judged
         self.skipped_steps = 0
         self.consecutive_skips = 0  # updates skipped in a row

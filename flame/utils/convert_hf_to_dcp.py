@@ -2,7 +2,9 @@
 
 import sys
 
-if __name__ == "__main__":
-    from flame.checkpoint.import_hf import main
+from flame.checkpoint.import_hf import main
 
+__all__ = ["main"]
+
+if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,9 @@
 
 import sys
 
-if __name__ == "__main__":
-    from flame.tools.preprocess import main
+from flame.tools.preprocess import main
 
+__all__ = ["main"]
+
+if __name__ == "__main__":
     sys.exit(main())

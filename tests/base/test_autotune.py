@@ -59,7 +59,7 @@ def test_the_pinned_cache_is_tritons_own_default_and_reaches_child_processes(tmp
     # inductor moves an unset TRITON_CACHE_DIR to a folder of its own at its first kernel, away from the
     # installed choices: flame pins Triton's default first, and the folder must be the one Triton reads
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"} | {"TRITON_HOME": str(tmp_path)}
-    script = ("import os, subprocess, sys; from flame import autotune; from triton import knobs; "
+    script = ("import os, subprocess, sys; from flame.base import autotune; from triton import knobs; "
               "folder = autotune.share_triton_cache(); print(folder); print(knobs.cache.dir); "
               "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"TRITON_CACHE_DIR\"])'], "
               "capture_output=True, text=True, check=True).stdout.strip())")

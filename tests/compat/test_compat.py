@@ -136,8 +136,9 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     result = check(torchrun(base_args(tiny_model, corpus, tmp_path / "run", steps=1)))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "flame.compat" in line]
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
-    changes = ["transformers.scikit_learn_imported_when_used", "torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", *on_cpu, "transformers.attention_implementation",
-               "transformers.fused_rotary(llama)"]
+    # the attention first: prepare reads the model config (resolving its type) before the Trainer starts
+    changes = ["transformers.scikit_learn_imported_when_used", "transformers.attention_implementation",
+               "torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", *on_cpu, "transformers.fused_rotary(llama)"]
     assert len(lines) == 1
     assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")
     # and the model's fused kernels, one line (flame.models.kernels.fused)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from flame.prepare import prepared
+from flame.prepare import settled
 from flame.base.errors import ConfigError
 from tests.conftest import ROOT, flame_env, write_job_toml
 
@@ -15,7 +15,7 @@ from tests.conftest import ROOT, flame_env, write_job_toml
 def parse(*args: str, world_size: int = 1, monkeypatch=None):
     if monkeypatch is not None:
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    return prepared(list(args))
+    return settled(list(args))
 
 
 @pytest.fixture

@@ -48,8 +48,8 @@ def parse(job_toml, monkeypatch, *args: str, world_size: int = 1, toml: str = ""
 
 
 def test_fla_toml_is_the_real_job_config_under_its_older_name():
-    models = ROOT / "flame" / "models"
-    assert (models / "fla.toml").is_symlink() and os.readlink(models / "fla.toml") == "flame.toml"
+    configs = ROOT / "configs"
+    assert (configs / "fla.toml").is_symlink() and os.readlink(configs / "fla.toml") == "flame.toml"
 
 
 def test_the_seed_command_line_parses_as_written(monkeypatch):

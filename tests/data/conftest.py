@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from flame.prepare import prepared
+from flame.prepare import settled
 from flame.data.loader import FlameDataLoader
 from flame.data.packing import (
     Packer,
@@ -141,7 +141,7 @@ def make_config(monkeypatch, tiny_model):
     monkeypatch.setenv("WORLD_SIZE", "1")
 
     def make(dataset: str, *extra: str, seq_len: int = 64, batch_size: int = 2):
-        return prepared(
+        return settled(
             [
                 "--model.config", tiny_model,
                 "--model.tokenizer_path", TOKENIZER,

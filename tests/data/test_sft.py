@@ -11,7 +11,7 @@ import pytest
 from torchtitan.components.loss import IGNORE_INDEX
 
 from flame.launch import preflight as launch_preflight
-from flame.prepare import prepared
+from flame.prepare import settled
 from flame.data.loader import FlameDataLoader
 from flame.data.sft import ChatEncoder, conversation
 from flame.data.shards import DataPlan, DataShard
@@ -30,7 +30,7 @@ from tests.data.conftest import (
     write_jsonl,
 )
 
-CHAT = str(Path(__file__).parent / "data" / "chat.jsonl")  # 240 synthetic chats, some multi-turn, some with system
+CHAT = str(Path(__file__).parent / "chat.jsonl")  # 240 synthetic chats, some multi-turn, some with system
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 2 plus 2?"},
@@ -140,7 +140,7 @@ def make_config(monkeypatch, tiny_model):
     monkeypatch.setenv("WORLD_SIZE", "1")
 
     def make(dataset: str, *extra: str, seq_len: int = 64, batch_size: int = 2):
-        return prepared([
+        return settled([
             "--model.config", tiny_model, "--model.tokenizer_path", TOKENIZER, "--training.dataset", dataset,
             "--training.seq_len", str(seq_len), "--training.batch_size", str(batch_size),
             "--training.data_shards", "4", *extra,

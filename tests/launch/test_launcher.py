@@ -185,7 +185,7 @@ def test_a_second_run_on_the_dump_folder_is_refused_in_one_line_and_the_first_go
 
 
 def test_the_launcher_refuses_a_dump_folder_locked_after_the_check(tmp_path, monkeypatch, capsys):
-    from flame.launch.preflight import supervise
+    from flame.launch import supervise
     from flame.launch.preflight import LaunchPlan
 
     # between the check's look and the launcher's lock another run may have taken the folder
@@ -250,7 +250,7 @@ def test_the_lock_of_a_run_that_is_gone_is_taken_over_with_a_warning(background_
 
 def test_the_launcher_imports_what_ranks_import_but_not_fla_so_that_it_can_fork_them():
     # fla's import asks the GPU for its name, which starts CUDA: a process forked after it cannot use the GPU
-    probe = ("import json, sys; from flame import supervise; method = supervise.warm_up(); "
+    probe = ("import json, sys; from flame.launch import supervise; method = supervise.warm_up(); "
              "print(json.dumps([method, 'fla' in sys.modules, 'flame.training.trainer' in sys.modules, 'torchtitan.train' in sys.modules]))")
     result = check(subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=flame_env(), capture_output=True,
                                   text=True, timeout=300))
@@ -260,7 +260,7 @@ def test_the_launcher_imports_what_ranks_import_but_not_fla_so_that_it_can_fork_
 def test_ranks_forked_by_the_launcher_train_as_spawned_ones_do(tmp_path, tiny_model, corpus):
     def launch(name: str, cuda_started: str | None) -> tuple[Path, str]:
         dump = tmp_path / name
-        code = (f"import sys; from flame import supervise; supervise.cuda_started = lambda: {cuda_started!r}; "
+        code = (f"import sys; from flame.launch import supervise; supervise.cuda_started = lambda: {cuda_started!r}; "
                 "sys.exit(supervise.main(sys.argv[1:]))")
         command = [sys.executable, "-c", code, "--world-size", "2", "--", "--standalone", "--nproc_per_node", "2",
                    "-m", "flame.train", *base_args(tiny_model, corpus, dump, steps=3), "--checkpoint.no-enable"]

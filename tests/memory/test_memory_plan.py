@@ -35,6 +35,8 @@ from flame.memory.price import price
 from flame.models.kernels import attention
 from flame.models import builder, load_model_config
 from flame.models.registry import decoder_layers, meta_model, register_all
+from flame.optim.adamw import ADAMW
+from flame.optim.muon import MUON
 from tests.conftest import (
     ROOT,
     TINY_DECODER,
@@ -325,7 +327,7 @@ def test_a_probe_leaves_nothing_alive_whether_it_finishes_or_runs_out_of_memory(
     def out_of_memory(module, args):
         raise torch.OutOfMemoryError("CUDA out of memory (the test)")
 
-    monkeypatch.setattr(builder, "reinitialize", recorded)
+    monkeypatch.setattr(probe, "reinitialize", recorded)  # the name the probe calls
     probe.probe(config, torch.float32, "cpu", activations.LENGTHS)
     monkeypatch.setattr(decoder_layers(meta_model(config))[-1].__class__, "forward", lambda *a, **k: out_of_memory(*a))
     with pytest.raises(torch.OutOfMemoryError):
@@ -640,7 +642,7 @@ def test_a_cpu_never_offloads_and_muon_never_does(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     on_cpu, start = memory.job_of(config, 1), memory.layout_of(config)
     assert not on_cpu.fsdp and not any(layout.offload for layout in candidates(on_cpu, start, set(), None))
-    muon = dataclasses.replace(on_cpu, can_offload=True, optimizer="Muon")  # Muon orthogonalizes whole matrices on the GPU
+    muon = dataclasses.replace(on_cpu, can_offload=True, optimizer=MUON)  # Muon orthogonalizes whole matrices on the GPU
     assert not any(layout.offload for layout in candidates(muon, start, set(), None))
 
 
@@ -849,7 +851,7 @@ def test_transformer_7b_on_an_80_gb_gpu_steps_its_optimizer_on_the_host(monkeypa
                                              (activations.Quadratic(40000),) * blocks, 8192, activations.Quadratic(16396),
                                              "measured", activations.Quadratic(88061))
     alone = memory.Job(params=params, matrix_params=matrices, block_params=largest, vocab_size=32000, hidden_size=4096,
-                       compute_bytes=2, hidden_bytes=2, optimizer="AdamW", rows=8, accumulates=False,
+                       compute_bytes=2, hidden_bytes=2, optimizer=ADAMW, rows=8, accumulates=False,
                        tokens_per_row=32768, weight_shards=1, fsdp=True, alone=True, can_offload=True,
                        can_step_on_host=True, gpu_state_params=0, autocast_copies=False, fused_loss=True,
                        expandable_segments=True, dense_attention=False, tensor_parallel=1, pipelined=False,

@@ -133,13 +133,13 @@ def test_exported_adapter_loads_with_peft_and_the_merged_model_alone(runs, tmp_p
 
 
 def test_lora_counts_frozen_weights_without_their_weight_gradient(monkeypatch, tiny_model):
-    from flame.prepare import prepared
+    from flame.prepare import settled
     from flame.models.builder import FlameModelArgs, build_model
     from flame.models.flops import model_flops
 
     def flops(*flags: str):
         monkeypatch.setenv("WORLD_SIZE", "1")
-        job = prepared([f"--model.config={tiny_model}", f"--model.tokenizer_path={TOKENIZER}",
+        job = settled([f"--model.config={tiny_model}", f"--model.tokenizer_path={TOKENIZER}",
                                                "--training.dataset=builtin:python-stdlib", *flags])
         args = FlameModelArgs()
         args.update_from_config(job)

@@ -7,7 +7,7 @@ import pytest
 from flame import compat
 from flame.base.errors import ConfigError
 from flame.models import load_model_config
-from flame.prepare.model import check_model_options, check_position_table
+from flame.prepare.model import ModelUnderCheck, check_model_options, check_position_table
 from tests.conftest import ROOT, TINY_DECODER, base_args, parse_job, torchrun
 
 
@@ -75,7 +75,7 @@ def test_rows_or_documents_longer_than_a_learned_position_table_are_refused(tmp_
     def job(config: dict, *flags: str):
         path = tmp_path / "fits.json"
         path.write_text(json.dumps(config))
-        return load_model_config(str(path)), parse_job(
+        return ModelUnderCheck.load(str(path)), parse_job(
             monkeypatch, 1, f"--model.config={path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
             "--training.dataset=builtin:python-stdlib", *flags)
 
@@ -94,13 +94,13 @@ def test_fla_models_are_refused_on_cpu_machines(monkeypatch):
                     "--training.dataset=builtin:python-stdlib")
     monkeypatch.setattr(device, "CUDA", False)
     with pytest.raises(ConfigError) as error:
-        check_model_options(load_model_config(str(config_path)), job)
+        check_model_options(ModelUnderCheck.load(str(config_path)), job)
     assert str(error.value).startswith("fla's transformer runs fla's Triton kernels") and "configs/llama_4M.json" in str(error.value)
     seed_job = parse_job(monkeypatch, 1, f"--model.config={config_path}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
                          "--training.dataset=builtin:python-stdlib", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
-    check_model_options(load_model_config(str(config_path)), seed_job)  # initial weights only: no kernel runs
+    check_model_options(ModelUnderCheck.load(str(config_path)), seed_job)  # initial weights only: no kernel runs
     monkeypatch.setattr(device, "CUDA", True)
-    check_model_options(load_model_config(str(config_path)), job)
+    check_model_options(ModelUnderCheck.load(str(config_path)), job)
 
 
 @pytest.mark.parametrize("model_type, module, install", [
@@ -124,10 +124,10 @@ def test_fla_models_that_need_a_missing_package_are_refused(monkeypatch, model_t
 
         monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
         if installed:
-            check_model_options(model_config, job)
+            check_model_options(ModelUnderCheck(model_config), job)
             continue
         with pytest.raises(ConfigError) as error:
-            check_model_options(model_config, job)
+            check_model_options(ModelUnderCheck(model_config), job)
         assert str(error.value).startswith(f"fla's {model_type} needs ") and f"{install} (not installed here)" in str(error.value)
 
 
@@ -150,17 +150,17 @@ def test_fla_options_that_need_a_missing_package_are_refused(monkeypatch, model_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
         None if name in missing else object() if name in {module, "mamba_ssm"} else find_spec(name, *args)))
     config = load_model_config(str(config_path))
-    check_model_options(config, job)  # the option off: nothing missing
+    check_model_options(ModelUnderCheck(config), job)  # the option off: nothing missing
     for name, value in {option: True, **settings}.items():
         setattr(config, name, value)
     with pytest.raises(ConfigError) as error:
-        check_model_options(config, job)
+        check_model_options(ModelUnderCheck(config), job)
     assert str(error.value).startswith(f"fla's {model_type} with {option} true needs ")
     assert str(error.value).endswith(f": pip install {package} (not installed here), or set {option} to false in the model config")
     missing.clear()
     # as if the kernels had imported with the package there (mamba3's MIMO kernels failed to import without it)
     monkeypatch.setattr(compat.mamba_ssm, "mamba3_kernel_errors", {})
-    check_model_options(config, job)
+    check_model_options(ModelUnderCheck(config), job)
 
 
 @pytest.mark.parametrize(
@@ -185,13 +185,13 @@ def test_fla_kernels_that_refuse_float32_are_refused_in_float32_jobs(monkeypatch
 
     float32_job = job(world_size, *flags)
     with pytest.raises(ConfigError) as error:
-        check_model_options(model_config, float32_job)
+        check_model_options(ModelUnderCheck(model_config), float32_job)
     assert str(error.value).startswith("fla's delta_net kernel (chunk_delta_rule) refuses float32, but this job computes")
     assert reason in str(error.value) and "data_parallel_shard_degree > 1" in str(error.value)
     # bf16 mixed precision: one GPU (autocast), FSDP 2 x TP 2 and PP 2 x FSDP 2 (FSDP casts the weights)
-    check_model_options(model_config, job(1))
-    check_model_options(model_config, job(4, "--parallelism.tensor_parallel_degree=2"))
-    check_model_options(model_config, job(4, "--parallelism.pipeline_parallel_degree=2"))
+    check_model_options(ModelUnderCheck(model_config), job(1))
+    check_model_options(ModelUnderCheck(model_config), job(4, "--parallelism.tensor_parallel_degree=2"))
+    check_model_options(ModelUnderCheck(model_config), job(4, "--parallelism.pipeline_parallel_degree=2"))
 
 
 @pytest.mark.parametrize("refused_by_fla, refused", [(True, True), (False, False)])

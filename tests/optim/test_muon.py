@@ -15,13 +15,8 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from flame.training.nsys import NsysWindow
-from flame.optim.builder import (
-    Muon,
-    build_lr_schedulers,
-    build_optimizers,
-    newton_schulz,
-    split_parameters,
-)
+from flame.optim.builder import build_lr_schedulers, build_optimizers
+from flame.optim.muon import Muon, newton_schulz, split_parameters
 from flame.models import load_model_config
 from flame.models.registry import meta_model
 from tests.conftest import (

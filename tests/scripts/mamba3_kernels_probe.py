@@ -43,10 +43,10 @@ for name in [name for name in sys.modules if name.startswith("mamba_ssm.")]:
 
 # flame only now, after the leftovers are gone
 from flame.base import device  # noqa: E402
-from flame.prepare import prepared  # noqa: E402
+from flame.prepare import settled  # noqa: E402
 from flame.base.errors import ConfigError  # noqa: E402
 from flame.models import load_model_config  # noqa: E402
-from flame.prepare.model import check_model_options  # noqa: E402
+from flame.prepare.model import ModelUnderCheck, check_model_options  # noqa: E402
 
 config = load_model_config(sys.argv[1])  # imports fla through flame: its patches apply
 layer = fla.layers.mamba3
@@ -61,7 +61,7 @@ report.update(
     mamba2_fast_path=fla.layers.mamba2.is_fast_path_available,
     mamba_ssm_after=imports("mamba_ssm"),
 )
-job = prepared([f"--model.config={sys.argv[1]}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
+job = settled([f"--model.config={sys.argv[1]}", "--model.tokenizer_path=builtin:python-stdlib-bpe",
                                        "--training.dataset=builtin:python-stdlib"])
 device.CUDA = True  # preflight's GPU check comes first; the kernels themselves need no GPU to load
 for name, options in {"siso": {}, "mimo": {"is_mimo": True}, "mimo_chunk16": {"is_mimo": True, "chunk_size": 16}}.items():
@@ -69,7 +69,7 @@ for name, options in {"siso": {}, "mimo": {"is_mimo": True}, "mimo_chunk16": {"i
     for option, value in options.items():
         setattr(variant, option, value)
     try:
-        check_model_options(variant, job)
+        check_model_options(ModelUnderCheck(variant), job)
         report[f"preflight_{name}"] = "accepted"
     except ConfigError as error:
         report[f"preflight_{name}"] = str(error)

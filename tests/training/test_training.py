@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from flame.optim.builder import build_optimizers
 from flame.training.spikes import SpikeWindow
-from flame.training.update_guard import skips_on_device
+from flame.optim.record import optimizer_record
 from flame.models.builder import load_model_config
 from flame.checkpoint.export import load_hf_model_from_dcp
 from tests.conftest import (
@@ -371,4 +371,7 @@ def test_only_fused_adam_skips_a_non_finite_update_on_the_device(name, implement
                              gpu_blocks=0, muon_lr=None, muon_momentum=0.95, muon_weight_decay=None,
                              muon_nesterov=True, muon_ns_steps=5, muon_adjust_lr="match_rms_adamw")
     optimizers = build_optimizers([model], config, None)
-    assert skips_on_device(optimizers.optimizers) is on_device
+    assert optimizer_record(name).skips_on_gpu(config) is on_device
+    # what the record says, the optimizers built do: torch's fused Adam and AdamW read found_inf in their step
+    assert all(isinstance(optimizer, torch.optim.Adam) and all(group.get("fused") for group in optimizer.param_groups)
+               for optimizer in optimizers.optimizers) is on_device

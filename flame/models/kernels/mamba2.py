@@ -4,7 +4,7 @@ Written for fla-core 0.6.0 and mamba-ssm 2.3.2.post1. Upstream, fla's ``Mamba2``
 through mamba_ssm's fused kernel where mamba_ssm is installed (which also needs causal_conv1d's
 CUDA build) and passes it no document boundaries (``seq_idx=None``); without mamba_ssm it runs
 ``torch_forward``, a PyTorch reference that materializes chunk x chunk x heads x state tensors
-(out of memory at 340M x 8K tokens on an 80 GB GPU) and also ignores ``cu_seqlens``.
+(out of memory at 340M on an 80 GB GPU: docs/perf-log.md) and also ignores ``cu_seqlens``.
 
 flame's forward computes the same function of the same parameters (fla checkpoints and flame
 exports load unchanged) with each document of a packed row on its own:
@@ -95,7 +95,7 @@ def prefill(mixer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
     if training_on_gla and torch.is_grad_enabled():
         # Training on fla's GLA kernels: only in_proj's output is kept for the backward, which
         # recomputes the conv, the scan and the norm. Kept, their per-key decays and per-head B and
-        # C ran a 141 GB GPU out of memory for mamba2_340M at 32K tokens (docs/perf-log.md).
+        # C ran an H200 out of memory for mamba2_340M (docs/perf-log.md).
         # mamba_ssm's SSD kernel keeps little: nothing is recomputed.
         y, conv_state, ssm_state = checkpoint(mix, mixer, projected, padding, cu_seqlens, False, kernels, None,
                                               use_reentrant=False)
