@@ -112,7 +112,9 @@ def parity(model, ids: torch.Tensor, device: str) -> dict:
 def train(model, batches, device: str, compile_blocks: bool = False, ac_mode: str | None = None) -> dict:
     cuda = device == "cuda"
     if ac_mode:
-        checkpoint_blocks(decoder_layers(model), ActivationCheckpoint(mode=ac_mode, selective_ac_option="op"), False)
+        ac = ActivationCheckpoint(mode=ac_mode, selective_ac_option="op")
+        ac.blocks = None  # flame's own field of the section (flame.config.job): every block
+        checkpoint_blocks(decoder_layers(model), ac, False)
     if compile_blocks:
         layers = decoder_layers(model)
         for index, block in enumerate(list(layers)):
