@@ -21,43 +21,41 @@ LAYERS = ("base", "compat", "config", "data", "models", "distributed", "optim", 
           "training", "train", "tools", ("launch", "eval"), "entry")
 RANK = {name: rank for rank, layer in enumerate(LAYERS) for name in (layer if isinstance(layer, tuple) else (layer,))}
 
-# (importing module, imported module) -> why the import waits inside a function
-FUNCTION_LEVEL = {
-    ("flame", "flame.models.registry"): "importing flame must stay light: every flame process imports the package first",
-    ("flame.train", "flame.prepare"): "after parsing: `-h` and parsing errors answer before the planner and models import",
-    ("flame.train", "flame.training.trainer"): "after parsing: `-h` and config errors answer before torchtitan's trainer imports",
-    ("flame.checkpoint.export", "flame.models.builder"): "the HF export imports no torchtitan (the builder does) unless "
-                                                          "the run's weights need re-initializing",
-    ("flame.compat", "flame.base.device"): "device imports torchtitan, which loading an export (flame.register) does not need",
-    ("flame.compat", "flame.compat.fla"): "each seam imports its library (seconds); a process imports the seams it uses",
-    ("flame.compat", "flame.compat.fla_mamba"): "each seam imports its library (seconds)",
-    ("flame.compat", "flame.compat.mamba_ssm"): "each seam imports its library (seconds)",
-    ("flame.compat", "flame.compat.torchtitan"): "each seam imports its library (seconds)",
-    ("flame.compat", "flame.compat.triton"): "each seam imports its library (seconds)",
-    ("flame.models.inputs", "flame.models.loss"): "the loss head imports torchtitan, which loading an export does not need",
-    ("flame.models.kernels.selective_scan", "flame.models.kernels.selective_scan_triton"):
-        "the Triton kernels compile on a GPU only; a CPU scan never imports them",
-    ("flame.memory", "flame.memory.hardware"): "`python -m flame.memory.hardware` runs it, which a module imported with "
-                                                "the package would warn about",
-    ("flame.memory.activations", "flame.memory.probe"): "the probe builds on this module's hooks: imported at the top, "
-                                                         "the two would import each other",
-    ("flame.eval.__main__", "flame.base.device"): "after lm-eval's arguments parse: `-h` answers before torch imports",
-    ("flame.eval.__main__", "flame.eval.model"): "after lm-eval's arguments parse: `-h` answers before lm-eval imports",
-    ("flame.eval.__main__", "flame.eval.report"): "after lm-eval's arguments parse",
-    ("flame.eval.__main__", "flame.eval.tasks"): "after lm-eval's arguments parse",
-    ("flame.eval.__main__", "flame.models.registry"): "after lm-eval's arguments parse",
-    # train.sh's launcher imports in stages, so that the job's check forks before the trainer's imports
-    # and the ranks fork after them (flame.launch.supervise's docstring)
-    ("flame.launch.supervise", "flame.base.autotune"): "the launcher's first stage: what parsing needs",
-    ("flame.launch.supervise", "flame.compat.transformers"): "the launcher's first stage, before transformers' models load",
-    ("flame.launch.supervise", "flame.config.manager"): "the launcher's first stage: what parsing needs",
-    ("flame.launch.supervise", "flame.launch.preflight"): "in the forked check only: its imports stay out of the ranks' parent",
-    ("flame.launch.supervise", "flame.train"): "the second stage: what every rank imports, while the check runs",
-    ("flame.launch.supervise", "flame.training.trainer"): "the second stage: what every rank imports, while the check runs",
-    ("flame.launch.supervise", "flame.tools.plot"): "after training: matplotlib only for the curves",
-    ("flame.launch.supervise", "flame.base.run_record"): "after training, with the curves",
-    ("flame.launch.supervise", "flame.checkpoint.export"): "after training: the HF export",
-}
+# Imports that wait inside a function: the importing module, the module it imports, and why it waits.
+# train.sh's launcher imports in stages, so that the job's check forks before the trainer's imports and
+# the ranks fork after them (flame.launch.supervise's docstring).
+FUNCTION_LEVEL_TABLE = """
+flame                               flame.models.registry                      importing flame must stay light: every flame process imports the package first
+flame.train                         flame.prepare                              after parsing: `-h` and parsing errors answer before the planner and models import
+flame.train                         flame.training.trainer                     after parsing: `-h` and config errors answer before torchtitan's trainer imports
+flame.checkpoint.export             flame.models.builder                       the HF export imports no torchtitan (the builder does) unless the run's weights need re-initializing
+flame.compat                        flame.base.device                          device imports torchtitan, which loading an export (flame.register) does not need
+flame.compat                        flame.compat.fla                           each seam imports its library (seconds); a process imports the seams it uses
+flame.compat                        flame.compat.fla_mamba                     each seam imports its library (seconds)
+flame.compat                        flame.compat.mamba_ssm                     each seam imports its library (seconds)
+flame.compat                        flame.compat.torchtitan                    each seam imports its library (seconds)
+flame.compat                        flame.compat.triton                        each seam imports its library (seconds)
+flame.models.inputs                 flame.models.loss                          the loss head imports torchtitan, which loading an export does not need
+flame.models.kernels.selective_scan flame.models.kernels.selective_scan_triton the Triton kernels compile on a GPU only; a CPU scan never imports them
+flame.memory                        flame.memory.hardware                      `python -m flame.memory.hardware` runs it, which a module imported with the package would warn about
+flame.memory.activations            flame.memory.probe                         the probe builds on this module's hooks: imported at the top, the two would import each other
+flame.eval.__main__                 flame.base.device                          after lm-eval's arguments parse: `-h` answers before torch imports
+flame.eval.__main__                 flame.eval.model                           after lm-eval's arguments parse: `-h` answers before lm-eval imports
+flame.eval.__main__                 flame.eval.report                          after lm-eval's arguments parse
+flame.eval.__main__                 flame.eval.tasks                           after lm-eval's arguments parse
+flame.eval.__main__                 flame.models.registry                      after lm-eval's arguments parse
+flame.launch.supervise              flame.base.autotune                        the launcher's first stage: what parsing needs
+flame.launch.supervise              flame.compat.transformers                  the launcher's first stage, before transformers' models load
+flame.launch.supervise              flame.config.manager                       the launcher's first stage: what parsing needs
+flame.launch.supervise              flame.launch.preflight                     in the forked check only: its imports stay out of the ranks' parent
+flame.launch.supervise              flame.train                                the second stage: what every rank imports, while the check runs
+flame.launch.supervise              flame.training.trainer                     the second stage: what every rank imports, while the check runs
+flame.launch.supervise              flame.tools.plot                           after training: matplotlib only for the curves
+flame.launch.supervise              flame.base.run_record                      after training, with the curves
+flame.launch.supervise              flame.checkpoint.export                    after training: the HF export
+"""
+FUNCTION_LEVEL = {tuple(line.split(maxsplit=2)[:2]): line.split(maxsplit=2)[2]
+                  for line in FUNCTION_LEVEL_TABLE.strip().splitlines()}
 
 
 @dataclass(frozen=True)
