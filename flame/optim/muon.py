@@ -111,6 +111,14 @@ def _own_shards(stack: torch.Tensor, like: torch.Tensor) -> list[torch.Tensor]:
     return list(stack.unbind(0))
 
 
+def _closure_loss(closure) -> torch.Tensor | None:
+    """An optimizer step's ``closure`` run with gradients on (torch.optim's contract), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its hyperparameters, checks, state and scale rules) with a step that
     orthogonalizes whole matrices when they are sharded DTensors, and stacks same-shape matrices.
@@ -120,10 +128,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
@@ -169,10 +174,7 @@ class MuonWithAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         first = 0
         for optimizer, count in zip(self._inner, self._group_counts):
             optimizer.param_groups, optimizer.state = self.param_groups[first : first + count], self.state

@@ -136,22 +136,18 @@ def test_inconsistent_settings_fail_with_the_fix(job_toml, monkeypatch, args, me
         parse("--job.config_file", str(job_toml), *args, monkeypatch=monkeypatch)
 
 
-def test_parallel_degrees_must_multiply_to_world_size(job_toml, monkeypatch):
-    with pytest.raises(ConfigError, match="multiply to 2 .* but there are 4 processes"):
-        parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_shard_degree=2", world_size=4,
-              monkeypatch=monkeypatch)
-    with pytest.raises(ConfigError, match="data_parallel_replicate_degree 2 does not divide the 3 processes"):
-        parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2", world_size=3,
-              monkeypatch=monkeypatch)
+@pytest.mark.parametrize(("flag", "world_size", "message"), [
+    ("--parallelism.data_parallel_shard_degree=2", 4, "multiply to 2 .* but there are 4 processes"),
+    ("--parallelism.data_parallel_replicate_degree=2", 3, "data_parallel_replicate_degree 2 does not divide the 3 processes"),
+    ("--parallelism.expert_parallel_degree=2", 2, "expert_parallel_degree 2: flame does not provide"),
+    ("--parallelism.expert_tensor_parallel_degree=2", 2, "expert_tensor_parallel_degree 2: flame does not provide"),
+])
+def test_impossible_parallel_layouts_are_refused(job_toml, monkeypatch, flag, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        parse("--job.config_file", str(job_toml), flag, world_size=world_size, monkeypatch=monkeypatch)
 
 
-def test_parallelisms_flame_does_not_provide_are_refused(job_toml, monkeypatch):
-    with pytest.raises(ConfigError, match="expert_parallel_degree 2: flame does not provide"):
-        parse("--job.config_file", str(job_toml), "--parallelism.expert_parallel_degree=2", world_size=2,
-              monkeypatch=monkeypatch)
-    with pytest.raises(ConfigError, match="expert_tensor_parallel_degree 2: flame does not provide"):
-        parse("--job.config_file", str(job_toml), "--parallelism.expert_tensor_parallel_degree=2", world_size=2,
-              monkeypatch=monkeypatch)
+def test_a_replicated_layout_is_taken(job_toml, monkeypatch):
     config = parse("--job.config_file", str(job_toml), "--parallelism.data_parallel_replicate_degree=2",
                    world_size=4, monkeypatch=monkeypatch)
     assert config.training.global_batch_size == 4  # HSDP 2 x 2, one row per rank

@@ -11,15 +11,7 @@ from safetensors.torch import load_file
 
 from flame.launch import preflight
 from flame.distributed.pipeline import stage_layers
-from tests.conftest import (
-    ROOT,
-    assert_same_curve,
-    base_args,
-    check,
-    metrics,
-    torchrun,
-    two_at_a_time,
-)
+from tests.conftest import ROOT, assert_same_curve, base_args, check, metrics, torchrun, two_at_a_time
 
 LLAMA_4_LAYERS = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,

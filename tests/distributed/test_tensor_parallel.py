@@ -26,16 +26,7 @@ from flame.distributed.tensor_parallel import (
 from flame.base.errors import ConfigError
 from flame.models.support import RECORDS, model_types_where
 from flame.checkpoint import export
-from tests.conftest import (
-    ROOT,
-    SCRIPTS,
-    assert_same_curve,
-    base_args,
-    check,
-    metrics,
-    torchrun,
-    two_at_a_time,
-)
+from tests.conftest import ROOT, SCRIPTS, assert_same_curve, base_args, check, metrics, torchrun, two_at_a_time
 
 TP2 = ["--parallelism.tensor_parallel_degree=2"]
 EXAMPLE = str(ROOT / "custom_models" / "example_lm" / "config_tiny.json")

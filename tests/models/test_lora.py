@@ -16,17 +16,8 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
 from flame.launch import preflight
-from tests.conftest import (
-    SCRIPTS,
-    TINY_DECODER,
-    TOKENIZER,
-    assert_same_curve,
-    base_args,
-    check,
-    metrics,
-    torchrun,
-    two_at_a_time,
-)
+from tests.conftest import (SCRIPTS, TINY_DECODER, TOKENIZER, assert_same_curve, base_args, check, metrics, torchrun,
+                            two_at_a_time)
 from tests.checkpoint.test_export import convert
 
 RANK, ALPHA = 4, 8
