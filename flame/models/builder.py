@@ -112,7 +112,7 @@ class FlameModelArgs(BaseModelArgs):
         self.context_len = job_config.training.context_len
         self.seed = job_config.debug.seed
         self.lora = LoraSettings.of(job_config.lora)
-        config = load_model_config(self.config_path)  # checked by the Trainer (flame.prepare.model)
+        config = load_model_config(self.config_path)  # checked before the Trainer (flame.prepare)
         self._config = config
         self.hf_config = config.to_diff_dict()
         attention.set_backend(job_config.model.attention)
