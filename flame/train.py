@@ -28,9 +28,12 @@ from flame.base import autotune
 from flame.base.errors import ConfigError, DataError, UpdatesFailingError
 from flame.base.process import arrange_stack_dumps, die_with_parent
 from flame.config.manager import parse
+from flame.training.stop import StopSignals
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_signals = StopSignals()
+    stop_signals.install()  # first: a run signalled while it starts stops before its first step, without a traceback
     init_logger()
     arrange_stack_dumps()
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     every_rank_stops = True  # the errors caught by name are raised on every rank alike
     try:
-        trainer = Trainer(config)
+        trainer = Trainer(config, stop_signals)
         if config.checkpoint.create_seed_checkpoint:
             # the initial weights, unsharded from one process: every layout can start from them
             trainer.start_attempt()
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
         if every_rank_stops and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    logger.info("Training finished")
+    if not trainer.stopping:
+        logger.info("Training finished")
     return 0
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 FLAME = Path(__file__).resolve().parent.parent / "flame"
+# data shipped inside the package, not code of a layer: the job files and model configs (the checkout's
+# top-level configs/ links there), whose eval example holds a dataset script lm-eval loads
+DATA_FOLDERS = {"configs"}
 
 # Lowest first. A layer imports the layers before it and itself; ``launch`` and ``eval`` share a rank and
 # import neither each other. The entry points sit on top: ``flame.train`` (the ranks' program, above the
@@ -53,6 +56,8 @@ flame.launch.supervise              flame.training.trainer                     t
 flame.launch.supervise              flame.tools.plot                           after training: matplotlib only for the curves
 flame.launch.supervise              flame.base.run_record                      after training, with the curves
 flame.launch.supervise              flame.checkpoint.export                    after training: the HF export
+flame.launch.supervise              flame.compat.torchrun                      with torchrun's agent, in the second stage
+flame.__main__                      flame.compat.transformers                  for the subcommands that load models only: `flame -h` stays instant
 """
 FUNCTION_LEVEL = {tuple(line.split(maxsplit=2)[:2]): line.split(maxsplit=2)[2]
                   for line in FUNCTION_LEVEL_TABLE.strip().splitlines()}
@@ -70,6 +75,8 @@ def modules() -> dict[str, Path]:
     found = {}
     for path in FLAME.rglob("*.py"):
         parts = list(path.relative_to(FLAME.parent).with_suffix("").parts)
+        if parts[1] in DATA_FOLDERS:
+            continue
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
@@ -138,9 +145,9 @@ def upward(found: Import) -> bool:
 
 
 def test_every_folder_of_flame_is_a_layer():
-    folders = {path.name for path in FLAME.iterdir() if path.is_dir() and not path.name.startswith("__")}
+    folders = {path.name for path in FLAME.iterdir() if path.is_dir() and not path.name.startswith("__")} - DATA_FOLDERS
     assert folders - {"utils"} <= set(RANK), f"folders without a layer: {sorted(folders - set(RANK) - {'utils'})}"
-    loose = {path.stem for path in FLAME.glob("*.py")} - {"__init__", "train"}
+    loose = {path.stem for path in FLAME.glob("*.py")} - {"__init__", "__main__", "train"}
     assert not loose, f"only entry points sit at the top of flame/: move {sorted(loose)} into a layer"
 
 
@@ -191,5 +198,5 @@ def test_the_layers_import_each_other_without_a_cycle():
 
 def test_no_module_of_flame_is_over_400_lines():
     long = {str(path.relative_to(FLAME.parent)): n for path in FLAME.rglob("*.py")
-            if (n := len(path.read_text().splitlines())) > 400}
+            if path.relative_to(FLAME).parts[0] not in DATA_FOLDERS and (n := len(path.read_text().splitlines())) > 400}
     assert not long, f"split these modules, each holds two things: {long}"

@@ -18,6 +18,9 @@ PR_SET_NAME = 15
 # so this is what tells them from the launcher; data-loader workers rename themselves pt_data_worker.
 RANK_NAME = "flame-rank"
 PARENT_PID = "FLAME_PARENT_PID"  # set by a parent for its child: the pid the child must find as its parent
+# The signals that stop a run with a checkpoint (flame.training.stop): Slurm's and torchrun's SIGTERM, Ctrl-C, a closed
+# terminal. SIGUSR1 stays the stack dump's (arrange_stack_dumps).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def die_with_parent(sig: signal.Signals, parent: int | None = None) -> None:
@@ -39,6 +42,34 @@ def die_with_parent(sig: signal.Signals, parent: int | None = None) -> None:
         print(f"flame: the process that started this one (pid {expected}) has ended; stopping", file=sys.stderr)
         os.kill(os.getpid(), sig)
         sys.exit(128 + sig)  # a signal this process handles or ignores
+
+
+def ignore_stop_signals() -> None:
+    """For a rank's helper processes (data-loader workers): Ctrl-C reaches the whole terminal's process group, and a
+    worker stopped by it would fail the step its rank finishes before saving; they end with their rank instead."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def ranks_of(parent: int) -> list[int]:
+    """The rank processes ``parent`` started (Linux /proc; elsewhere none): its children named flame-rank*, or forked
+    from it and not yet named (they share its command line), not its other helpers (multiprocessing's tracker)."""
+    def read(pid: str, name: str) -> bytes:
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as file:
+                return file.read()
+        except OSError:
+            return b""
+
+    own_command = read(str(parent), "cmdline")
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else ()):
+        stat = read(pid, "stat")
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)", which may hold spaces
+        if len(fields) > 1 and int(fields[1]) == parent and (
+                read(pid, "comm").startswith(RANK_NAME.encode()) or read(pid, "cmdline") == own_command):
+            found.append(int(pid))
+    return found
 
 
 def name_rank(local_rank: str) -> None:

@@ -16,6 +16,8 @@ from flame.base.dump_folder import ATTEMPTS
 from flame.base.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
+# a stop on a signal (flame.training.stop), until the launcher reads it: {"signal": "SIGTERM", "step": 120, "saved": true}
+STOPPED_FILE = "stopped.json"
 COMMAND_FILE = "command.txt"  # in attempts/<n>/: the train.sh command line of that attempt (flame.launch.supervise)
 LOSS = "loss_metrics/global_avg_loss"
 TOKENS = "n_tokens_seen"
@@ -165,3 +167,15 @@ def command(dump_folder: str) -> str | None:
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+def take_stop_record(dump_folder: str) -> dict | None:
+    """The record of a stop of the attempt that just ended (removed as it is read), or None when it did not stop."""
+    path = os.path.join(dump_folder, STOPPED_FILE)
+    try:
+        with open(path) as file:
+            record = json.load(file)
+    except (OSError, ValueError):
+        return None
+    os.remove(path)
+    return record

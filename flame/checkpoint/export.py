@@ -1,7 +1,7 @@
 """Export a flame DCP checkpoint as a Hugging Face model (safetensors, config, tokenizer).
 
     python -m flame.utils.convert_dcp_to_hf --path exp/run [--step N] [--config cfg.json]
-        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--export_as llama] [--lora-export merged]
+        [--tokenizer path] [--out exp/run/hf] [--dtype bfloat16] [--export_as llama] [--lora_export merged]
         [--sample "def main("]
 
 By default everything comes from the run itself (<path>/job_config.json): the model config,
@@ -13,14 +13,13 @@ written next to its destination (``.hf-<host>-<pid>-*``) and swapped in only whe
 an earlier export is never left half-overwritten; the next export removes what a killed one left
 there (exports of one folder do not run at once: train.sh's runs hold the dump folder).
 
-A LoRA run (--lora.rank, flame.models.lora) exports as its lora.export says (--lora-export
+A LoRA run (--lora.rank, flame.models.lora) exports as its lora.export says (--lora_export
 overrides it): ``adapter`` writes PEFT's adapter_config.json and adapter_model.safetensors (with
 the tokenizer), whose base_model_name_or_path is the run's model.config directory, for
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)``; ``merged`` writes
 the plain model with the adapters added into its weights.
 """
 
-import argparse
 import json
 import os
 import re
@@ -43,6 +42,7 @@ from flame.checkpoint import manifest
 from flame.checkpoint.steps import complete_steps, weight_mismatches
 from flame.data.tokenizer import load_tokenizer
 from flame.base.dump_folder import RUN_CONFIG_FILE, pid_alive
+from flame.base.cli import ArgumentParser
 from flame.base.errors import ConfigError
 from flame.models import load_model_config, lora
 from flame.models.registry import meta_model
@@ -209,21 +209,25 @@ def load_adapters(model: torch.nn.Module, settings: lora.LoraSettings, checkpoin
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--path", required=True, help="the run's dump folder")
+    parser = ArgumentParser(prog="flame export", description=__doc__.split("\n")[0])
+    parser.add_argument("folder", nargs="?", help="the run's dump folder (or --path)")
+    parser.add_argument("--path", help="the run's dump folder")
     parser.add_argument("--step", type=int, default=-1, help="checkpoint step (default: latest complete one)")
     parser.add_argument("--config", help="HF model config (default: the run's model.config)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the run's model.tokenizer_path)")
-    parser.add_argument("--checkpoint-folder", help="checkpoint folder under --path (default: the run's)")
+    parser.add_argument("--checkpoint_folder", help="checkpoint folder under --path (default: the run's)")
     parser.add_argument("--out", help="output directory (default: <path>/hf)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's checkpoint.export_dtype)")
-    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    parser.add_argument("--export-as", "--export_as", choices=llama_export.FORMATS,
+    parser.add_argument("--max_shard_size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--export_as", choices=llama_export.FORMATS,
                         help="native: the model's own architecture; llama: fla's transformer as LlamaForCausalLM "
                              "(default: the run's checkpoint.export_as)")
-    parser.add_argument("--lora-export", choices=("adapter", "merged"), help="a LoRA run's export (default: the run's lora.export)")
+    parser.add_argument("--lora_export", choices=("adapter", "merged"), help="a LoRA run's export (default: the run's lora.export)")
     parser.add_argument("--sample", metavar="PROMPT", help="after exporting, load the model and print a continuation")
     args = parser.parse_args(argv)
+    if bool(args.folder) == bool(args.path):
+        parser.error("give the run's dump folder once: flame export <dump folder> (or --path <dump folder>)")
+    args.path = args.path or args.folder
 
     try:
         run = run_settings(args.path)
@@ -238,20 +242,20 @@ def main(argv: list[str] | None = None) -> int:
 
         adapters = lora.LoraSettings.of(run.get("lora") or {})
         if args.lora_export and adapters is None:
-            raise ConfigError(f"--lora-export: {args.path} is no LoRA run (its job config sets no lora.rank); drop --lora-export")
+            raise ConfigError(f"--lora_export: {args.path} is no LoRA run (its job config sets no lora.rank); drop --lora_export")
         merge = (args.lora_export or run.get("lora", {}).get("export")) == "merged"
         # the weights the adapters were trained over: the run's --model.init_from, else its model config's folder
         base_model = lora.base_model_path(run.get("model", {}).get("init_from") or config_path)
         if adapters is not None and not merge and args.sample is not None and not lora.holds_weights(base_model):
             raise ConfigError(
                 f"--sample loads the adapter over its base model {base_model}, which holds no weights; export the merged "
-                "model (--lora-export merged) to sample from it"
+                "model (--lora_export merged) to sample from it"
             )
         config = load_model_config(config_path)
         if export_as == "llama":  # before reading any weight
             llama_export.check(config, "--export_as llama")
             if adapters is not None and not merge:
-                raise ConfigError("--export_as llama renames a whole model, not a LoRA adapter: add --lora-export merged")
+                raise ConfigError("--export_as llama renames a whole model, not a LoRA adapter: add --lora_export merged")
         tokenizer = load_tokenizer(tokenizer_path)
         model = load_hf_model_from_dcp(checkpoint, config)
         if adapters is not None:
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported {what}step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')})")
     if what and not lora.holds_weights(base_model):
         print(f"note: its base model {base_model} holds no weights (they are in the checkpoint): export the merged "
-              "model (--lora-export merged) for a model that loads on its own")
+              "model (--lora_export merged) for a model that loads on its own")
     if args.sample is not None:
         print(f"sample from {out}:\n{sample(out, args.sample)}")
     return 0

@@ -12,7 +12,6 @@ optimizer, schedule and data start fresh). Use the same model config for the run
 every step flame saves.
 """
 
-import argparse
 import os
 import sys
 
@@ -22,10 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from flame.checkpoint import manifest
 from flame.models import load_model_config
+from flame.base.cli import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="flame convert hf_to_dcp", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="HF model directory (or a hub name in the local cache)")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory to create, e.g. <dump>/checkpoint/step-0")
     args = parser.parse_args(argv)

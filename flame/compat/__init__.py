@@ -6,6 +6,7 @@
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
     fla_mamba.py     fla's Mamba and Mamba2 layers on flame's kernels: fast, packed documents kept apart
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
+    torchrun.py      train.sh's launcher: a first stop signal lets the ranks save, a second kills them
     triton.py        autotuning that waits for its own stream (pipeline parallelism); forwards that launch no kernel
     guard.py         how a change is declared, checked against the installed library, applied once
 
@@ -33,6 +34,8 @@ fla's and transformers' seams.
 
 import importlib
 import importlib.util
+import json
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -44,12 +47,12 @@ if TYPE_CHECKING:
     from flame.compat import fla
 
 __all__ = [
-    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "mamba_ssm", "torchtitan",
+    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "mamba_ssm", "torchrun", "torchtitan",
     "transformers", "triton",
 ]
 
 
-_SEAMS = ("fla", "fla_mamba", "mamba_ssm", "torchtitan", "transformers", "triton")
+_SEAMS = ("fla", "fla_mamba", "mamba_ssm", "torchrun", "torchtitan", "transformers", "triton")
 
 
 def __getattr__(name: str):
@@ -63,12 +66,25 @@ def _startup_patches(job_config: "JobConfig", checkpoint_manager: type | None = 
     from flame.base import device  # it imports torchtitan, which loading an export (flame.register) does not need
     from flame.compat import torchtitan, triton
 
-    patches = [(torchtitan.checkpoints_with_manifests, (checkpoint_manager,)), (torchtitan.ends_without_sleep, ())]
+    patches = [(torchtitan.checkpoints_with_manifests, (checkpoint_manager,)), (torchtitan.ends_without_sleep, ()),
+               (torchtitan.readable_log, (_model_label(job_config), not device.CUDA, job_config.job.print_config))]
     if not device.CUDA:
         patches.append((torchtitan.cpu_without_accelerator, ()))
     elif job_config.parallelism.pipeline_parallel_degree > 1:
         patches.append((triton.autotune_on_the_current_stream, ()))
     return patches
+
+
+def _model_label(job_config: "JobConfig") -> str:
+    """How the log names the model: its type and where its config comes from ("llama (configs/llama_4M.json)")."""
+    source = job_config.model.config or job_config.model.init_from or "model"
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    try:
+        with open(path) as file:
+            fields = json.load(file)
+    except (OSError, ValueError):  # a hub name: transformers reads it, not this label
+        return source
+    return f"{fields.get('model_type', 'model')} ({source})" if isinstance(fields, dict) else source
 
 
 def check(job_config: "JobConfig") -> None:

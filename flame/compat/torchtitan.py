@@ -12,6 +12,7 @@ flame.compat.apply) refuses a torchtitan that lacks one or changed its signature
 import contextlib
 import importlib
 import inspect
+import logging
 import time
 
 import torch
@@ -135,6 +136,49 @@ def ends_without_sleep() -> None:
     torchtitan's log line announcing the sleep stays.
     """
     importlib.import_module(_TRAIN_TIME.module).time = _TimeWithoutSleep()
+
+
+class _FlameLogLines(logging.Filter):
+    """torchtitan's startup and shutdown lines as ``readable_log`` leaves them (its docstring lists them)."""
+
+    DROPPED = ("Sleeping 2 seconds for other ranks", "Training completed", "[GC] ", "Destroying the purge thread",
+               "Successfully created meshes with active dimensions: []")
+    DROPPED_ON_CPU = ("Peak FLOPS used for computing MFU", "ENV[TORCH_NCCL_", "Synchronizing and adjusting timeout")
+
+    def __init__(self, model: str, on_cpu: bool, model_dump: bool):
+        super().__init__()
+        self.model, self.model_dump = model, model_dump
+        self.dropped = self.DROPPED + (self.DROPPED_ON_CPU if on_cpu else ())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.dropped):
+            return False
+        if message.startswith(_MODEL_DUMP):
+            if not self.model_dump:
+                return False
+            record.msg, record.args = f"Model {self.model}: {message[len(_MODEL_DUMP):].removeprefix('with ')}", ()
+        elif _MODEL_NAME in message:
+            record.msg, record.args = message.replace(_MODEL_NAME, self.model), ()
+        return True
+
+
+_MODEL_NAME = "flame debugmodel"  # the registered train spec and flavor, which torchtitan logs as the model's name
+_MODEL_DUMP = f"Building {_MODEL_NAME}"
+
+
+@patch(TORCHTITAN)
+def readable_log(model: str, on_cpu: bool, model_dump: bool) -> None:
+    """Say what flame trains in the log, without lines that mean nothing for the run.
+
+    Upstream: torchtitan names the model by its train spec and flavor ("flame debugmodel" for every
+    flame run), prints the model's arguments as 40 lines of JSON, announces a sleep flame removed
+    (``ends_without_sleep``), "Training completed" before flame's last checkpoint, its garbage
+    collections and threads, and on a CPU a NaN peak, NCCL settings and timeouts that apply to GPUs.
+    flame: a filter on torchtitan's logger names the model (``model``: its type and config), prints
+    the arguments only under --job.print_config (``model_dump``), and drops the other lines.
+    """
+    logging.getLogger().addFilter(_FlameLogLines(model, on_cpu, model_dump))
 
 
 # torchtitan's private names flame relies on (resolved when used, so that the guard can name a missing one)

@@ -37,7 +37,7 @@ class Model:
 @dataclass
 class Training:
     dataset: str = ""
-    """Comma list of datasets: hub names (local HF cache), directories, files/globs of json/jsonl/parquet/txt/arrow, or builtin:python-stdlib"""
+    """Comma list of datasets: hub names (local HF cache), directories, files/globs of json/jsonl/parquet/txt/arrow, token files (Megatron .bin/.idx pairs or their prefix, .npy or .bin token arrays; globs too), or builtin:python-stdlib"""
     dataset_name: str | None = None
     """Comma list, one per dataset: the dataset configuration name (empty entries allowed)"""
     dataset_split: str | None = None
@@ -55,15 +55,17 @@ class Training:
     text_column: str | None = None
     """Column holding each document of a text source: text (default: 'text', then 'content'), or token ids (e.g. 'input_ids', used without tokenizing)"""
     data_format: str = "text"
-    """Comma list, one per dataset (or one for all): text (documents, every token a target) or sft (chat/instruction records: 'messages', 'prompt'/'completion' or 'instruction'/'input'/'output'; docs/data.md)"""
+    """Comma list, one per dataset (or one for all): text (documents, every token a target), sft (chat/instruction records: 'messages', 'prompt'/'completion' or 'instruction'/'input'/'output'), megatron (Megatron-LM .bin/.idx token files) or numpy (flat token-id arrays: .npy, raw or llm.c .bin; documents end at EOS). A text entry reads token files by the format their files tell (docs/data.md)"""
     sft_loss_on: Literal["completion", "prompt+completion"] = "completion"
     """SFT sources: the targets trained on: the assistant turns only (completion), or every token of the conversation"""
     truncate_long: bool = False
     """SFT sources: cut a conversation longer than context_len to its first context_len tokens instead of dropping it (both counted: metrics data/<source>/dropped, data/<source>/truncated)"""
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """numpy sources: the dtype of a raw file's token ids (nanoGPT's train.bin, OLMo's headerless .npy); auto = uint16 when the tokenizer's vocabulary fits in 65,536 ids, else uint32. A .npy or llm.c header says its own dtype, which a given one must match in width (int32 files read as uint32)"""
     delimiters: Literal["auto", "eos", "bos", "bos+eos"] = "auto"
     """Tokens flame puts around every document: auto = EOS after and BOS before, for whichever the tokenizer defines"""
     separator_token: str | None = None
-    """A token to end documents with when the tokenizer defines neither BOS nor EOS"""
+    """A token to end documents with instead of the tokenizer's EOS (needed when it defines neither BOS nor EOS); numpy sources' documents end after it"""
     document_mask: bool = True
     """Restart position ids (and attention) at every document; --training.no-document_mask concatenates documents plainly"""
     shuffle_buffer: int = 0
@@ -255,7 +257,7 @@ class Validation:
     data_files: str | None = None
     """Comma list, one per validation dataset: data_files passed to datasets.load_dataset (globs allowed)"""
     data_format: str = "text"
-    """Comma list, one per validation dataset (or one for all): text or sft, as --training.data_format"""
+    """Comma list, one per validation dataset (or one for all): a format, as --training.data_format"""
     holdout_documents: int = 0
     """Instead of validation.dataset: the first N documents (in dataset order) of every training source are never trained on and form the validation set (map-style sources)"""
     freq: int = 500

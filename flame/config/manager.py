@@ -4,10 +4,12 @@ Parsing only parses: it refuses what cannot be read (an unknown key or flag, a v
 type, a TOML file that is not one, a retired spelling) and resolves older spellings; every check of
 the values, the model and the data, and the memory plan, run afterwards in ``flame.prepare``. It
 imports nothing of the models, the planner, the parallelisms or the trainer. Errors are
-``ConfigError``: one line saying what is wrong and what to change.
+``ConfigError``: one line saying what is wrong and what to change. What parsing changed of what was
+written (older keys read as today's, a job file's dataset settings reset) is logged, once, by ``parse``.
 """
 
 import difflib
+import logging
 import os
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -16,6 +18,7 @@ from typing import Any
 
 import tomllib
 from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.tools.logging import logger
 
 from flame.config import job as flame_config
 from flame.config.spellings import MOVED_JOB_FILES
@@ -26,23 +29,28 @@ from flame.config.merge import (
     check_unused_fields,
     dotted_fields,
     merge_configs,
+    read_older_keys,
+    rename_older_flags,
+    reset_dataset_dependents,
     resolve_aliases,
     type_mismatch,
 )
 from flame.base.errors import ConfigError
 
-FLAME_ROOT = Path(__file__).resolve().parents[2]  # the checkout: flame/config/manager.py
+# configs/ ships inside the package (flame/configs; the checkout's top-level configs/ links there), so
+# "configs/llama_340M.json" resolves in a checkout and in an installed wheel alike
+FLAME_PACKAGE = Path(__file__).resolve().parents[1]
 CONFIG_MODULE = "flame.config.job"
 
 
 def resolve_path(path: str) -> str:
-    """A path as given if it exists, else relative to the flame checkout (for configs/...); a job file under the
-    path earlier flame versions kept it at (flame/models/fla.toml) is found where it is now."""
+    """A path as given if it exists, else one of flame's shipped files (configs/...) from any directory; a job
+    file under the path earlier flame versions kept it at (flame/models/fla.toml) is found where it is now."""
     if not path or os.path.exists(path) or os.path.isabs(path):
         return path
     path = MOVED_JOB_FILES.get(os.path.normpath(path), path)
-    in_repo = FLAME_ROOT / path
-    return str(in_repo) if in_repo.exists() else path
+    shipped = FLAME_PACKAGE / path
+    return str(shipped) if shipped.exists() else path
 
 
 def _flag(arg: str) -> tuple[str, str]:
@@ -66,7 +74,10 @@ class FlameConfigManager(ConfigManager):
     """torchtitan's ConfigManager with flame's fields, aliases and up-front checks."""
 
     def parse_args(self, args: list[str] = sys.argv[1:]) -> JobConfig:
-        args = list(args)
+        self.notes: list[tuple[int, str]] = []  # (logging level, line) for parse to log
+        args, renamed = rename_older_flags(list(args))
+        if renamed:
+            self.notes.append((logging.INFO, f"read older options as today's: {', '.join(renamed)}"))
         for i, arg in enumerate(args):
             key, value = _flag(arg)
             if key == "--job.custom_config_module":
@@ -96,7 +107,16 @@ class FlameConfigManager(ConfigManager):
         # which settings the command line and the TOML file give, for resolve_aliases
         self._on_cli = _given_on_cli(args)
         self._in_toml: set[str] = set()
+        self._toml: dict[str, Any] = {}
         return super().parse_args([f"--job.custom_config_module={CONFIG_MODULE}", *args])
+
+    def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
+        """The job file's table, the keys of older job files read (or refused) first."""
+        toml = super()._maybe_load_toml(args)
+        if toml:
+            self.notes.extend((logging.INFO, note) for note in read_older_keys(toml, self._toml_path))
+            self._toml = toml
+        return toml
 
     @staticmethod
     def _config_file(args: list[str]) -> str | None:
@@ -141,8 +161,11 @@ class FlameConfigManager(ConfigManager):
     def _validate_config(self) -> None:
         """torchtitan's hook at the end of parsing: flame's spellings resolved, unused fields refused."""
         self.given = dict.fromkeys(self._in_toml, TOML) | dict.fromkeys(self._on_cli, CLI)
-        check_unused_fields(self.config, type(self.config)())
+        defaults = type(self.config)()
+        check_unused_fields(self.config, defaults)
         resolve_aliases(self.config, self.given)
+        reset = reset_dataset_dependents(self.config, defaults, self.given, self._toml)
+        self.notes.extend((logging.WARNING, note) for note in reset)
 
 
 def _check_toml(path: str) -> None:
@@ -179,4 +202,6 @@ def parse(args: list[str]) -> ParsedJob:
     """Parse a job's flags (and its --job.config_file); raise ConfigError on what cannot be parsed."""
     manager = FlameConfigManager()
     config = manager.parse_args(list(args))
+    for level, note in manager.notes:
+        logger.log(level, note)
     return ParsedJob(config, manager.given)

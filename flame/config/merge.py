@@ -9,9 +9,14 @@
   (``UNUSED_TORCHTITAN_FIELDS``), so that no setting is silently ignored.
 - ``check_command_line`` refuses an unknown option, a switch given a value, or a value that
   does not fit its option's type, in one line (tyro's own messages span a boxed screen).
+- ``read_older_keys`` and ``rename_older_flags`` read the keys of older job files and command lines
+  that today's JobConfig has no field for (``OLDER_KEYS``).
+- ``reset_dataset_dependents`` drops the job file's per-dataset settings when the command line names
+  other datasets (``DATASET_DEPENDENTS``).
 """
 
 import difflib
+import json
 import types
 import typing
 from dataclasses import field, fields, is_dataclass, make_dataclass
@@ -20,6 +25,7 @@ from typing import Any
 from flame.config.spellings import (
     ALIAS_VALUES,
     ALIASES,
+    OLDER_KEYS,
     REFUSED_SPELLINGS,
     UNUSED_TORCHTITAN_FIELDS,
 )
@@ -189,6 +195,8 @@ def check_command_line(config_cls: type, args: list[str]) -> None:
         section, _, leaf = name.rpartition(".")
         negated = f"{section}.{leaf.removeprefix('no_')}" if leaf.startswith("no_") else None
         if name not in annotations and annotations.get(negated) is not bool:
+            if (older := OLDER_KEYS.get(name) or OLDER_KEYS.get(negated)) is not None:
+                raise ConfigError(f"--{name} is no longer a flame option: {older.fix}")
             close = difflib.get_close_matches(name, annotations, n=1, cutoff=0.6)
             hint = f"; did you mean --{close[0]}?" if close else ""
             raise ConfigError(f"unknown option --{name}{hint} Run `bash train.sh -h` for every option")
@@ -211,6 +219,124 @@ def check_command_line(config_cls: type, args: list[str]) -> None:
             continue  # lists (comma lists on the command line): tyro parses them, flame's checks follow
         if (expected := _cli_value_error(options, optional, inline)) is not None:
             raise ConfigError(f"--{name} takes {expected}, not {inline!r}")
+
+
+def rename_older_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` with each older option that stands for one of today's (``OLDER_KEYS``' ``becomes``) renamed to it
+    ('--job.print_args' -> '--job.print_config', '--x.no-older' -> '--y.no-today'), and the renames, as
+    'older as today'. Other older options stay, for ``check_command_line`` to refuse with their fix."""
+    renamed, result = [], []
+    for arg in args:
+        key, equals, value = arg.partition("=")
+        name = key[2:].replace("-", "_") if key.startswith("--") else ""
+        section, _, leaf = name.rpartition(".")
+        negated = leaf.startswith("no_") and name not in OLDER_KEYS
+        older = OLDER_KEYS.get(f"{section}.{leaf.removeprefix('no_')}" if negated else name)
+        if older is None or not older.becomes:
+            result.append(arg)
+            continue
+        today_section, _, today_leaf = older.becomes.rpartition(".")
+        today = f"--{today_section}.no-{today_leaf}" if negated else f"--{older.becomes}"
+        result.append(today + equals + value)
+        renamed.append(f"--{name} as {today}")
+    return result, renamed
+
+
+def _leaves(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, value) of every value of a TOML table, its tables walked."""
+    leaves = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            leaves.extend(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves.append((f"{prefix}{key}", value))
+    return leaves
+
+
+def _take(table: dict[str, Any], dotted: str) -> None:
+    """Remove a value from a TOML table, and the tables that removing it empties."""
+    *parents, last = dotted.split(".")
+    chain = [table]
+    for part in parents:
+        chain.append(chain[-1][part])
+    del chain[-1][last]
+    for parent, part in zip(reversed(chain[:-1]), reversed(parents)):
+        if parent[part]:
+            break
+        del parent[part]
+
+
+def read_older_keys(toml: dict[str, Any], where: str) -> list[str]:
+    """Take the keys of older flame and torchtitan job files out of the TOML table ``toml`` (read from ``where``):
+    each that stands for one of today's fields moves onto it; each whose value changes nothing goes; any
+    other value is refused with what to do instead. The notes to log: what was read as what, what changed nothing.
+    """
+    moved, inert = [], []
+    for name, value in _leaves(toml):
+        older = OLDER_KEYS.get(name)
+        if older is None:
+            continue  # today's key, or one that the JobConfig refuses as unknown
+        _take(toml, name)
+        if older.becomes:
+            *parents, last = older.becomes.split(".")
+            table = toml
+            for part in parents:
+                table = table.setdefault(part, {})
+            if last in table and table[last] != value:
+                raise ConfigError(
+                    f"'{name}' ({json.dumps(value, default=str)}) and '{older.becomes}' ({json.dumps(table[last])}) in {where} are "
+                    f"the same setting; give only '{older.becomes}'"
+                )
+            table[last] = value
+            moved.append(f"{name} as {older.becomes}")
+        elif older.changes_nothing(value):
+            inert.append(f"{name} = {json.dumps(value, default=str)}")
+        else:
+            raise ConfigError(f"'{name} = {json.dumps(value, default=str)}' in {where} is no longer a flame option: {older.fix}")
+    notes = []
+    if moved:
+        notes.append(f"{where}: read older keys as today's: {', '.join(moved)}; rename them to keep the file current")
+    if inert:
+        notes.append(f"{where}: older keys that change nothing in flame, accepted: {', '.join(inert)}; remove them")
+    return notes
+
+
+# each dataset option -> the settings that describe the datasets it names, entry by entry (flame.data.sources)
+DATASET_DEPENDENTS: dict[str, tuple[str, ...]] = {
+    "training.dataset": tuple(f"training.{name}" for name in (
+        "dataset_name", "dataset_split", "data_dir", "data_files", "data_format", "data_probs", "text_column",
+    )),
+    "validation.dataset": tuple(f"validation.{name}" for name in (
+        "dataset_name", "dataset_split", "data_dir", "data_files", "data_format",
+    )),
+}
+
+
+def reset_dataset_dependents(config: Any, defaults: Any, given: dict[str, int], toml: dict[str, Any]) -> list[str]:
+    """Reset what the job file says about its datasets (``DATASET_DEPENDENTS``) once the command line names others.
+
+    A job file's ``dataset_name = "sample-100BT"`` describes the job file's dataset; kept beside another
+    dataset from the command line it would ask that one for a configuration it may not have. Each such
+    setting the TOML file gave and the command line did not goes back to its default and out of ``given``.
+    ``toml``: the job file's table. The warnings to log, one per dataset option.
+    """
+    notes = []
+    for option, dependents in DATASET_DEPENDENTS.items():
+        section, _, key = option.partition(".")
+        if given.get(option) != CLI or _get(config, option) == toml.get(section, {}).get(key, _get(defaults, option)):
+            continue
+        stale = [name for name in dependents if given.get(name) == TOML]
+        if not stale:
+            continue
+        values = ", ".join(f"{name} (was {json.dumps(_get(config, name))})" for name in stale)
+        for name in stale:
+            _set(config, name, _get(defaults, name))
+            del given[name]
+        notes.append(
+            f"--{option} on the command line replaces the job file's datasets, and what the job file says of them "
+            f"is reset to the defaults: {values}; to keep one, give it on the command line"
+        )
+    return notes
 
 
 def _get_field(cls: type, dotted: str):

@@ -5,12 +5,15 @@
 versions, and that still means the same, onto torchtitan's field; ``REFUSED_SPELLINGS`` names
 the replacement of each one whose meaning changed or is gone; ``UNUSED_TORCHTITAN_FIELDS`` are
 torchtitan's fields flame does not use, refused rather than silently ignored.
-``flame.config.merge`` applies all three.
+``OLDER_KEYS`` are the keys of older flame (and torchtitan 0.1/0.2) job files that are no fields at all any
+more: each moves onto today's field, or is accepted while its value changes nothing, or is refused.
+``flame.config.merge`` applies them all.
 """
 
 import operator
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from flame.base.errors import ConfigError
@@ -81,7 +84,7 @@ ALIAS_VALUES: dict[str, Callable[[Any], Any]] = {
 }
 
 NO_MEMORY_ESTIMATOR = (
-    "flame's memory plan (--memory.plan auto, the default) prints the estimate at the start, and every "
+    "flame's memory plan (--memory.plan auto) prints the estimate at the start, and every "
     "logged step the peak memory (mem ... GiB)"
 )
 
@@ -129,4 +132,70 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "parallelism.pipeline_parallel_expert_parallel_overlap": "flame does not provide expert parallelism",
     "parallelism.expert_parallel_comm_backend": "flame does not provide expert parallelism",
     "debug.moe_force_load_balance": "it balances the experts of torchtitan's own MoE models, which flame does not build",
+}
+
+
+@dataclass(frozen=True)
+class OlderKey:
+    """A key of an older flame or torchtitan job file that today's JobConfig has no field for.
+
+    ``becomes``: today's field it stands for (its value carries over). Otherwise it is accepted while its
+    value is one of ``unchanged`` (None: any value; the setting it was has no effect in flame) and refused
+    with ``fix``, which names what to do instead.
+    """
+
+    becomes: str = ""
+    unchanged: tuple[Any, ...] | None = ()
+    fix: str = ""
+
+    def changes_nothing(self, value: Any) -> bool:
+        # type-strict: TOML's 0 is not false
+        return self.unchanged is None or any(type(value) is type(v) and value == v for v in self.unchanged)
+
+
+_FLOAT8 = "float8 training needs torchao, which flame does not ship; leave [float8] out"
+_MX = "mx training needs torchao, which flame does not ship; leave [mx] out"
+_TORCHFT = "torchft is not part of flame's stack; leave it out"
+_COMPILED_AUTOGRAD = "torchtitan 0.2 dropped compiled autograd; --compile.enable compiles each decoder block"
+
+# older key (dotted) -> what it is today. float8.*, mx.* and fault_tolerance.*'s settings only shaped a
+# conversion or a torchft run that nothing else turns on in flame (model.converters and fault_tolerance.enable
+# are refused), so any value of theirs changes nothing; float8.enable_float8_linear turned float8 on itself.
+OLDER_KEYS: dict[str, OlderKey] = {
+    "job.print_args": OlderKey(becomes="job.print_config"),
+    "job.use_for_integration_test": OlderKey(unchanged=None, fix="it marked torchtitan's own test configs; leave it out"),
+    "model.norm_type": OlderKey(unchanged=None, fix="the model config (--model.config) sets the norm; leave it out"),
+    "training.pin_memory": OlderKey(becomes="training.dataloader.pin_memory"),
+    "training.persistent_workers": OlderKey(becomes="training.dataloader.persistent_workers"),
+    "training.fsdp_reshard_after_forward": OlderKey(becomes="parallelism.fsdp_reshard_after_forward"),
+    "training.debug_moe_force_load_balance": OlderKey(
+        unchanged=(False,), fix="it balanced torchtitan's own MoE models, which flame does not build; leave it out"
+    ),
+    "checkpoint.interval_type": OlderKey(
+        unchanged=("steps", "step"), fix="--checkpoint.interval counts steps, never seconds; leave interval_type out"
+    ),
+    "checkpoint.last_save_model_weights_only": OlderKey(becomes="checkpoint.last_save_model_only"),
+    "checkpoint.initial_load_model_weights_only": OlderKey(becomes="checkpoint.initial_load_model_only"),
+    "experimental.enable_async_tensor_parallel": OlderKey(becomes="parallelism.enable_async_tensor_parallel"),
+    "experimental.context_parallel_rotate_method": OlderKey(becomes="parallelism.context_parallel_rotate_method"),
+    "experimental.enable_compiled_autograd": OlderKey(unchanged=(False,), fix=_COMPILED_AUTOGRAD),
+    "parallelism.enable_compiled_autograd": OlderKey(unchanged=(False,), fix=_COMPILED_AUTOGRAD),
+    "experimental.custom_model_path": OlderKey(
+        unchanged=("",), fix="put the architecture under custom_models/, which flame registers with transformers"
+    ),
+    "activation_offload.mode": OlderKey(
+        unchanged=("none",),
+        fix="flame offloads no activations; --activation_checkpoint.mode full (or --memory.plan auto) saves their memory",
+    ),
+    "float8.enable_float8_linear": OlderKey(unchanged=(False,), fix=_FLOAT8),
+    **{f"float8.{name}": OlderKey(unchanged=None, fix=_FLOAT8) for name in (
+        "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "force_recompute_fp8_weight_in_bwd",
+        "recipe_name", "filter_fqns", "emulate", "scaling_type_input", "scaling_type_weight", "scaling_type_grad_output",
+    )},
+    **{f"mx.{name}": OlderKey(unchanged=None, fix=_MX) for name in (
+        "use_fp8_dim1_cast_triton_kernel", "recipe_name", "filter_fqns",
+    )},
+    **{f"fault_tolerance.{name}": OlderKey(unchanged=None, fix=_TORCHFT) for name in (
+        "sync_steps", "should_quantize", "fragment_sync_delay", "fragment_update_alpha",
+    )},
 }

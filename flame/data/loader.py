@@ -32,7 +32,7 @@ from flame.data.packing import ROW_COUNTERS, collate_rows
 from flame.data.shards import DataPlan, DataShard, shards_of_reader
 from flame.data.streams import SourceExhausted
 from flame.base.errors import ConfigError, DataError
-from flame.base.process import die_with_parent
+from flame.base.process import die_with_parent, ignore_stop_signals
 
 # Workers fork after the tokenizer is loaded; Rust-side threads do not survive a fork.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -110,6 +110,7 @@ class PackedDataset(IterableDataset):
 
 def _end_with_rank(rank_pid: int, worker_id: int) -> None:
     die_with_parent(signal.SIGKILL, parent=rank_pid)
+    ignore_stop_signals()  # the rank stops on them after its step, which needs its workers' batches
 
 
 class FlameDataLoader(BaseDataLoader):

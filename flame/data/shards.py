@@ -11,6 +11,7 @@ no document repeated or skipped.
 from dataclasses import dataclass
 
 import numpy as np
+from datasets import IterableDataset
 from torchtitan.tools.logging import logger
 
 from flame.config.manager import split_list
@@ -24,7 +25,7 @@ from flame.data.packing import (
     TokenizedSource,
 )
 from flame.data.sft import padding_token
-from flame.data.sources import SourceSpec, load_source, source_specs
+from flame.data.sources import SourceSpec, source_specs
 from flame.data.streams import IterStream, MapStream
 from flame.data.tokenizer import Delimiters, document_delimiters
 from flame.base.errors import ConfigError
@@ -38,7 +39,7 @@ class DataPlan:
 
     specs: list[SourceSpec]
     formats: list[DataFormat]  # each source's record (flame.data.formats)
-    datasets: list
+    datasets: list  # each source's dataset: map-style, or streamed (a datasets.IterableDataset)
     encoders: list[SourceEncoder]  # each source's reader, made by its format's record
     probabilities: list[float]
     mix_unit: str
@@ -61,9 +62,9 @@ class DataPlan:
     def from_config(cls, job_config, tokenizer) -> "DataPlan":
         training = job_config.training
         specs = source_specs(training)
-        datasets = [load_source(spec, training.streaming) for spec in specs]
+        formats = [data_format(spec.data_format, spec.path) for spec in specs]
         delimiters = document_delimiters(tokenizer, training.delimiters, training.separator_token)
-        formats = [data_format(spec.data_format) for spec in specs]
+        datasets = [fmt.opener(spec, training, tokenizer, delimiters) for fmt, spec in zip(formats, specs)]
         encoders = [fmt.encoder(dataset, spec, training, tokenizer, delimiters)
                     for fmt, dataset, spec in zip(formats, datasets, specs)]
         validation = job_config.validation
@@ -102,7 +103,7 @@ class DataPlan:
 
     def default_shards(self, readers: int) -> int:
         """max(64, readers), but no more than the smallest map-style source has documents."""
-        sizes = [len(dataset) - self.holdout for dataset in self.datasets if not self.streaming]
+        sizes = [len(dataset) - self.holdout for dataset in self.datasets if not isinstance(dataset, IterableDataset)]
         return max(readers, min([DEFAULT_SHARDS, *sizes]))
 
     def source_names(self) -> list[str]:
@@ -112,7 +113,7 @@ class DataPlan:
         if not self.streaming:
             return
         for spec, dataset in zip(self.specs, self.datasets):
-            if dataset.num_shards % shards:
+            if isinstance(dataset, IterableDataset) and dataset.num_shards % shards:
                 logger.warning(
                     f"streaming dataset {spec.path} has {dataset.num_shards} file shards, not a multiple of the "
                     f"{shards} data shards: each data shard reads the whole stream and keeps 1/{shards} of it. "
@@ -147,12 +148,14 @@ def document_source(plan: DataPlan, index: int, shard: int, shards: int) -> Toke
     """Source ``index``'s documents in shard ``shard`` of ``shards``, encoded as its format encodes them."""
     dataset, encoder, spec = plan.datasets[index], plan.encoders[index], plan.specs[index]
     column = encoder.columns
-    if plan.streaming:
+    # a source is streamed when its dataset is a stream: token files are map-style even with --training.streaming
+    streamed = isinstance(dataset, IterableDataset)
+    if streamed:
         stream = IterStream(dataset, column, shard, shards, spec.path, stop_at_end=plan.stop_at_end)
     else:
         stream = MapStream(dataset, column, shard, shards, plan.seed, spec.path, stop_at_end=plan.stop_at_end,
                            holdout=plan.holdout)
-    shuffled = plan.streaming and plan.shuffle_buffer > 0
+    shuffled = streamed and plan.shuffle_buffer > 0
     window = max(DOCUMENTS_PER_READ, plan.shuffle_buffer) if shuffled else DOCUMENTS_PER_READ
     shuffle_seed = (plan.seed, shard, index) if shuffled else None
     return encoder.documents(stream, window, shuffle_seed)

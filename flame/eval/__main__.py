@@ -17,7 +17,7 @@ from flame.base import autotune
 from flame.base.errors import ConfigError, gist
 from flame.base.process import PARENT_PID, die_with_parent
 
-PROG = "python -m flame.eval"
+PROG = "flame eval"
 
 
 def _lm_eval_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,7 @@ from flame.base import autotune, dump_folder
 from flame import compat
 from flame.config.manager import parse
 from flame.base.errors import ConfigError
+from flame.checkpoint.steps import complete_steps
 from flame.prepare import prepare
 
 
@@ -39,6 +40,9 @@ class LaunchPlan:
 
     dump_folder: str
     saves_checkpoints: bool  # False under --checkpoint.no-enable or load_only: nothing to export to HF
+    checkpoint_folder: str
+    complete_at: int | None = None  # the last step, already saved: a rerun that would train nothing
+
 
     def log_folder(self, node_rank: int, nodes: int) -> str:
         """Where torchrun's agent writes the ranks' logs: one folder per node when there are several."""
@@ -61,11 +65,13 @@ def check(train_args: list[str], world_size: int, node_rank: int = 0) -> LaunchP
     if node_rank == 0 and config.job.dump_folder.strip():  # the other nodes join node 0's run, which holds the lock
         dump_folder.check_free(config.job.dump_folder)
     compat.check(config)
+    checkpoints = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    saves = config.checkpoint.enable and not config.checkpoint.load_only  # load_only never saves
+    steps = complete_steps(checkpoints) if saves and config.checkpoint.load_step == -1 else []
+    if steps and steps[-1] >= config.training.steps:  # nothing to train: the data sources need no loading
+        return LaunchPlan(config.job.dump_folder, saves, checkpoints, complete_at=steps[-1])
     prepare(job, world_size, sources=True)
-    return LaunchPlan(
-        dump_folder=config.job.dump_folder,
-        saves_checkpoints=config.checkpoint.enable and not config.checkpoint.load_only,  # load_only never saves
-    )
+    return LaunchPlan(dump_folder=config.job.dump_folder, saves_checkpoints=saves, checkpoint_folder=checkpoints)
 
 
 def main(argv: list[str] | None = None) -> int:

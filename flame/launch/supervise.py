@@ -35,13 +35,16 @@ import os
 import shlex
 import signal
 import sys
+import time
 import traceback
 import uuid
 from typing import TYPE_CHECKING
 
 from flame.base.dump_folder import DumpFolderLock
-from flame.base.process import PARENT_PID, die_with_parent
+from flame.base.run_record import take_stop_record
+from flame.base.process import PARENT_PID, die_with_parent, ranks_of
 from flame.base.errors import ConfigError
+from flame.launch import summary
 
 if TYPE_CHECKING:
     from flame.launch.preflight import LaunchPlan
@@ -124,6 +127,7 @@ class JobCheck:
 
 def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int, parent: int) -> None:
     signal.signal(JobCheck.REFUSED, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops, and this check with it (SIGTERM)
     die_with_parent(signal.SIGTERM, parent)
     from flame.launch import preflight
 
@@ -146,19 +150,35 @@ def train(torchrun_args: list[str], start_method: str) -> int:
 
     from flame.train import run_rank
 
+    from flame.compat import torchrun
+
+    torchrun.first_signal_waits_for_the_save(pass_on_to_the_ranks, lambda: bool(ranks_of(os.getpid())))
     try:
         args = run.parse_args(["--start-method", start_method, *torchrun_args])
         if args.standalone:  # as torchrun does: a rendezvous on this host, under a fresh id
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
         config, _, _ = run.config_from_args(args)
         elastic_launch(config=config, entrypoint=run_rank)(*args.training_script_args)
-    except Exception as error:  # a rank failed (torchrun's ChildFailedError names it), or a signal stopped the agent
+    except SignalException as error:  # a second signal: the ranks are killed (flame.compat.torchrun)
+        print("flame: stopped at once by a second signal; steps after the last checkpoint are lost", file=sys.stderr)
+        return 128 + error.sigval
+    except Exception:  # a rank failed (torchrun's ChildFailedError names it)
         traceback.print_exc()
         logs = torchrun_args[torchrun_args.index("--log-dir") + 1] if "--log-dir" in torchrun_args else "torchrun's log folder"
-        what = f"stopped by {signal.Signals(error.sigval).name}" if isinstance(error, SignalException) else "failed"
-        print(f"flame: training {what}; per-rank logs are in {logs}", file=sys.stderr)
+        print(f"flame: training failed; per-rank logs are in {logs}", file=sys.stderr)
         return 1
     return 0
+
+
+def pass_on_to_the_ranks(sig: signal.Signals) -> None:
+    """The agent's first stop signal: the ranks save after their step (a terminal's Ctrl-C reached them already)."""
+    print(f"flame: {sig.name}: finishing the current step and saving it; a second signal stops at once, "
+          "losing the steps since the last checkpoint", file=sys.stderr, flush=True)
+    for pid in ranks_of(os.getpid()):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
 
 
 def record_the_run(dump_folder: str, attempt: int, torchrun_args: list[str]) -> None:
@@ -193,8 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     script = torchrun_args.index("-m") if "-m" in torchrun_args else len(torchrun_args)
     if torchrun_args[script + 1:script + 2] != ["flame.train"]:
         parser.error("torchrun's arguments must end with -m flame.train <train flags>")
-    train_args = torchrun_args[script + 2:]
+    try:
+        return launch(args, torchrun_args, script)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's agent started the ranks: they never existed
+        print("\nflame: interrupted before training started; nothing was written", file=sys.stderr)
+        return 128 + signal.SIGINT
 
+
+def launch(args: argparse.Namespace, torchrun_args: list[str], script: int) -> int:
+    """Check the job, run it under the dump folder's lock (node 0), then export it and say how it went."""
+    train_args = torchrun_args[script + 2:]
     import_config()
     check = JobCheck(train_args, args.world_size, args.node_rank)
     start_method = warm_up()
@@ -204,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     torchrun_args[script:script] = ["--log-dir", plan.log_folder(args.node_rank, args.nodes)]
     if args.dry_run:
         print(f"flame: dry run, node {args.node_rank} of {args.nodes} would run: {shlex.join(['torchrun', *torchrun_args])}")
+        return 0
+    if plan.complete_at is not None:
+        print(summary.already_complete(plan.complete_at))
         return 0
 
     lock = None
@@ -215,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flame: error: {error}", file=sys.stderr)
             return 2
         os.environ["FLAME_ATTEMPT"] = str(lock.attempt)
+        take_stop_record(plan.dump_folder)  # an earlier attempt's, which its launcher did not live to read
     else:  # rank 0 may run on this node; it numbers the attempt itself, under node 0's lock
         os.environ.pop("FLAME_ATTEMPT", None)
     os.environ[PARENT_PID] = str(os.getpid())  # the ranks' parent: torchrun's agent, this process
+    started = time.monotonic()
     try:
         status = train(torchrun_args, start_method)
         if lock is None:
@@ -225,14 +258,23 @@ def main(argv: list[str] | None = None) -> int:
         record_the_run(plan.dump_folder, lock.attempt, torchrun_args)  # whatever the outcome: a diverged run's curves
         if status != 0:
             return status
+        if stop := take_stop_record(plan.dump_folder):
+            print(summary.stopped(stop, train_args), file=sys.stderr)
+            return 128 + getattr(signal, stop["signal"], signal.SIGTERM)
+        export = None
         if not plan.saves_checkpoints:
             print("flame: this run saves no checkpoint (--checkpoint.enable off, or --checkpoint.load_only), "
                   "so there is nothing to export to HF")
-            return 0
-        from flame.checkpoint.export import main as export
+        else:
+            from flame.checkpoint.export import main as export_to_hf
 
-        return export(  # under the lock: no other run may purge the step it reads
-            ["--path", plan.dump_folder, *(["--sample", args.sample] if args.sample else [])])
+            # under the lock: no other run may purge the step it reads
+            status = export_to_hf(["--path", plan.dump_folder, *(["--sample", args.sample] if args.sample else [])])
+            if status != 0:
+                return status
+            export = os.path.join(plan.dump_folder, "hf")
+        print(summary.finished(plan.dump_folder, plan.checkpoint_folder, time.monotonic() - started, export))
+        return 0
     finally:
         if lock is not None:
             lock.release()

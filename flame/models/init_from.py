@@ -65,7 +65,7 @@ def resolve(location: str) -> str:
     if os.path.isfile(os.path.join(folder, "adapter_config.json")) and not os.path.isfile(os.path.join(folder, "config.json")):
         raise ConfigError(
             f"{FLAG} {location} holds a LoRA adapter, not a whole model; give its base model, or export the run merged "
-            "(python -m flame.utils.convert_dcp_to_hf --lora-export merged)"
+            "(python -m flame.utils.convert_dcp_to_hf --lora_export merged)"
         )
     if not _weight_files(folder):
         bin_only = any(name.endswith(".bin") for name in os.listdir(folder))

@@ -1,13 +1,13 @@
 """The support table, generated from the capability records (flame.models.support).
 
-    python -m flame.models                  the table, as plain text
-    python -m flame.models --markdown       docs/models.md's table (with its legend)
-    python -m flame.models --write-docs     rewrite docs/models.md's table between its markers
+    flame models                  the table, as plain text (python -m flame.models in a checkout)
+    flame models --markdown       docs/models.md's table (with its legend)
+    flame models --write_docs     rewrite docs/models.md's table between its markers
 """
 
-import argparse
 from pathlib import Path
 
+from flame.base.cli import ArgumentParser
 from flame.models.support import (
     FLA_COMPILED_SLOWER,
     GENERIC,
@@ -102,10 +102,10 @@ def page_with_table(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flame.models", description="What flame supports, per model type.")
+    parser = ArgumentParser(prog="flame models", description="What flame supports, per model type.")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--markdown", action="store_true", help="docs/models.md's Markdown table")
-    output.add_argument("--write-docs", action="store_true", help=f"rewrite the table in {MODELS_PAGE}")
+    output.add_argument("--write_docs", action="store_true", help=f"rewrite the table in {MODELS_PAGE}")
     args = parser.parse_args(argv)
     if args.write_docs:
         MODELS_PAGE.write_text(page_with_table(MODELS_PAGE.read_text()))

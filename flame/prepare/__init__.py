@@ -14,6 +14,7 @@ tokenizer, the options and the layout), and flame.memory (the plan).
 """
 
 import os
+import sys
 
 import datasets
 import transformers
@@ -55,6 +56,9 @@ def prepare_settings(job: ParsedJob, world_size: int) -> ModelUnderCheck:
     What a test of the settings or the data needs from a job; every run goes through ``prepare``.
     """
     config, given = job.config, job.given
+    if "metrics.disable_color_printing" not in given and not sys.stdout.isatty():
+        # colour codes belong on a terminal; a rank writes to its log files (which train.sh shows on the console)
+        config.metrics.disable_color_printing = True
     inputs.resolve_model_files(config, given)
     settings.check(config, given, world_size)
     dp = data_parallel_degree(config, world_size)

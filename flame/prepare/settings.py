@@ -229,7 +229,7 @@ def _check_validation(config: Any, given: dict[str, int]) -> None:
                 f"--validation.{name} has {len(entries)} entries for {len(datasets)} validation datasets: give one "
                 "entry per dataset (empty entries allowed) or a single one for all"
             )
-    check_data_formats("--validation", v.data_format, t.document_mask)
+    check_data_formats("--validation", v.data_format, t.document_mask, datasets=datasets)
 
 
 def _check_training(config: Any) -> None:
@@ -274,7 +274,7 @@ def _check_training(config: Any) -> None:
                 f"--training.{name} has {len(entries)} entries for {len(datasets)} datasets: "
                 "give one entry per dataset (empty entries allowed) or a single one for all"
             )
-    check_data_formats("--training", t.data_format, t.document_mask, t)
+    check_data_formats("--training", t.data_format, t.document_mask, t, datasets)
     if t.data_probs is not None:
         probs = split_list(t.data_probs)
         if len(probs) != len(datasets):
@@ -302,18 +302,22 @@ def _check_training(config: Any) -> None:
         raise ConfigError(f"--metrics.log_freq must be positive, got {config.metrics.log_freq}")
 
 
-def check_data_formats(section: str, data_format: str | None, document_mask: bool, training: Any = None) -> None:
+def check_data_formats(section: str, data_format: str | None, document_mask: bool, training: Any = None,
+                       datasets: list[str] = ()) -> None:
     """``<section>.data_format``: a known format per dataset (flame.data.formats), its documents kept apart where
     its record needs them apart.
 
     ``training``: the job's training config, whose format-only fields (a record's ``options``) set away from
-    their defaults need a source of a format that reads them.
+    their defaults need a source of a format that reads them. ``datasets``: the section's dataset paths, whose
+    files may tell their format (a record's ``detect``).
     """
     entries = split_list(data_format) or [None]
     if unknown := sorted({entry for entry in entries if entry and entry not in DATA_FORMATS}):
         raise ConfigError(f"{section}.data_format {data_format}: {', '.join(unknown)} is not a format; "
                           f"give {choices()} per dataset")
-    given = {format_record(entry).name for entry in entries}
+    entries = entries * len(datasets) if len(entries) == 1 and datasets else entries
+    paths = [*datasets, *[None] * (len(entries) - len(datasets))]
+    given = {format_record(entry, path).name for entry, path in zip(entries, paths)}
     formats = [record for record in DATA_FORMATS.values() if record.name in given]  # in the registry's order
     for record in formats:
         if record.document_mask and not document_mask:

@@ -10,7 +10,6 @@ tokenization (and does not delimit twice). Start-up is faster and the token stre
 depends on the tokenizer library version.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -20,10 +19,11 @@ import pyarrow.compute
 from flame.data.sources import SourceSpec, document_column, load_source
 from flame.data.tokenizer import document_delimiters, load_tokenizer
 from flame.base.errors import ConfigError
+from flame.base.cli import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="flame preprocess", description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", required=True, help="as --training.dataset (one source)")
     parser.add_argument("--dataset_name", help="as --training.dataset_name")
     parser.add_argument("--dataset_split", default="train", help="as --training.dataset_split")

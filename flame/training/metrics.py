@@ -149,7 +149,7 @@ class FlameMetricsProcessor(MetricsProcessor):
             f"{c.yellow}lr {extra.get('lr', float('nan')):.2e}  "
             f"{c.blue}tok/s/device {round(tps):,}  "
             f"{c.cyan}TFLOPS {tflops:.2f}  "
-            f"{c.magenta}MFU {'n/a' if mfu is None else f'{mfu:.1f}%'}  "
+            f"{'' if mfu is None else f'{c.magenta}MFU {mfu:.1f}%  '}"  # none on a CPU, or a GPU of unknown peak
             f"{c.turquoise}mem {memory.max_reserved_gib:.2f}GiB ({memory.max_reserved_pct:.0f}%)  "
             f"{c.white}elapsed {_clock(now - self.time_start)}  ETA {_clock(eta)}"
             f"{f'  skipped {skipped}' if skipped else ''}{f' ({spikes} spikes)' if spikes else ''}{mix}{c.reset}"

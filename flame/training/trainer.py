@@ -10,9 +10,11 @@ which torchtitan's loop calls after each step's checkpoint). flame overrides:
   loss normalization); under pipeline parallelism the schedule gets each stage's document
   and label inputs;
 - ``train``: a final checkpoint (and evaluation, with --validation.enable) when the data ran out,
-  keep_latest_k also after the final save;
+  keep_latest_k also after the final save; on a stop signal (flame.training.stop), every rank finishes
+  the same step and the run saves it;
 - ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
-  to start: numbers the attempt and records its job config (flame.base.dump_folder);
+  to start: numbers the attempt and records its job config (flame.base.dump_folder); no further
+  step after a stop signal;
 - ``train_step``: per-step RNG, ranks agreeing on running out of data, the update taken or
   skipped (flame.training.update_guard: non-finite gradients, loss spikes), richer metrics
   (per-source data counts among them); the Nsight Systems window and NVTX ranges
@@ -52,6 +54,7 @@ from flame.training import evaluation
 from flame.models.loss import build_loss
 from flame.training.metrics import build_metrics_processor
 from flame.training.nsys import NsysWindow
+from flame.training import stop
 from flame.optim.builder import build_lr_schedulers, build_optimizers
 from flame.training.update_guard import UpdateGuard
 from flame.training.validation import build_validator
@@ -92,7 +95,11 @@ def register_flame_train_spec() -> None:
 
 
 class Trainer(TorchtitanTrainer):
-    def __init__(self, job_config):
+    def __init__(self, job_config, stop_signals: stop.StopSignals | None = None):
+        # installed by flame.train first of all: a signal while building stops the run before step 1
+        self.stop_signals = stop_signals or stop.StopSignals()
+        self.stopping = False  # all ranks agreed to stop after the current step
+        self.first_step = 1  # this attempt's first step, once the checkpoint loaded
         compat.apply(job_config, FlameCheckpointManager)  # before torchtitan's Trainer picks its device
         register_flame_train_spec()
         self.data_exhausted = False
@@ -165,9 +172,13 @@ class Trainer(TorchtitanTrainer):
             self.checkpointer.save(self.step, last_step=True)
             if self.job_config.validation.enable:  # the last step taken is the run's last: evaluated like one
                 self.validator.validate(self.model_parts, self.step)
+        self.stopping &= not self.data_exhausted and self.step < self.job_config.training.steps  # else it ended anyway
+        if self.stopping:
+            stop.save_the_stopped_step(self.checkpointer, self.step, self.first_step, self.stop_signals.received,
+                                       self.job_config.job.dump_folder)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
             compat.torchtitan.purge_stale_checkpoints(self.checkpointer)
-        self.finished = True
+        self.finished = not self.stopping
 
     def close(self) -> None:
         if getattr(self, "evaluations", None) is not None:  # a finished run waits for its last steps' scores
@@ -178,8 +189,22 @@ class Trainer(TorchtitanTrainer):
 
     def should_continue_training(self) -> bool:
         if self.attempt is None:  # first asked right after the checkpoint loaded: the run starts
+            self.first_step = self.step + 1
             self.start_attempt()
-        return super().should_continue_training()
+            signalled = torch.tensor(int(self.stop_signals.received is not None), device=self.device)
+            self.stopping = self._any_rank_stops(signalled, reduced_over=1)  # signalled while building
+        return not self.stopping and super().should_continue_training()
+
+    def _any_rank_stops(self, signalled: torch.Tensor, reduced_over: int) -> bool:
+        """Whether any rank got a stop signal, from ``signalled``: this rank's flag summed over ``reduced_over`` ranks
+        (its data-parallel group, in the step's batch reduction); the others' flags are added here."""
+        if torch.distributed.get_world_size() == 1:
+            return self.stop_signals.received is not None
+        if reduced_over < torch.distributed.get_world_size():
+            # TP, CP or pipeline ranks beside the data-parallel ones (or none reduced yet): one more tiny reduction
+            signalled = signalled.clone()
+            torch.distributed.all_reduce(signalled)
+        return bool(signalled.item())
 
     def start_attempt(self) -> None:
         """Number this start of the run among the dump folder's attempts and record its job config (rank 0).
@@ -210,13 +235,16 @@ class Trainer(TorchtitanTrainer):
         except DataloaderExhaustedError:
             exhausted = True
         local_valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches) if not exhausted else 0
+        signalled = int(self.stop_signals.received is not None)  # agreed in the same reduction: no collective of its own
         # from pinned memory without waiting: a plain copy to the GPU would wait for the previous step's kernels
-        counts = torch.tensor([local_valid, int(exhausted)], dtype=torch.int64, pin_memory=device.CUDA)
+        counts = torch.tensor([local_valid, int(exhausted), signalled], dtype=torch.int64, pin_memory=device.CUDA)
         counts = counts.to(self.device, non_blocking=True)
         local_valid_tokens = counts[0].clone()
         if self.parallel_dims.dp_enabled:
             torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
             exhausted = bool(counts[1].item())
+        batch_ranks = self.parallel_dims.get_mesh("batch").size() if self.parallel_dims.dp_enabled else 1
+        self.stopping = self._any_rank_stops(counts[2], batch_ranks)
         if exhausted:
             self.data_exhausted = True
             raise DataloaderExhaustedError()

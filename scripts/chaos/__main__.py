@@ -4,13 +4,14 @@ import argparse
 import random
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import scripts.chaos
-from scripts.chaos import damage, kills, two_runs
+from scripts.chaos import damage, kills, signals, two_runs
 from scripts.chaos.runs import Job, Reference, run_reference
 
 
@@ -46,6 +47,9 @@ def damage_tally(results: list[damage.Damage]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.chaos", description=scripts.chaos.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--signals", type=int, default=2,
+                        help="stop signals in all, per process count of --procs: SIGTERM, SIGINT and SIGHUP to the "
+                             "process group or the launcher in turn (default 2)")
     parser.add_argument("--kills", type=int, default=6, help="kill -9s in all, shared among --procs (default 6)")
     parser.add_argument("--procs", default="1,2", help="process counts to run, comma-separated (default 1,2)")
     parser.add_argument("--seed", type=int, default=0, help="seeds every random choice (default 0)")
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a quick pass: 2 kills on 1 process, 6 steps, damage truncate-distcp, two runs")
     args = parser.parse_args(argv)
     if args.short:
-        args.kills, args.procs, args.steps, args.damage = 2, "1", 6, "truncate-distcp"
+        args.kills, args.signals, args.procs, args.steps, args.damage = 2, 1, "1", 6, "truncate-distcp"
     procs = [int(p) for p in args.procs.split(",")]
     cases = [] if args.damage == "none" else args.damage.split(",")
     if unknown := [c for c in cases if c not in damage.CASES]:
@@ -93,6 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         for problem in trial.problems:
             print(f"  ! {problem}", flush=True)
 
+    stopped = []
+    plan = [(sig, target) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) for target in signals.TARGETS]
+    for p in procs:
+        for number in range(args.signals):
+            sig, target = plan[number % len(plan)]
+            trial = signals.run_signal_trial(f"signal-{number + 1}-p{p}", references[p], sig, target, work, rng, args.keep)
+            stopped.append(trial)
+            print(f"\n{trial.name}: {sig.name} to the {target} after step {trial.at_step}: exit {trial.status}, saved "
+                  f"step {trial.saved}, lost {trial.lost_steps}, traceback {_yes(trial.console_traceback)}, "
+                  f"bit-identical {_yes(trial.identical)}", flush=True)
+            for problem in trial.problems:
+                print(f"  ! {problem}", flush=True)
+
     damaged = []
     for case in cases:
         result = damage.run_case(case, references[procs[0]], work, rng, args.keep)
@@ -112,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - began:.0f} s) ===")
     if trials:
         print(kill_tally(trials, procs))
+    if stopped:
+        print(f"\nstop signals: {sum(t.passed for t in stopped)}/{len(stopped)} stopped cleanly (exit 128 + signal, no "
+              f"traceback, the saved step named, no step lost) and resumed bit-identically; lost steps in all: "
+              f"{sum(t.lost_steps for t in stopped)}")
     if damaged:
         print()
         print(damage_tally(damaged))
@@ -125,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for reference in references.values():
             shutil.rmtree(reference.job.dump, ignore_errors=True)
     passed = (all(t.identical and t.export_ok and not t.staging_left and not any(k.orphans for k in t.kills)
-                  for t in trials)
+                  for t in trials) and all(t.passed for t in stopped)
               and all(r.detected and r.fell_back and r.identical for r in damaged) and (shared is None or shared.passed))
     print(f"\nchaos: {'every check passed' if passed else 'some checks failed (see ! lines above)'}; "
           f"every attempt's output is in {work}")

@@ -127,7 +127,7 @@ def test_dcp_to_hf_names_missing_steps(bf16_run):
 
 def test_large_models_export_as_sharded_safetensors(tmp_path, bf16_run):
     out = tmp_path / "hf_sharded"
-    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--max-shard-size", "150KB", "--out", str(out))
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--max_shard_size", "150KB", "--out", str(out))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     AutoModelForCausalLM.from_pretrained(out)

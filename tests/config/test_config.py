@@ -1,6 +1,7 @@
 """Config parsing: TOML < CLI, flame's fields and aliases, errors that say what to change."""
 
 import math
+from pathlib import Path
 import subprocess
 import sys
 
@@ -164,10 +165,12 @@ def test_missing_config_file_is_an_error(monkeypatch):
         parse("--job.config_file", "/no/such.toml", monkeypatch=monkeypatch)
 
 
-def test_repo_relative_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+def test_shipped_config_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    """configs/ ships inside the package (flame/configs; the checkout's configs/ links there)."""
     monkeypatch.chdir(tmp_path)
     config = parse("--job.config_file", "configs/debug.toml", monkeypatch=monkeypatch)
-    assert config.model.config == str(ROOT / "configs" / "llama_4M.json")
+    assert config.model.config == str(ROOT / "flame" / "configs" / "llama_4M.json")
+    assert Path(config.model.config).samefile(ROOT / "configs" / "llama_4M.json")
 
 
 def test_default_pretraining_config_parses(monkeypatch):

@@ -16,6 +16,7 @@ from flame.data import formats
 from flame.data.formats import DATA_FORMATS, DataFormat, data_format, markdown_table
 from flame.data.formats.sft import SFT
 from flame.data.formats.text import TEXT, TextEncoder, text_encoder
+from flame.data.formats.tokens import MEGATRON, NUMPY
 from flame.data.packing import ROW_COUNTERS
 from flame.data.sft import ChatEncoder
 from flame.data.sources import SourceSpec, load_source
@@ -102,7 +103,7 @@ def test_no_module_outside_the_records_compares_a_format_name():
 
 
 def test_each_record_is_registered_under_its_name():
-    assert DATA_FORMATS == {"text": TEXT, "sft": SFT}
+    assert DATA_FORMATS == {"text": TEXT, "sft": SFT, "megatron": MEGATRON, "numpy": NUMPY}
     assert all(isinstance(record, DataFormat) for record in DATA_FORMATS.values())
 
 
@@ -112,7 +113,7 @@ def test_an_empty_entry_is_text():
 
 
 def test_an_unknown_format_is_refused_naming_the_choices():
-    with pytest.raises(ConfigError, match="^chat is not a format; give text or sft per dataset$"):
+    with pytest.raises(ConfigError, match="^chat is not a format; give text, sft, megatron or numpy per dataset$"):
         data_format("chat")
 
 

@@ -333,7 +333,7 @@ def test_a_chat_template_that_raises_is_refused_in_one_line(tmp_path, capfd, tin
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--training.data_format", "chat"], "chat is not a format; give text or sft"),
+    (["--training.data_format", "chat"], "chat is not a format; give text, sft, megatron or numpy"),
     (["--training.data_format", "sft,text"], "--training.data_format has 2 entries for 1 datasets"),
     (["--training.data_format", "sft", "--training.no-document_mask"], "drop --training.no-document_mask"),
     (["--training.truncate_long"], "--training.truncate_long applies to SFT sources"),

@@ -5,14 +5,17 @@ Every run is the debug job through ``bash train.sh``, 4 steps with a checkpoint 
 64 tokens, so that start-up is most of a run), in one process, against one uninterrupted reference.
 """
 
+import os
 import random
+import signal
+import time
 from functools import partial
 from typing import NamedTuple
 
 import pytest
 
-from scripts.chaos import damage, kills, two_runs
-from scripts.chaos.runs import Job, Reference, run_reference
+from scripts.chaos import damage, kills, signals, two_runs
+from scripts.chaos.runs import Attempt, Job, Reference, leftovers, losses, metric_lines, run_reference
 from tests.conftest import two_at_a_time
 
 FAST = ["--training.seq_len", "64", "--training.batch_size", "2"]
@@ -69,3 +72,39 @@ def test_a_second_run_on_one_dump_folder_is_refused_in_one_line(cases):
     result = cases.two_runs
     assert result.one_ran and result.refused, result.problems
     assert result.intact, result.problems
+
+
+@pytest.fixture(scope="module")
+def stops(reference, tmp_path_factory) -> list[signals.SignalTrial]:
+    """A terminal's Ctrl-C (SIGINT to train.sh's process group) and Slurm's or a user's SIGTERM to the launcher alone,
+    each at a seeded step, then the same command again."""
+    work = tmp_path_factory.mktemp("signals")
+    return two_at_a_time(
+        partial(signals.run_signal_trial, "ctrl-c", reference, signal.SIGINT, "group", work, random.Random(1), False),
+        partial(signals.run_signal_trial, "sigterm", reference, signal.SIGTERM, "launcher", work, random.Random(2), False))
+
+
+def test_a_stop_signal_saves_the_step_taken_and_the_resume_is_bit_identical(stops):
+    for trial in stops:
+        assert trial.landed and trial.status == 128 + getattr(signal, trial.signal), (trial.name, trial.problems)
+        assert not trial.console_traceback and trial.reported, (trial.name, trial.problems)
+        assert trial.saved == trial.last_logged and trial.lost_steps == 0, (trial.name, trial.problems)
+        assert trial.resumed and trial.identical, (trial.name, trial.problems)
+
+
+def test_a_second_signal_stops_at_once(reference, tmp_path):
+    # full-size rows: a step and the stop's save take long enough for the second signal to land before they end
+    job = Job(tmp_path / "dump", 1, 50, 100)
+    attempt = Attempt(job, tmp_path / "attempt")
+    while attempt.running() and not losses(metric_lines(job.dump))[0]:
+        time.sleep(0.05)
+    launcher = signals.launcher_pid(attempt)
+    os.kill(launcher, signal.SIGTERM)
+    # the second once the first is handled (two sent at once are one: the kernel keeps one pending SIGTERM)
+    while attempt.running() and "finishing the current step" not in attempt.stderr:
+        time.sleep(0.002)
+    os.kill(launcher, signal.SIGTERM)
+    status = attempt.wait(120)
+    assert status == 128 + signal.SIGKILL, attempt.stderr[-2000:]
+    assert "stopped at once by a second signal" in attempt.stderr and "Traceback" not in attempt.stdout + attempt.stderr
+    assert not leftovers(job.dump, [])

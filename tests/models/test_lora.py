@@ -115,7 +115,7 @@ def test_exported_adapter_loads_with_peft_and_the_merged_model_alone(runs, tmp_p
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-5)
 
-    convert("flame.utils.convert_dcp_to_hf", "--path", str(runs.single), "--lora-export", "merged", "--out",
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(runs.single), "--lora_export", "merged", "--out",
             str(tmp_path / "merged"))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())

@@ -75,7 +75,7 @@ def test_the_readme_table_is_generated_from_the_records():
     readme = (ROOT / "docs" / "models.md").read_text()
     assert support_table.page_with_table(readme) == readme, (
         "docs/models.md's support table differs from the records in flame/models/support.py: "
-        "run `python -m flame.models --write-docs`"
+        "run `python -m flame.models --write_docs`"
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from flame.data.packing import ROW_COUNTERS, TokenizedSource
-from flame.data.sources import SourceSpec
+from flame.data.sources import SourceSpec, load_source
 from flame.data.tokenizer import Delimiters
 
 
@@ -24,6 +24,14 @@ class SourceEncoder(Protocol):
 # (dataset, its spec, the job's training config, tokenizer, delimiters) -> the source's encoder, its columns
 # and a first sample checked, so that a source the format cannot read fails before training (ConfigError)
 EncoderFactory = Callable[[Any, SourceSpec, Any, PreTrainedTokenizerBase, Delimiters], SourceEncoder]
+# (its spec, the job's training config, tokenizer, delimiters) -> the source's dataset: map-style (len, select,
+# select_columns, rows by a list of indices) or a datasets.IterableDataset; ConfigError when it cannot be read
+SourceOpener = Callable[[SourceSpec, Any, PreTrainedTokenizerBase, Delimiters], Any]
+
+
+def hf_dataset(spec: SourceSpec, training: Any, tokenizer: PreTrainedTokenizerBase, delimiters: Delimiters) -> Any:
+    """A Hugging Face dataset: hub name, directory, files or globs, streamed with --training.streaming."""
+    return load_source(spec, training.streaming)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,10 @@ class DataFormat:
     counters: tuple[str, ...] = ("tokens", "documents")  # the ROW_COUNTERS logged per source (data/<source>/...)
     options: tuple[Option, ...] = ()  # --training fields only its sources read
     validation: str = ""  # what validation scores of its sources (docs/evaluation.md's set, packed as training's)
+    opener: SourceOpener = hf_dataset  # how a source of this format is opened as a dataset
+    # whether a dataset path is of this format by itself (its files tell): an entry of the default format is read
+    # as this one then, since the default cannot read it; None: only an explicit entry names it
+    detect: Callable[[str], bool] | None = None
 
     def __post_init__(self) -> None:
         if unknown := set(self.counters) - set(ROW_COUNTERS):

@@ -1,0 +1,80 @@
+"""What the launcher tells the user when a run ends: how it went, where everything is, and what to type next.
+
+Three endings, each a few lines on the console (the ranks' own logs hold the details):
+- finished: the last step's loss (and validation loss), tokens, wall time, the checkpoint, the HF export, and
+  the commands that evaluate, plot and publish it;
+- stopped by a signal (flame.training.stop): the step saved and the command that resumes there;
+- already complete: a rerun of a run whose last checkpoint is its last step trains nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from flame.base import run_record
+from flame.checkpoint.steps import complete_steps
+
+
+def tool() -> str:
+    """How to call the ``flame`` command from here: by name when the run started with it, else this environment's
+    script (a checkout's .venv has one without being activated), else ``python -m flame``."""
+    if os.environ.get("FLAME_COMMAND", "").startswith("flame"):
+        return "flame"
+    script = os.path.join(os.path.dirname(sys.executable), "flame")
+    return shlex.quote(script) if os.path.exists(script) else f"{shlex.quote(sys.executable)} -m flame"
+
+
+def train_command(train_args: list[str]) -> str:
+    """The command line that runs this job again (and so resumes it)."""
+    return " ".join([os.environ.get("FLAME_COMMAND", "flame train"), *map(shlex.quote, train_args)])
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def finished(dump_folder: str, checkpoint_folder: str, seconds: float, export: str | None) -> str:
+    """The lines of a run that trained to its end (``export``: the HF export's folder, if it made one)."""
+    records = run_record.metrics(dump_folder)
+    steps = complete_steps(checkpoint_folder)
+    last_step = max([*steps[-1:], *records], default=0)
+    facts = []
+    if records:
+        logged = max(records)
+        last = records[logged]
+        if run_record.LOSS in last:
+            facts.append(f"loss {last[run_record.LOSS]:.4f}" + (f" (logged at step {logged})" if logged != last_step else ""))
+        validated = [s for s in records if run_record.VALIDATION_LOSS in records[s]]
+        if validated:
+            facts.append(f"validation loss {records[validated[-1]][run_record.VALIDATION_LOSS]:.4f} (step {validated[-1]})")
+        tokens = run_record.tokens_at(records, last_step)
+        if tokens:
+            facts.append(f"{tokens / 1e6:,.1f}M tokens" if tokens >= 1e6 else f"{int(tokens):,} tokens")
+    facts.append(f"this attempt {_duration(seconds)}")
+    lines = [f"flame: done: step {last_step}, {', '.join(facts)}"]
+    if steps:
+        lines.append(f"  checkpoint: {os.path.join(checkpoint_folder, f'step-{steps[-1]}')}")
+    if export:
+        lines.append(f"  HF model:   {export}   (transformers' from_pretrained loads it)")
+    lines.append(f"  curves:     {os.path.join(dump_folder, 'curves.png')}")
+    flame = tool()
+    model = export or dump_folder
+    lines.append(f"  next:       {flame} eval --model {shlex.quote(model)} --tasks piqa,hellaswag")
+    lines.append(f"              {flame} push {shlex.quote(dump_folder)} --repo_id <you>/<name> --dry_run")
+    return "\n".join(lines)
+
+
+def stopped(record: dict, train_args: list[str]) -> str:
+    """The line of a run that a signal stopped after a step (``record``: flame.training.stop's)."""
+    saved = (f"step-{record['step']} is saved and training resumes there" if record.get("saved")
+             else f"no checkpoint was saved after step {record['step']}")
+    return f"flame: stopped by {record['signal']}: {saved}; resume with: {train_command(train_args)}"
+
+
+def already_complete(step: int) -> str:
+    return (f"flame: the run is already complete at step {step} (its last checkpoint); raise --training.steps "
+            "to train further, or give a new --job.dump_folder for a new run")
