@@ -23,7 +23,10 @@ def tool() -> str:
     if os.environ.get("FLAME_COMMAND", "").startswith("flame"):
         return "flame"
     script = os.path.join(os.path.dirname(sys.executable), "flame")
-    return shlex.quote(script) if os.path.exists(script) else f"{shlex.quote(sys.executable)} -m flame"
+    if not os.path.exists(script):
+        return f"{shlex.quote(sys.executable)} -m flame"
+    relative = os.path.relpath(script)
+    return shlex.quote(relative if not relative.startswith("..") else script)
 
 
 def train_command(train_args: list[str]) -> str:

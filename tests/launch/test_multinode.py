@@ -100,7 +100,7 @@ def test_sbatch_runs_train_sh_once_per_node_with_one_rendezvous(tmp_path, tiny_m
     assert not (tmp_path / "dump").exists(), "a dry run starts nothing"
 
 
-def test_sbatch_requeues_the_job_on_usr1_and_waits_for_the_step(tmp_path):
+def test_sbatch_stops_the_step_with_a_checkpoint_on_usr1_then_requeues_the_job(tmp_path):
     env = fake_slurm(tmp_path, "wait")
     script = subprocess.Popen(["bash", str(SBATCH), "--training.steps=1"], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -111,16 +111,11 @@ def test_sbatch_requeues_the_job_on_usr1_and_waits_for_the_step(tmp_path):
             assert time.monotonic() < deadline and script.poll() is None
             time.sleep(0.05)
         script.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends before the time limit
-        while not calls.is_file() or "requeue" not in calls.read_text():
-            assert time.monotonic() < deadline and script.poll() is None
-            time.sleep(0.05)
-        assert calls.read_text().splitlines() == ["requeue 4242"]
-        time.sleep(0.3)
-        assert script.poll() is None, "the script keeps waiting for the step after requeueing"
-        os.kill(int(pid_file.read_text()), signal.SIGTERM)  # Slurm ends the step
+        # the step gets SIGTERM (train.sh's run saves its step and ends: docs/running.md), then the job is requeued
         output, _ = script.communicate(timeout=30)
-        assert script.returncode == 128 + signal.SIGTERM
-        assert "time limit near, requeueing job 4242" in output
+        assert script.returncode == 128 + signal.SIGTERM  # the step's status: the fake step dies of the SIGTERM
+        assert calls.read_text().splitlines() == ["requeue 4242"]
+        assert "time limit near: saving the current step, then requeueing job 4242" in output
     finally:
         if script.poll() is None:
             script.kill()
