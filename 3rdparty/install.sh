@@ -5,7 +5,8 @@
 #
 # - torch is installed first (FLAME_TORCH, default torch==2.13.0: the CPU build on machines
 #   that have it locally, the CUDA build from PyPI elsewhere), then 3rdparty/requirements.txt
-#   with torch held to what is installed, mamba_ssm's Triton kernels, then flame itself (editable).
+#   with torch held to what is installed, mamba_ssm's Triton kernels, on a machine with an NVIDIA GPU
+#   3rdparty/requirements-gpu.txt (TileLang, which fla's Hopper path needs), then flame itself (editable).
 # - A source checkout placed at 3rdparty/torchtitan or 3rdparty/flash-linear-attention is
 #   installed editable instead of the pinned wheel.
 # - FLAME_PYTHON=/path/to/python skips all of this and uses that interpreter as it is
@@ -26,7 +27,10 @@ checkouts=()
 for name in torchtitan flash-linear-attention; do
   [ -f "$root/3rdparty/$name/pyproject.toml" ] || [ -f "$root/3rdparty/$name/setup.py" ] && checkouts+=("$name")
 done
-want=$( (echo "$torch_spec ${checkouts[*]:-}"; cat "$root/3rdparty/requirements.txt" "$root/3rdparty/install.sh" "$root/pyproject.toml") | sha256sum | cut -c1-16)
+gpu=no
+if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then gpu=yes; fi
+want=$( (echo "$torch_spec ${checkouts[*]:-} gpu=$gpu"; cat "$root/3rdparty/requirements.txt" "$root/3rdparty/requirements-gpu.txt" \
+  "$root/3rdparty/install.sh" "$root/pyproject.toml") | sha256sum | cut -c1-16)
 stamp=$venv/.flame-stack
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   echo "$venv/bin/python"
@@ -59,6 +63,11 @@ fi
   # alone. Its declared dependencies (TileLang and others) are left out: the Triton kernels need none.
   "${pip[@]}" setuptools wheel packaging
   MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "${pip[@]}" --no-build-isolation --no-deps mamba-ssm==2.3.2.post1
+  if [ "$gpu" = yes ]; then
+    echo "flame: an NVIDIA GPU is here: installing 3rdparty/requirements-gpu.txt (TileLang)"
+    grep -v '^#' "$root/3rdparty/requirements-gpu.txt" > "$requirements"
+    "${pip[@]}" -r "$requirements" -c "$constraints"
+  fi
   for name in "${checkouts[@]}"; do
     echo "flame: installing 3rdparty/$name (editable source checkout)"
     "${pip[@]}" --no-deps -e "$root/3rdparty/$name"

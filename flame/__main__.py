@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -68,6 +69,8 @@ def run_module(module: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and hasattr(signal, "SIGPIPE"):  # `flame models | head`: end quietly when the reader has gone
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())

@@ -25,15 +25,14 @@ import torch
 from torchtitan.tools.logging import init_logger, logger
 
 from flame.base import autotune
-from flame.base.errors import ConfigError, DataError, UpdatesFailingError
+from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError
 from flame.base.process import arrange_stack_dumps, die_with_parent
 from flame.config.manager import parse
-from flame.training.stop import StopSignals
+from flame.training import stop
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_signals = StopSignals()
-    stop_signals.install()  # first: a run signalled while it starts stops before its first step, without a traceback
+    stop.signals().install()  # first: a run signalled while it starts stops before its first step, without a traceback
     init_logger()
     arrange_stack_dumps()
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
@@ -52,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     every_rank_stops = True  # the errors caught by name are raised on every rank alike
     try:
-        trainer = Trainer(config, stop_signals)
+        trainer = Trainer(config)
         if config.checkpoint.create_seed_checkpoint:
             # the initial weights, unsharded from one process: every layout can start from them
             trainer.start_attempt()
             trainer.checkpointer.save(curr_step=0, last_step=True)
+            if trainer.checkpointer.failures and (why := trainer.checkpointer.failures.failed.get(0)):
+                raise SaveFailedError(f"{why}; the seed checkpoint was not made: fix that, then run the same command again")
             logger.info(f"Created the seed checkpoint {trainer.checkpointer.folder}/step-0 (no training step)")
         else:
             trainer.train()
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 2
-    except UpdatesFailingError as error:
+    except (UpdatesFailingError, SaveFailedError) as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 1
     except Exception:

@@ -4,6 +4,8 @@
 (``flame export``, ``flame plot``, ``flame push``, ...) parse with ``ArgumentParser`` below, so a
 flag reads the same everywhere: ``--export_as``, ``--max_shard_size``. The hyphenated spelling
 (``--export-as``) is accepted too, for muscle memory and older scripts, but help and docs show one.
+A path argument (``add_argument(..., path=True)``) has ``~`` and environment variables expanded, as the
+training flags' paths have, also where the shell leaves them (``--out=~/x``, quoted).
 """
 
 from __future__ import annotations
@@ -11,14 +13,20 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from flame.base.errors import ConfigError
+from flame.base.paths import expand
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with underscore flags that also answers to their hyphenated spelling."""
 
-    def add_argument(self, *names: str, **kwargs):
+    def add_argument(self, *names: str, path: bool = False, **kwargs):
+        """argparse's, and ``path=True``: the value names a file or folder, ``~`` and ``$VAR`` expanded (flame.base.paths)."""
         for name in names:
             if name.startswith("--") and "-" in name[2:]:
                 raise ValueError(f"{name}: flame's flags join words with underscores ({name[:2]}{name[2:].replace('-', '_')})")
+        if path:
+            kwargs["type"] = expanded_path
         return super().add_argument(*names, **kwargs)
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):
@@ -41,3 +49,11 @@ class ArgumentParser(argparse.ArgumentParser):
                     arg = spelled + equals + value
             out.append(arg)
         return out
+
+
+def expanded_path(value: str) -> str:
+    """An argparse ``type``: the path ``value`` with ``~`` and ``$VAR`` expanded."""
+    try:
+        return expand(value, "the path")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

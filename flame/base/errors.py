@@ -2,6 +2,7 @@
 every module can raise them without importing the config machinery (no import cycles)."""
 
 import math
+import os
 
 
 class ConfigError(ValueError):
@@ -24,12 +25,36 @@ class UpdatesFailingError(RuntimeError):
     --training.max_skipped_steps allows. Raised on every rank alike; the run stops, exit 1."""
 
 
+class SaveFailedError(RuntimeError):
+    """A checkpoint save that could not be written where no later save can make up for it: the run's last step, the
+    seed checkpoint. Raised on every rank alike (DCP tells every rank of a failed save); the run stops, exit 1,
+    exporting nothing. Interval saves that fail are warnings instead (flame.checkpoint.save_failures)."""
+
+
 def gist(error: BaseException) -> str:
-    """A library error in a few words, for a one-line message: its innermost cause's first line."""
+    """A library error in a few words, for a one-line message: its innermost cause's first line.
+
+    Errors whose text alone says nothing are put in words: a KeyError's text is the bare key, and an
+    OSError's a bare errno number or "[Errno N] ..." (its words and file are kept, the number dropped)."""
     while error.__cause__ is not None:
         error = error.__cause__
+    if isinstance(error, KeyError) and len(error.args) == 1:
+        key = error.args[0]
+        if not (isinstance(key, str) and " " in key.strip()):  # a bare key (some libraries raise a sentence instead)
+            return f"missing key {key!r} ({type(error).__name__})"
+        error = RuntimeError(key)  # the sentence, without the quotes str() puts around a KeyError's argument
+    if isinstance(error, OSError) and (number := _errno(error)) is not None:
+        words = error.strerror or os.strerror(number)
+        return f"{words}: {error.filename}" if error.filename else words
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0].rstrip(".") if lines else type(error).__name__
+
+
+def _errno(error: OSError) -> int | None:
+    """The error number of ``error``: its errno, or a lone number it was raised with (``OSError(28)``)."""
+    if error.errno is not None:
+        return error.errno
+    return error.args[0] if len(error.args) == 1 and isinstance(error.args[0], int) else None
 
 
 def check_number(flag: str, value: float, low: float, high: float = math.inf, *, high_open: bool = False,

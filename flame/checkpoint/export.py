@@ -7,11 +7,14 @@
 By default everything comes from the run itself (<path>/job_config.json): the model config,
 the tokenizer, the checkpoint folder, checkpoint.export_dtype and checkpoint.export_as; --step
 defaults to the latest complete checkpoint, which must match its manifest (flame.checkpoint.manifest).
-``--export_as llama`` writes fla's transformer under llama's architecture (flame.checkpoint.llama_export).
+``--export_as llama`` writes fla's transformer under llama's architecture (flame.checkpoint.llama_export);
+``auto`` (the default) does so where its own architecture would need flash-attn to load, and says why.
 The export holds a model card, README.md (flame.checkpoint.model_card). The export is
 written next to its destination (``.hf-<host>-<pid>-*``) and swapped in only when complete, so
 an earlier export is never left half-overwritten; the next export removes what a killed one left
-there (exports of one folder do not run at once: train.sh's runs hold the dump folder).
+there (exports of one folder do not run at once: train.sh's runs hold the dump folder). The
+destination must be new, empty or an earlier export (flame.checkpoint.destination): an export never
+deletes a folder flame did not make. A failed write (a full disk) is one line; nothing of it stays.
 
 A LoRA run (--lora.rank, flame.models.lora) exports as its lora.export says (--lora_export
 overrides it): ``adapter`` writes PEFT's adapter_config.json and adapter_model.safetensors (with
@@ -43,10 +46,10 @@ from flame.checkpoint.steps import complete_steps, weight_mismatches
 from flame.data.tokenizer import load_tokenizer
 from flame.base.dump_folder import RUN_CONFIG_FILE, pid_alive
 from flame.base.cli import ArgumentParser
-from flame.base.errors import ConfigError
+from flame.base.errors import ConfigError, gist
 from flame.models import load_model_config, lora
 from flame.models.registry import meta_model
-from flame.checkpoint import llama_export, model_card
+from flame.checkpoint import destination, llama_export, model_card
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,12 +154,13 @@ def export(model, tokenizer, out: str, dtype: torch.dtype, max_shard_size: str, 
         if card is not None:
             with open(os.path.join(staging, "README.md"), "w") as f:
                 f.write(card)
+        destination.write_marker(staging)
         _make_readable(staging)
         if os.path.exists(out):
             previous = staging + ".previous"
             os.rename(out, previous)
             os.rename(staging, out)
-            shutil.rmtree(previous)
+            shutil.rmtree(previous, ignore_errors=True)  # the new export is in place; the next export removes a rest
         else:
             os.rename(staging, out)
     finally:
@@ -210,18 +214,19 @@ def load_adapters(model: torch.nn.Module, settings: lora.LoraSettings, checkpoin
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="flame export", description=__doc__.split("\n")[0])
-    parser.add_argument("folder", nargs="?", help="the run's dump folder (or --path)")
-    parser.add_argument("--path", help="the run's dump folder")
+    parser.add_argument("folder", nargs="?", path=True, help="the run's dump folder (or --path)")
+    parser.add_argument("--path", path=True, help="the run's dump folder")
     parser.add_argument("--step", type=int, default=-1, help="checkpoint step (default: latest complete one)")
-    parser.add_argument("--config", help="HF model config (default: the run's model.config)")
-    parser.add_argument("--tokenizer", help="tokenizer (default: the run's model.tokenizer_path)")
+    parser.add_argument("--config", path=True, help="HF model config (default: the run's model.config)")
+    parser.add_argument("--tokenizer", path=True, help="tokenizer (default: the run's model.tokenizer_path)")
     parser.add_argument("--checkpoint_folder", help="checkpoint folder under --path (default: the run's)")
-    parser.add_argument("--out", help="output directory (default: <path>/hf)")
+    parser.add_argument("--out", path=True, help="output directory (default: <path>/hf)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's checkpoint.export_dtype)")
     parser.add_argument("--max_shard_size", default="5GB", help="safetensors shard size (default 5GB)")
     parser.add_argument("--export_as", choices=llama_export.FORMATS,
-                        help="native: the model's own architecture; llama: fla's transformer as LlamaForCausalLM "
-                             "(default: the run's checkpoint.export_as)")
+                        help="native: the model's own architecture; llama: fla's transformer as LlamaForCausalLM; "
+                             "auto: llama where the own architecture needs flash-attn to load and llama expresses it, "
+                             "else native (default: the run's checkpoint.export_as)")
     parser.add_argument("--lora_export", choices=("adapter", "merged"), help="a LoRA run's export (default: the run's lora.export)")
     parser.add_argument("--sample", metavar="PROMPT", help="after exporting, load the model and print a continuation")
     args = parser.parse_args(argv)
@@ -229,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the run's dump folder once: flame export <dump folder> (or --path <dump folder>)")
     args.path = args.path or args.folder
 
+    step, out = args.step, args.out or os.path.join(args.path, "hf")
     try:
         run = run_settings(args.path)
         config_path = args.config or run.get("model", {}).get("config")
@@ -237,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{args.path} has no {RUN_CONFIG_FILE}: pass --config and --tokenizer")
         checkpoint, step = find_step(args.path, run, args.step, args.checkpoint_folder)
         dtype = DTYPES[args.dtype or run.get("checkpoint", {}).get("export_dtype", "float32")]
-        out = args.out or os.path.join(args.path, "hf")
-        export_as = args.export_as or run.get("checkpoint", {}).get("export_as", "native")
+        target = destination.check(out, f"--out {out}" if args.out else f"the run's export folder {out}")
+        requested = args.export_as or run.get("checkpoint", {}).get("export_as", "auto")
 
         adapters = lora.LoraSettings.of(run.get("lora") or {})
         if args.lora_export and adapters is None:
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 "model (--lora_export merged) to sample from it"
             )
         config = load_model_config(config_path)
+        export_as, chosen = llama_export.choose(config, requested, "--export_as" if args.export_as else
+                                                "--checkpoint.export_as", adapter=adapters is not None and not merge)
         if export_as == "llama":  # before reading any weight
             llama_export.check(config, "--export_as llama")
             if adapters is not None and not merge:
@@ -264,14 +272,20 @@ def main(argv: list[str] | None = None) -> int:
         if export_as == "llama":
             model = llama_export.as_llama(model)
         card = model_card.render(args.path, step, model, config, run, exported_as=export_as if export_as != "native" else None,
-                                 dtype=str(dtype).removeprefix("torch."))
-        export(model, tokenizer, out, dtype, args.max_shard_size, card)
+                                 dtype=str(dtype).removeprefix("torch."), export_choice=chosen)
+        export(model, tokenizer, target, dtype, args.max_shard_size, card)
     except ConfigError as error:
         print(f"convert_dcp_to_hf: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a full disk, a folder gone: the checkpoint is untouched, and so is an earlier export
+        which = f"step {step}" if step != -1 else "the latest step"
+        print(f"convert_dcp_to_hf: error: the export of {which} to {out} failed ({gist(error)}): nothing of it was "
+              f"kept, and an earlier export there is as it was; fix that and export again: flame export {args.path}",
+              file=sys.stderr)
+        return 1
     what = "the LoRA adapter of " if adapters is not None and not merge else ""
     as_llama = " as llama" if export_as == "llama" else ""
-    print(f"exported {what}step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')})")
+    print(f"exported {what}step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')}): {chosen}")
     if what and not lora.holds_weights(base_model):
         print(f"note: its base model {base_model} holds no weights (they are in the checkpoint): export the merged "
               "model (--lora_export merged) for a model that loads on its own")

@@ -26,8 +26,8 @@ from flame.base.cli import ArgumentParser
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="flame convert hf_to_dcp", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="HF model directory (or a hub name in the local cache)")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory to create, e.g. <dump>/checkpoint/step-0")
+    parser.add_argument("--model", required=True, path=True, help="HF model directory (or a hub name in the local cache)")
+    parser.add_argument("--checkpoint", required=True, path=True, help="checkpoint directory to create, e.g. <dump>/checkpoint/step-0")
     args = parser.parse_args(argv)
 
     if os.path.exists(args.checkpoint) and os.listdir(args.checkpoint):

@@ -6,7 +6,9 @@ blocks of RMSNorm, rotary grouped-query softmax attention (rotate-half rotary ov
 head, scale 1/sqrt(head_dim)) and a SiLU-gated MLP, a final RMSNorm and an LM head. Only the
 names differ, and fla's config options llama has no counterpart for are refused (``check``).
 Used by ``--checkpoint.export_as llama`` (checked at preflight) and
-``python -m flame.utils.convert_dcp_to_hf --export_as llama``.
+``python -m flame.utils.convert_dcp_to_hf --export_as llama``, and chosen by ``auto`` (the default,
+``choose``): fla's transformer calls flash-attn, so under its own architecture it loads without flame
+only where flash-attn is installed, while as llama it loads in plain transformers.
 """
 
 import re
@@ -14,9 +16,9 @@ import re
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 from flame.base.errors import ConfigError
+from flame.models.support import model_types_where, support_for
 
-FORMATS = ("native", "llama")
-EXPORTABLE_TYPES = ("transformer",)
+FORMATS = ("auto", "native", "llama")
 
 # fla transformer option -> (its value llama can express, what llama lacks)
 _FIXED_OPTIONS = {
@@ -34,25 +36,44 @@ _RENAMES = [
 ]
 
 
-def check(config: PretrainedConfig, flag: str = "--checkpoint.export_as llama") -> None:
-    """Refuse, in one line, a model that llama's architecture cannot express exactly."""
-    if config.model_type not in EXPORTABLE_TYPES:
-        raise ConfigError(
-            f"{flag}: only fla's transformer exports as llama, not {config.model_type}; export this model under its own "
-            "architecture (leave out --export_as / --checkpoint.export_as) and load it after flame.register()"
-        )
+def unexpressed(config: PretrainedConfig) -> str | None:
+    """What of ``config``'s model llama's architecture cannot express (None: it expresses it exactly)."""
+    if not support_for(config).exports_as_llama:
+        types = ", ".join(support_for(name).name for name in model_types_where(lambda r: r.exports_as_llama))
+        return f"only {types} exports as llama, not {config.model_type}"
     for option, (plain, missing) in _FIXED_OPTIONS.items():
         value = getattr(config, option, plain)
         if value != plain and not (plain is False and not value):
-            raise ConfigError(
-                f"{flag}: this transformer sets {option} {value!r}, and llama has no {missing}; export it under its "
-                "own architecture (leave out --export_as / --checkpoint.export_as) and load it after flame.register()"
-            )
+            return f"this transformer sets {option} {value!r}, and llama has no {missing}"
     if config.hidden_act not in ("swish", "silu"):
-        raise ConfigError(
-            f"{flag}: this transformer's MLP uses hidden_act {config.hidden_act!r}, and llama's gated MLP here is SiLU's; "
-            "export it under its own architecture (leave out --export_as / --checkpoint.export_as)"
-        )
+        return f"this transformer's MLP uses hidden_act {config.hidden_act!r}, and llama's gated MLP here is SiLU's"
+    return None
+
+
+def check(config: PretrainedConfig, flag: str = "--checkpoint.export_as llama") -> None:
+    """Refuse, in one line, a model that llama's architecture cannot express exactly."""
+    if (problem := unexpressed(config)) is not None:
+        raise ConfigError(f"{flag}: {problem}; export it under its own architecture (native, or leave out "
+                          "--export_as / --checkpoint.export_as) and load it after flame.register()")
+
+
+def choose(config: PretrainedConfig, requested: str, flag: str, adapter: bool = False) -> tuple[str, str]:
+    """(the format of ``config``'s export, why in words) for ``requested``: native or llama as given; auto: llama
+    where the model's own architecture loads only with flash-attn and llama's expresses it exactly, else native.
+    ``flag`` names where ``requested`` came from; ``adapter``: the export is a LoRA adapter, not a whole model."""
+    callers = support_for(config).flash_attn_needed(config)
+    needs = ", ".join(f"fla's {c.layer}" + (f" with {c.option}" if c.option else "") for c in callers)
+    loads = f"loads only with flash-attn or after flame.register() ({needs})"
+    if requested != "auto":
+        own = f": its own architecture, which {loads}" if requested == "native" and callers else ""
+        return requested, f"{flag} {requested}{own}"
+    if not callers:
+        return "native", f"{flag} auto: its own architecture, which loads without flash-attn"
+    if adapter:
+        return "native", f"{flag} auto: a LoRA adapter keeps its base model's architecture, which {loads}"
+    if (problem := unexpressed(config)) is not None:
+        return "native", f"{flag} auto: its own architecture, which {loads}; llama cannot express it ({problem})"
+    return "llama", f"{flag} auto: llama, which loads in plain transformers; its own architecture {loads}"
 
 
 def llama_config(config: PretrainedConfig, intermediate_size: int) -> LlamaConfig:

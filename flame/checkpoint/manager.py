@@ -3,13 +3,19 @@
 torchtitan's Trainer builds it in place of its own (flame.compat.torchtitan.checkpoints_with_manifests).
 What it adds (flame.checkpoint.manifest holds the manifest itself):
 - every save records its step's manifest once the save is complete, synchronous or async: each
-  rank hashes the files it wrote, in a thread of its own, and rank 0 writes the manifest;
+  rank hashes the files it wrote, in a thread of its own, and rank 0 writes the manifest, with the
+  run's identity (``set_identity``, called by the trainer: flame.checkpoint.identity);
 - before a load, all ranks check the step against its manifest together (each checksums its
   share): a damaged or incomplete latest step is set aside (``step-N.damaged``) and the newest
   intact one loads; a step named explicitly (``--checkpoint.load_step``,
   ``--checkpoint.initial_load_path``) that fails the check stops the run in one line;
 - steps are folders named exactly ``step-N``: set-aside ones are neither loaded nor purged, nor
   are steps still in use (``steps_in_use``: waiting for their background evaluation);
+- a save that cannot be written (a full disk) is noted in ``failures`` and training goes on, the
+  next interval saving again (flame.checkpoint.save_failures);
+- after a load, the optimizers' settings and base lrs are this run's config's again, and the next
+  step's lr its schedule's (flame.optim.builder.ConfiguredSettings): a change preflight accepted
+  (--checkpoint.accept_changes) applies from the resumed step on, and rank 0 logs it once;
 - a model with LoRA adapters is saved under the names flame.models.lora gives (the base weights
   under the plain model's), and a model-only load (step 0, --checkpoint.initial_load_path)
   reads its base weights alone: the adapters keep their init.
@@ -27,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpoint import (
     MODEL,
+    LR_SCHEDULER,
     OPTIMIZER,
     CheckpointManager,
     ModelWrapper,
@@ -34,11 +41,14 @@ from torchtitan.components.checkpoint import (
 from torchtitan.tools.logging import logger
 
 from flame.checkpoint import manifest
+from flame.checkpoint.identity import identity
+from flame.checkpoint.save_failures import SaveFailures
 from flame.checkpoint.steps import (
     explicit_step_error,
     newest_intact,
     unrecorded_checkpoint_error,
 )
+from flame.optim.builder import ConfiguredSettings
 from flame.optim.host import HostOptimizersContainer
 from flame.base.errors import ConfigError
 from flame.models import init_from, lora
@@ -69,9 +79,10 @@ class ManifestRecorder:
         self.thread = threading.Thread(target=self._run, name="flame-manifests", daemon=True)
         self.thread.start()
 
-    def add(self, folder: str, save: Future | None) -> None:
-        """Record ``folder``'s manifest once ``save`` (an async save's future; None: done) completes."""
-        self.queue.put((folder, save))
+    def add(self, folder: str, save: Future | None, identity: dict | None = None) -> None:
+        """Record ``folder``'s manifest (with the run's ``identity``) once ``save`` (an async save's future; None:
+        done) completes."""
+        self.queue.put((folder, save, identity))
 
     def wait(self) -> None:
         """Until the manifests of the saves so far are recorded (this rank's part of them)."""
@@ -91,17 +102,20 @@ class ManifestRecorder:
             finally:
                 self.queue.task_done()
 
-    def _record(self, folder: str, save: Future | None) -> None:
+    def _record(self, folder: str, save: Future | None, identity: dict | None) -> None:
         try:
             if save is not None:
-                save.result()
+                try:
+                    save.result()
+                except BaseException:  # it failed: the checkpointer says so (FlameCheckpointManager._async_wait)
+                    return
             mine = [name for name in manifest.step_files(folder) if manifest.owner(name, self.ranks) == self.rank]
             files = manifest.describe(folder, mine)
             if self.rank != 0:
                 manifest.write_part(folder, self.rank, files)
                 return
             files |= manifest.collect_parts(folder, range(1, self.ranks), _PARTS_TIMEOUT)
-            manifest.write(folder, files)
+            manifest.write(folder, files, identity)
             if self.on_recorded is not None:  # the step is complete: it loads now (the evaluations wait for this)
                 self.on_recorded(folder)
         except Exception as error:
@@ -137,10 +151,20 @@ class FlameCheckpointManager(CheckpointManager):
         if any(lora.adapted_modules(part) for part in model_parts):
             self.states[MODEL] = AdapterCheckpoint(model_parts)
         self.init_from: str | None = None
+        self.identity: dict | None = None  # the run's, recorded with every step (set_identity; None records none)
+        # taken before any load replaces them with the saved run's
+        self.configured = ConfiguredSettings(self.states[LR_SCHEDULER]) if self.enable else None
         # steps that something still reads (their background evaluation): kept beyond keep_latest_k
         self.steps_in_use: Callable[[], set[int]] = set
         # the trainer's settling of what the train state counts (steps whose update checks were deferred)
         self.before_save: Callable[[], None] = lambda: None
+        # saves that could not be written: noted, not fatal (flame.checkpoint.save_failures)
+        self.failures = SaveFailures(self.folder, self.interval, *_rank_and_ranks()) if self.recorder else None
+        self._background_step: int | None = None  # the step an async save is writing
+
+    def set_identity(self, job_config, tokenizer) -> None:
+        """Record the identity of the run of ``job_config`` (flame.checkpoint.identity) with every step saved from now on."""
+        self.identity = identity(job_config, tokenizer)
 
     def start_from(self, folder: str | None) -> None:
         """Load the weights of the Hugging Face model in ``folder`` (--model.init_from) when no checkpoint loads."""
@@ -164,12 +188,39 @@ class FlameCheckpointManager(CheckpointManager):
         # from an earlier one) is incomplete until its new manifest: no rank writes a file
         # before every rank has entered DCP's save, rank 0 included.
         self.recorder.wait()
+        self.failures.starting(checkpoint_id)
         if _rank_and_ranks()[0] == 0:
             manifest.unmark(checkpoint_id)
-        result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        try:
+            result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        except BaseException:  # DCP's CheckpointException is no Exception
+            self.failures.writing_failed = True  # only this is a failed save; an error after it is not
+            raise
         pending = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
-        self.recorder.add(checkpoint_id, pending if isinstance(pending, Future) else None)
+        if isinstance(pending, Future):
+            self._background_step = int(os.path.basename(checkpoint_id).removeprefix("step-"))
+        self.recorder.add(checkpoint_id, pending if isinstance(pending, Future) else None, self.identity)
         return result
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        """torchtitan's save, where a failure to write is noted in ``failures`` instead of ending the run."""
+        if self.failures is not None:
+            self.failures.writing_failed = False
+        try:
+            super().save(curr_step, last_step)
+        except BaseException as error:
+            if (self.failures is None or not self.failures.writing_failed
+                    or not self.failures.record(curr_step, error, interval_save=not last_step)):
+                raise
+
+    def _async_wait(self) -> None:
+        """torchtitan's wait for the async save in flight, where a failure to write is noted like a sync save's."""
+        try:
+            super()._async_wait()
+        except BaseException as error:
+            step, self._background_step, self.save_future = self._background_step, None, None
+            if step is None or not self.failures.record(step, error, interval_save=True, background=True):
+                raise
 
     def load(self, step: int = -1) -> bool:
         if self.enable:
@@ -179,6 +230,10 @@ class FlameCheckpointManager(CheckpointManager):
                 if found := self._defect(self.initial_load_path):
                     raise ConfigError(unrecorded_checkpoint_error("--checkpoint.initial_load_path", self.initial_load_path, found))
         loaded = super().load(step)
+        if loaded and self.configured is not None:
+            changed = self.configured.restore(self.states[LR_SCHEDULER])
+            if changed and _rank_and_ranks()[0] == 0:
+                logger.info(f"resumed with this run's optimizer settings where they differ from the checkpoint's: {', '.join(changed)}")
         if not self.init_from:
             return loaded
         if loaded:  # (--checkpoint.initial_load_path is refused beside init_from: a step of this run loaded)

@@ -24,6 +24,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from flame.base.cli import expanded_path
+
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's, written last of its files
 FORMAT = 1
@@ -90,9 +92,13 @@ def _write_json(path: str, value) -> None:
     os.replace(temporary, path)  # whole or absent, whenever a reader looks
 
 
-def write(folder: str, files: dict[str, dict]) -> None:
-    """Write the step's manifest atomically: it marks the step complete, so it comes last."""
-    _write_json(os.path.join(folder, MANIFEST), {"format": FORMAT, "files": dict(sorted(files.items()))})
+def write(folder: str, files: dict[str, dict], identity: dict | None = None) -> None:
+    """Write the step's manifest atomically: it marks the step complete, so it comes last. ``identity``: the run's
+    (flame.checkpoint.identity), which a resume compares with its own."""
+    content = {"format": FORMAT, "files": dict(sorted(files.items()))}
+    if identity is not None:
+        content["identity"] = identity
+    _write_json(os.path.join(folder, MANIFEST), content)
 
 
 def unmark(folder: str) -> None:
@@ -147,6 +153,14 @@ def read(folder: str) -> dict[str, dict]:
     ):
         raise ValueError(f"not a flame manifest of format {FORMAT} listing {METADATA}")
     return files
+
+
+def read_identity(folder: str) -> dict | None:
+    """The identity of the run that saved the step (its manifest's), or None: saved before flame recorded one, or
+    recorded by hand (``python -m flame.checkpoint.manifest``). Read from a step already checked against its manifest."""
+    with open(os.path.join(folder, MANIFEST)) as f:
+        identity = json.load(f).get("identity")
+    return identity if isinstance(identity, dict) else None
 
 
 def defect(folder: str, checksums: list[str] | None = None) -> Defect | None:
@@ -220,7 +234,7 @@ def set_aside(path: str, kind: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Record the manifest of a checkpoint step you trust (see flame.checkpoint.manifest).")
-    parser.add_argument("step", help="a DCP step folder, e.g. exp/run/checkpoint/step-1000")
+    parser.add_argument("step", type=expanded_path, help="a DCP step folder, e.g. exp/run/checkpoint/step-1000")
     args = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(args.step, METADATA)):
         print(f"flame.checkpoint.manifest: error: {args.step} has no {METADATA}: it is not a complete DCP checkpoint", file=sys.stderr)

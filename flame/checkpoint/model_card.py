@@ -229,12 +229,13 @@ def _base_line(init_from: str | None, dump_folder: str) -> list[str]:
 
 def render(
     dump_folder: str, step: int, model: torch.nn.Module, config: PretrainedConfig, run: dict,
-    exported_as: str | None = None, dtype: str = "float32",
+    exported_as: str | None = None, dtype: str = "float32", export_choice: str | None = None,
 ) -> str:
     """The card's markdown for ``model`` (the exported weights, of ``config``) at ``step`` of the run in ``dump_folder``.
 
     ``run`` is the run's job config (job_config.json, {} if none); ``exported_as`` the
-    architecture the weights were written under when not the model's own (``llama``).
+    architecture the weights were written under when not the model's own (``llama``); ``export_choice`` why
+    (flame.checkpoint.llama_export.choose).
     """
     try:
         records = run_record.metrics(dump_folder)
@@ -249,6 +250,7 @@ def render(
     lines = [f"# {_name(dump_folder)}", "",
              f"A causal language model (`{architecture}`) trained with flame {flame_version()}: step {step} of the "
              f"run `{_name(dump_folder)}`, weights in {dtype}.", ""]
+    lines += [f"Exported format: {export_choice}.", ""] if export_choice else []
     lines += _base_line(run.get("model", {}).get("init_from"), dump_folder) + ["```python"]
     if not standard:
         lines.append(LOAD_FLAME)

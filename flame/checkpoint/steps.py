@@ -77,6 +77,22 @@ def _warn(message: str) -> None:
     print(f"flame: warning: {message}", file=sys.stderr)
 
 
+def _refuse_checkpoints_elsewhere(dump_folder: str, folder: str) -> None:
+    """ConfigError when another folder of the dump folder than ``folder`` holds complete steps: torchtitan would start
+    this run at step 1 beside them (a second step 1 in metrics.jsonl) instead of resuming them."""
+    if not os.path.isdir(dump_folder):
+        return
+    mine = os.path.normpath(os.path.join(dump_folder, folder))
+    for name in sorted(os.listdir(dump_folder)):
+        other = os.path.join(dump_folder, name)
+        if os.path.normpath(other) != mine and (steps := complete_steps(other)):
+            raise ConfigError(
+                f"--checkpoint.folder {folder} holds no checkpoint, but {other} of this dump folder holds steps "
+                f"{', '.join(map(str, steps))}: to resume them give --checkpoint.folder {name}; to start a new run, "
+                "give it its own --job.dump_folder"
+            )
+
+
 def check_checkpoint(job_config) -> str | None:
     """The checkpoint this job will load, checked against its manifest (None: it loads none).
 
@@ -85,7 +101,8 @@ def check_checkpoint(job_config) -> str | None:
     ConfigError when one given explicitly is not there or fails its check (torchtitan would
     train from step 1 when ``--checkpoint.load_step`` names a step of an empty folder, fail
     inside a rank when the folder has other steps, and fail late on a missing
-    ``--checkpoint.initial_load_path``); a latest step that fails it is set aside.
+    ``--checkpoint.initial_load_path``); a latest step that fails it is set aside. ConfigError too when
+    ``checkpoint.folder`` holds no complete step but another folder of the dump folder does.
     """
     checkpoint = job_config.checkpoint
     if not checkpoint.enable:
@@ -100,6 +117,8 @@ def check_checkpoint(job_config) -> str | None:
         if found or not os.path.isdir(path):
             raise ConfigError(explicit_step_error(folder, checkpoint.load_step, found))
         return path
+    if not checkpoint.initial_load_path and not complete_steps(folder):
+        _refuse_checkpoints_elsewhere(job_config.job.dump_folder, checkpoint.folder)
     if not os.path.exists(folder):
         path = checkpoint.initial_load_path
         if not path:
@@ -113,6 +132,13 @@ def check_checkpoint(job_config) -> str | None:
             raise ConfigError(unrecorded_checkpoint_error("--checkpoint.initial_load_path", path, found))
         return path
     return newest_intact(manifest.step_folders(folder), manifest.defect, _warn)
+
+
+def model_only(job_config, path: str) -> bool:
+    """Whether loading ``path`` takes its weights alone (step 0, or --checkpoint.initial_load_path model-only): a new
+    run starts from them."""
+    checkpoint = job_config.checkpoint
+    return os.path.basename(path) == "step-0" or (path == checkpoint.initial_load_path and checkpoint.initial_load_model_only)
 
 
 def weight_mismatches(metadata: Metadata, state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -136,9 +162,7 @@ def check_checkpoint_fits_model(job_config, meta: Callable[[], nn.Module], path:
     if path is None:
         return
     model = meta()
-    checkpoint = job_config.checkpoint
-    model_only = os.path.basename(path) == "step-0" or (path == checkpoint.initial_load_path and checkpoint.initial_load_model_only)
-    if (adapters := lora.LoraSettings.of(job_config.lora)) is not None and not model_only:
+    if (adapters := lora.LoraSettings.of(job_config.lora)) is not None and not model_only(job_config, path):
         lora.add_adapters(model, adapters)  # a resume reads the adapters too (a model-only load: the base alone)
     problems = weight_mismatches(FileSystemReader(path).read_metadata(), lora.checkpoint_weights(model))
     if problems:

@@ -1,7 +1,7 @@
 """flame's changes to other libraries: one seam per library, each change named, guarded, applied explicitly.
 
-    torchtitan.py    CPU runs without an accelerator; checkpoint manifests; no sleep after training; the private
-                     names flame uses
+    torchtitan.py    CPU runs without an accelerator; checkpoint manifests; no sleep after training; traces that
+                     cannot be written warn; the private names flame uses
     transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
     fla_mamba.py     fla's Mamba and Mamba2 layers on flame's kernels: fast, packed documents kept apart
@@ -68,6 +68,8 @@ def _startup_patches(job_config: "JobConfig", checkpoint_manager: type | None = 
 
     patches = [(torchtitan.checkpoints_with_manifests, (checkpoint_manager,)), (torchtitan.ends_without_sleep, ()),
                (torchtitan.readable_log, (_model_label(job_config), not device.CUDA, job_config.job.print_config))]
+    if job_config.profiling.enable_profiling or job_config.profiling.enable_memory_snapshot:
+        patches.append((torchtitan.traces_never_stop_training, ()))
     if not device.CUDA:
         patches.append((torchtitan.cpu_without_accelerator, ()))
     elif job_config.parallelism.pipeline_parallel_degree > 1:

@@ -10,10 +10,12 @@ flame.compat.apply) refuses a torchtitan that lacks one or changed its signature
 """
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torchtitan.components.checkpoint import CheckpointManager
@@ -77,6 +79,8 @@ _CHECKPOINT_METHODS = tuple(
     Target(TORCHTITAN, "torchtitan.components.checkpoint", f"CheckpointManager.{name}", parameters)
     for name, parameters in (
         ("dcp_save", ("self", "state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf")),
+        ("save", ("self", "curr_step", "last_step")),
+        ("_async_wait", ("self",)),
         ("load", ("self", "step")),
         ("_find_load_step", ("self", "folder")),
         ("_purge_stale_checkpoints", ("self",)),
@@ -92,11 +96,12 @@ def checkpoints_with_manifests(manager: type) -> None:
     Upstream: a step counts as saved once DCP's ``.metadata`` is there; a truncated or changed
     file fails deep inside DCP's load (or unpickling ``.metadata``) without naming it; a folder
     whose name merely contains ``step-N`` counts as step N, for loading and for
-    ``--checkpoint.keep_latest_k``'s purge alike.
+    ``--checkpoint.keep_latest_k``'s purge alike; a save that cannot be written (a full disk) ends
+    the run with a traceback from every rank.
     flame: torchtitan's Trainer builds ``manager`` (flame.checkpoint.manager.FlameCheckpointManager),
     which records each step's manifest after its save, checks a step against it before loading,
-    sets a damaged latest step aside and loads the newest intact one, and counts only folders
-    named exactly ``step-N``.
+    sets a damaged latest step aside and loads the newest intact one, counts only folders
+    named exactly ``step-N``, and notes a save that cannot be written instead of ending the run.
     """
     importlib.import_module(_TRAINER_CHECKPOINT_MANAGER.module).CheckpointManager = manager
 
@@ -136,6 +141,46 @@ def ends_without_sleep() -> None:
     torchtitan's log line announcing the sleep stays.
     """
     importlib.import_module(_TRAIN_TIME.module).time = _TimeWithoutSleep()
+
+
+_PROFILING = Target(TORCHTITAN, "torchtitan.train", "maybe_enable_profiling", ("profiling_config",))
+_MEMORY_SNAPSHOT = Target(TORCHTITAN, "torchtitan.train", "maybe_enable_memory_snapshot", ("profiling_config",))
+
+
+def _writes_that_warn(enable: Callable, writer: str, what: str) -> Callable:
+    """``enable`` (a context manager yielding a profiler or None) whose profiler's ``writer`` warns instead of raising."""
+    @contextlib.contextmanager
+    @functools.wraps(enable)
+    def enabled(profiling_config, **kwargs):
+        with enable(profiling_config, **kwargs) as profiler:
+            if profiler is not None and getattr(profiler, writer, None) is not None:
+                write = getattr(profiler, writer)
+
+                def guarded(*args, **kwargs):
+                    try:
+                        return write(*args, **kwargs)
+                    except Exception as error:
+                        logging.getLogger().warning(f"{what}: not written ({type(error).__name__}: {error}); training "
+                                                    "goes on")
+                setattr(profiler, writer, guarded)
+            yield profiler
+    return enabled
+
+
+@patch(TORCHTITAN, _PROFILING, _MEMORY_SNAPSHOT)
+def traces_never_stop_training() -> None:
+    """Let a profiler trace or a memory snapshot that cannot be written cost only itself.
+
+    Upstream: torchtitan's profiler writes a trace every --profiling.profile_freq steps, and its
+    memory profiler a snapshot, from inside the training loop: a write that fails (a full disk, a
+    folder made read-only) raises there and ends the run. flame: the loop's profiler has its trace
+    handler (``on_trace_ready``), and the memory profiler its ``step``, warn instead (their folders are
+    made, or the output turned off, before: flame.training.side_outputs.make_folders).
+    """
+    module = importlib.import_module(_PROFILING.module)
+    module.maybe_enable_profiling = _writes_that_warn(module.maybe_enable_profiling, "on_trace_ready", "a profiler trace")
+    module.maybe_enable_memory_snapshot = _writes_that_warn(module.maybe_enable_memory_snapshot, "step",
+                                                            "a memory snapshot")
 
 
 class _FlameLogLines(logging.Filter):

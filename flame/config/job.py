@@ -16,6 +16,8 @@ from typing import Literal
 class Job:
     dump_folder: str = "exp/flame"
     """Folder for checkpoints, logs, TensorBoard files and the exported HF model"""
+    allow_absolute_folders: bool = False
+    """Let the folders a run keeps in its dump folder (checkpoint.folder, metrics.save_tb_folder, comm.save_traces_folder, profiling's folders, job.save_config_file) be absolute paths elsewhere; each one is logged. Without it they must stay inside the dump folder"""
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Model:
 @dataclass
 class Training:
     dataset: str = ""
-    """Comma list of datasets: hub names (local HF cache), directories, files/globs of json/jsonl/parquet/txt/arrow, token files (Megatron .bin/.idx pairs or their prefix, .npy or .bin token arrays; globs too), or builtin:python-stdlib"""
+    """Comma list of datasets: hub names (local HF cache), directories, files/globs of json/jsonl/parquet/txt/arrow, token files (Megatron .bin/.idx pairs or their prefix, .npy or .bin token arrays; globs too), or builtin:python-stdlib. A path whose name holds a comma is one entry when it exists"""
     dataset_name: str | None = None
     """Comma list, one per dataset: the dataset configuration name (empty entries allowed)"""
     dataset_split: str | None = None
@@ -85,7 +87,7 @@ class Training:
     fused_cross_entropy: Literal["auto", "on", "off"] = "auto"
     """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False
-    """Skip the update of a step whose gradient norm is NaN/Inf (counted and logged) instead of stopping the run"""
+    """Skip the update of a non-finite step (its gradient norm or loss NaN/Inf, or no target in its batch; counted and logged) instead of stopping the run"""
     max_skipped_steps: int = 10
     """With skip_nan_inf or spike_sigma: the most updates skipped in a row (NaN/Inf and spikes alike); one more stops the run (it has diverged). 0 = no limit"""
     spike_sigma: float = 0.0
@@ -176,8 +178,10 @@ class Checkpoint:
     """Alias of checkpoint.enable"""
     model_weights_only: bool = False
     """Alias of checkpoint.last_save_model_only"""
-    export_as: Literal["native", "llama"] = "native"
-    """Architecture of the HF export (train.sh's, and convert_dcp_to_hf's default): native = the model's own; llama = fla's transformer as LlamaForCausalLM, the same weights under llama's names, for tools that read only standard architectures (vLLM, SGLang, llama.cpp). Options llama cannot express (qk_norm, window_size, ...) are refused at preflight"""
+    export_as: Literal["auto", "native", "llama"] = "auto"
+    """Architecture of the HF export (train.sh's, and convert_dcp_to_hf's default): native = the model's own; llama = fla's transformer as LlamaForCausalLM, the same weights under llama's names, for tools that read only standard architectures (vLLM, SGLang, llama.cpp), options llama cannot express (qk_norm, window_size, ...) refused at preflight; auto = llama where the model's own architecture loads only with flash-attn (fla's transformer) and llama expresses it, else native: the export's log line and model card say which and why"""
+    accept_changes: str = ""
+    """Comma list of run-identity fields a resume may change on purpose (model, tokenizer, data, seed, seq_len, context_len, batch, optimizer, lr, schedule): a resume that differs from the run that saved its checkpoint in any other is refused at preflight; an accepted change applies from the resumed step on (docs/checkpoints.md)"""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Parse a flame job config: TOML < CLI, torchtitan's JobConfig + flame's fields.
 
 Parsing only parses: it refuses what cannot be read (an unknown key or flag, a value of the wrong
-type, a TOML file that is not one, a retired spelling) and resolves older spellings; every check of
+type, a TOML file that is not one, a retired spelling), resolves older spellings and expands ``~`` and
+environment variables in every path (flame.config.paths); every check of
 the values, the model and the data, and the memory plan, run afterwards in ``flame.prepare``. It
 imports nothing of the models, the planner, the parallelisms or the trainer. Errors are
 ``ConfigError``: one line saying what is wrong and what to change. What parsing changed of what was
@@ -21,6 +22,7 @@ from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.tools.logging import logger
 
 from flame.config import job as flame_config
+from flame.config.paths import expand_paths
 from flame.config.spellings import MOVED_JOB_FILES
 from flame.config.merge import (
     CLI,
@@ -36,6 +38,7 @@ from flame.config.merge import (
     type_mismatch,
 )
 from flame.base.errors import ConfigError
+from flame.base.paths import expand
 
 # configs/ ships inside the package (flame/configs; the checkout's top-level configs/ links there), so
 # "configs/llama_340M.json" resolves in a checkout and in an installed wheel alike
@@ -88,9 +91,9 @@ class FlameConfigManager(ConfigManager):
                     )
             if key == "--job.config_file":
                 if value:
-                    args[i] = f"{key}={resolve_path(value)}"
+                    args[i] = f"{key}={resolve_path(expand(value, key))}"
                 elif i + 1 < len(args):
-                    args[i + 1] = resolve_path(args[i + 1])
+                    args[i + 1] = resolve_path(expand(args[i + 1], key))
         config_files = [args[i + 1] if not value and i + 1 < len(args) else value
                         for i, (key, value) in enumerate(map(_flag, args)) if key == "--job.config_file"]
         if len(config_files) > 1:  # torchtitan would read the first and ignore the others
@@ -159,11 +162,13 @@ class FlameConfigManager(ConfigManager):
     _merge_configs = staticmethod(merge_configs)  # flame's field help reaches -h
 
     def _validate_config(self) -> None:
-        """torchtitan's hook at the end of parsing: flame's spellings resolved, unused fields refused."""
+        """torchtitan's hook at the end of parsing: flame's spellings resolved, unused fields refused, ``~`` and
+        environment variables expanded in every path."""
         self.given = dict.fromkeys(self._in_toml, TOML) | dict.fromkeys(self._on_cli, CLI)
         defaults = type(self.config)()
         check_unused_fields(self.config, defaults)
         resolve_aliases(self.config, self.given)
+        expand_paths(self.config)
         reset = reset_dataset_dependents(self.config, defaults, self.given, self._toml)
         self.notes.extend((logging.WARNING, note) for note in reset)
 
@@ -185,9 +190,25 @@ def _check_toml(path: str) -> None:
         raise ConfigError(f"cannot read --job.config_file {path}: {error.strerror}") from None
 
 
-def split_list(value: str | None) -> list[str]:
-    """A comma list as flame reads it: 'a,,b' -> ['a', '', 'b']; None -> []."""
-    return [] if value is None else [item.strip() for item in value.split(",")]
+def split_list(value: str | None, paths: bool = False) -> list[str]:
+    """A comma list as flame reads it: 'a,,b' -> ['a', '', 'b']; None -> [].
+
+    ``paths``: a list of paths (--training.dataset), where a file or folder whose name holds a comma
+    (``a,b.jsonl``) is one entry when it exists: of the ways to join the next pieces, the longest that
+    names an existing path is taken.
+    """
+    if value is None:
+        return []
+    pieces = value.split(",")
+    if not paths:
+        return [piece.strip() for piece in pieces]
+    entries, start = [], 0
+    while start < len(pieces):
+        end = next((end for end in range(len(pieces), start + 1, -1)
+                    if os.path.exists(",".join(pieces[start:end]).strip())), start + 1)
+        entries.append(",".join(pieces[start:end]).strip())
+        start = end
+    return entries
 
 
 @dataclass

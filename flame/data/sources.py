@@ -2,16 +2,24 @@
 
 import glob
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import datasets
 
 from flame.config.manager import split_list
 from flame.data import builtin
+from flame.base import hub
 from flame.base.errors import ConfigError, gist
 
 # file extension -> datasets' packaged builder
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
+_EXTENSIONS = "/".join(_BUILDERS)
+# datasets reads a hub dataset offline from its own cache, which a load without streaming fills (a streamed one
+# caches nothing), not from the hub files `hf download` fetches: those load as a local folder
+_HUB_DATASET_REMEDY = ("load it once where there is network, into this HF_HOME and without --training.streaming, or "
+                       "download its files (hf download {name} --repo-type dataset --local-dir DIR) and give "
+                       "--training.dataset DIR")
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,7 @@ class SourceSpec:
 
 
 def source_specs(training) -> list[SourceSpec]:
-    paths = split_list(training.dataset)
+    paths = split_list(training.dataset, paths=True)
 
     def per_entry(value: str | None) -> list[str | None]:
         entries = split_list(value)
@@ -83,28 +91,57 @@ def _load(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.Iter
             files = sorted(glob.glob(path))
             if not files:
                 raise ConfigError(f"--training.dataset {path} matches no files")
-            builder = _builder_for(files[0])
-            if builder is None:
-                raise ConfigError(
-                    f"cannot tell the format of {files[0]}: use .json/.jsonl/.parquet/.txt/.arrow files or a directory"
-                )
+            builder = _one_builder(path, files)
             kwargs.update(data_files=files, split="train" if spec.split == "train" else spec.split)
             return datasets.load_dataset(builder, streaming=streaming, **kwargs)
         if _looks_like_a_path(path) and not os.path.exists(path):
             raise ConfigError(f"--training.dataset {path} does not exist")
-        return datasets.load_dataset(path, streaming=streaming, **kwargs)
+        if os.path.exists(path):  # a folder of data files
+            if not os.listdir(path):
+                raise ConfigError(f"dataset folder {path} is empty: put its data files there ({_EXTENSIONS} files), "
+                                  "or give another --training.dataset")
+            return datasets.load_dataset(path, streaming=streaming, **kwargs)
+        return hub.cache_first(f"dataset {path}", _HUB_DATASET_REMEDY.format(name=path),
+                               lambda: datasets.load_dataset(path, streaming=streaming, **kwargs), datasets.config)
     except ConfigError:
         raise
     except ValueError as error:
         if "corresponds to no data" in str(error):
             raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents") from None
         if "split" in str(error).lower():
-            raise ConfigError(f"dataset {spec.path}: unknown split '{spec.split}' ({gist(error)})") from None
-        raise ConfigError(f"cannot load dataset {spec.path}: {gist(error)}") from None
+            raise ConfigError(f"dataset {spec.path}: unknown split '{spec.split}' ({gist(error)}); set "
+                              "--training.dataset_split to one it has") from None
+        fix = "fix or remove the file" if os.path.isfile(path) or glob.has_magic(path) else (
+            "check it and its --training.dataset_name, data_dir and data_files")
+        raise ConfigError(f"cannot load dataset {spec.path}: {gist(error)}; {fix}") from None
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        if os.path.isdir(path):  # there, but not what datasets reads: not "not found"
+            what = ("a dataset saved with save_to_disk, but incomplete" if _is_saved_to_disk(path)
+                    else "a folder without data files datasets can read")
+            raise ConfigError(f"cannot read dataset {spec.path}: it is {what} ({gist(error)}); give a folder of data "
+                              "files, one saved whole with save_to_disk, or the files themselves") from None
         raise ConfigError(
-            f"dataset {spec.path} not found (not a local path, nor a hub dataset in the local HF cache): {gist(error)}"
+            f"dataset {spec.path} not found (not a local path, nor a hub dataset in the local HF cache or on the hub): "
+            f"{gist(error)}"
         ) from None
+
+
+def _one_builder(path: str, files: list[str]) -> str:
+    """The builder that reads every one of ``files`` (what ``path`` names or matches): one format per source."""
+    builders = {file: _builder_for(file) for file in files}
+    if unknown := [file for file, builder in builders.items() if builder is None]:
+        others = f" (and {len(unknown) - 1} more files)" if len(unknown) > 1 else ""
+        raise ConfigError(f"cannot tell the format of {unknown[0]}{others}, which --training.dataset {path} names: use "
+                          f"{_EXTENSIONS} files, a glob that matches only those, or a directory")
+    if len(set(builders.values())) > 1:
+        counts = Counter(os.path.splitext(file.removesuffix(".gz"))[1] for file in files)
+        found = ", ".join(f"{count} {extension}" for extension, count in sorted(counts.items()))
+        folder = os.path.dirname(path) or "."
+        raise ConfigError(
+            f"--training.dataset {path} matches files of several formats ({found}), and a source reads one: give one "
+            f"glob per format, comma-separated (e.g. {folder}/*{min(counts)},{folder}/*{max(counts)})"
+        )
+    return builders[files[0]]
 
 
 def _looks_like_a_path(spec: str) -> bool:

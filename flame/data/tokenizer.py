@@ -7,16 +7,23 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from flame.data import builtin
+from flame.base import hub
 from flame.base.errors import ConfigError, gist
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# the files a tokenizer's vocabulary is read from: a fast tokenizer's tokenizer.json, or what transformers
+# converts a slow tokenizer's from (sentencepiece models, BPE's vocab.json, WordPiece's vocab.txt)
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                    "vocab.txt")
+# ordinary (not special) tokens a tokenizer must have: with fewer, every text tokenizes to little more than the
+# document delimiters, and a run trains on those alone
+MIN_ORDINARY_TOKENS = 2
 _GIVE = "give a directory holding tokenizer.json, a hub name in the local HF cache (org/name), or builtin:python-stdlib-bpe"
 
 
 def _check_tokenizer_location(location: str) -> None:
     """A local path that cannot hold a tokenizer, refused as such (transformers would take it for a hub name)."""
-    hub_name = not os.path.isabs(location) and not location.startswith((".", "~")) and location.count("/") <= 1
-    if not os.path.exists(location) and not hub_name:
+    if not os.path.exists(location) and not hub.is_hub_name(location):
         raise ConfigError(f"--model.tokenizer_path {location} does not exist; {_GIVE}")
     if os.path.isfile(location):
         raise ConfigError(f"--model.tokenizer_path {location} is a file; {_GIVE}")
@@ -28,19 +35,54 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     location = builtin.resolve(path) if builtin.is_builtin(path) else path
     _check_tokenizer_location(location)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
+        if os.path.exists(location):
+            tokenizer = AutoTokenizer.from_pretrained(location)
+        else:  # a hub name (a path that does not exist was refused above)
+            tokenizer = hub.cache_first(f"--model.tokenizer_path {location}", hub.download_remedy(location),
+                                        lambda: AutoTokenizer.from_pretrained(location))
+    except ConfigError:
+        raise
     except Exception as error:  # transformers raises many kinds, some spanning lines
         if os.path.isdir(location) and not any(os.path.isfile(os.path.join(location, f)) for f in TOKENIZER_FILES):
             raise ConfigError(f"--model.tokenizer_path {location} holds no {' or '.join(TOKENIZER_FILES)}; {_GIVE}") from None
+        if os.path.isdir(location) and not any(os.path.isfile(os.path.join(location, f)) for f in VOCABULARY_FILES):
+            raise ConfigError(
+                f"--model.tokenizer_path {location} holds no vocabulary: none of {', '.join(VOCABULARY_FILES)} is "
+                f"there (only the tokenizer's settings); copy the tokenizer's vocabulary file into it, or {_GIVE}"
+            ) from None
         if os.path.isdir(location):
             raise ConfigError(f"cannot load the tokenizer in {location}: {gist(error)}; {_GIVE}") from None
         raise ConfigError(
-            f"--model.tokenizer_path {location} is not a local directory, nor a hub name in the local HF cache "
-            f"({gist(error)}); {_GIVE}"
+            f"--model.tokenizer_path {location} is not a local directory, nor a hub name in the local HF cache or "
+            f"on the hub ({gist(error)}); {_GIVE}"
         ) from None
     if not tokenizer.is_fast:
         raise ConfigError(f"tokenizer {path} has no fast (Rust) implementation; flame tokenizes online and needs one")
+    _check_vocabulary(tokenizer, location)
     return tokenizer
+
+
+def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, location: str) -> None:
+    """Refuse a tokenizer without a real vocabulary: transformers builds one from a folder whose vocabulary file is
+    missing (a LlamaTokenizer without its tokenizer.model holds only <unk>, <s> and </s>), and every text then
+    tokenizes to nothing but the delimiters flame adds."""
+    special = set(tokenizer.added_tokens_decoder)
+    ordinary = sum(1 for token_id in tokenizer.get_vocab().values() if token_id not in special)
+    if ordinary >= MIN_ORDINARY_TOKENS:
+        return
+    names = ", ".join(str(token) for token in list(tokenizer.added_tokens_decoder.values())[:4])
+    if os.path.isfile(os.path.join(location, "tokenizer.json")):
+        lacks = "its tokenizer.json holds no vocabulary"
+    elif missing := [name for name in type(tokenizer).vocab_files_names.values()
+                     if os.path.isdir(location) and not os.path.isfile(os.path.join(location, name))]:
+        lacks = f"the folder lacks {' and '.join(missing)}, where {type(tokenizer).__name__} reads its vocabulary"
+    else:
+        lacks = "its files hold no vocabulary"
+    raise ConfigError(
+        f"--model.tokenizer_path {location} has no real vocabulary: {ordinary} ordinary tokens (flame needs at least "
+        f"{MIN_ORDINARY_TOKENS}) beside {len(special)} special ones ({names}), so every text would tokenize to its "
+        f"delimiters alone; {lacks}: copy the tokenizer's vocabulary there, or {_GIVE}"
+    )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from flame.base import autotune
+from flame.base.cli import expanded_path
 from flame.base.errors import ConfigError, gist
 from flame.base.process import PARENT_PID, die_with_parent
 
@@ -31,7 +32,7 @@ def _lm_eval_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     """(flame's options, lm-eval's EvaluatorConfig of the others), or ConfigError."""
     own = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], add_help=False, allow_abbrev=False)
-    own.add_argument("--model", help="an HF model directory, or a run's dump folder (a DCP step, loaded in memory)")
+    own.add_argument("--model", type=expanded_path, help="an HF model directory, or a run's dump folder (a DCP step, loaded in memory)")
     own.add_argument("--step", type=int, help="the dump folder's step (default: its latest complete checkpoint)")
     own.add_argument("-h", "--help", action="store_true", help="this help, then lm-eval's options")
     args, rest = own.parse_known_args(argv)

@@ -1,7 +1,8 @@
 """lm-eval tasks by name, built (their data loaded) before any model is: a bad name or data not at hand fails in one line.
 
-Offline (HF_DATASETS_OFFLINE=1, or no network), a task's dataset must be in the local HF cache
-(HF_HOME); a local task is a YAML file under --include_path over local files (configs/eval/).
+A task's dataset is read from the local HF cache (HF_HOME) first, without a request; only a dataset not there
+is fetched, where the hub answers (flame.base.hub). A local task is a YAML file under --include_path over local
+files (configs/eval/).
 """
 
 import difflib
@@ -9,12 +10,15 @@ import functools
 import json
 import os
 
+import datasets
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import pattern_match
 
+from flame.base import hub
 from flame.base.errors import ConfigError, gist
 
 EXAMPLE = "configs/eval/ holds an example"
+_LOCAL_TASK = f"or evaluate a local task: a YAML file under --include_path ({EXAMPLE})"
 
 
 def task_manager(include_path: str | None, metadata: dict | None = None) -> TaskManager:
@@ -57,12 +61,15 @@ def load(requested: list[str], include_path: str | None, metadata: dict | None =
     built = []
     for name in _names(manager, requested):
         try:
-            loaded = manager.load([name])
-        except OSError as error:  # datasets/huggingface_hub: not cached, not reachable, not found
+            loaded = hub.cache_first(
+                f"task {name}: {_dataset_of(manager, name)}", "run this command once where there is network, with this "
+                f"HF_HOME (the task's data is cached there), {_LOCAL_TASK}", lambda: manager.load([name]), datasets.config)
+        except ConfigError:
+            raise
+        except OSError as error:  # the hub answered, but without the data: not found, refused, cut off
             raise ConfigError(
-                f"task {name}: {_dataset_of(manager, name)} is not at hand ({gist(error)}); pre-stage it by running this "
-                "command once with network access and the same HF_HOME (datasets are cached there, then runs offline "
-                f"with HF_DATASETS_OFFLINE=1), or evaluate a local task: a YAML file under --include_path ({EXAMPLE})"
+                f"task {name}: {_dataset_of(manager, name)} is not at hand ({gist(error)}); check the task's "
+                f"dataset_path and the network, {_LOCAL_TASK}"
             ) from None
         except Exception as error:  # a task's YAML or code that does not build
             raise ConfigError(f"task {name} cannot be built: {gist(error)}; fix its YAML file or leave it out") from None

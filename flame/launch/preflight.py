@@ -9,7 +9,8 @@ as the ranks will (so TOML-only settings count). On node 0 it refuses at once a 
 another run holds (flame.base.dump_folder: it looks, takes nothing, writes nothing; the launcher takes
 the lock after this check). It checks the libraries flame changes (flame.compat.check), then
 prepares the job as every rank will (flame.prepare: its checks and memory plan) and also loads the
-tokenizer, the metadata of the checkpoint the run would load and every data source: bad input, or a library
+tokenizer, the metadata of the checkpoint the run would load and every data source, and checks that
+the HF export after training may replace <dump_folder>/hf (flame.checkpoint.destination): bad input, or a library
 flame's changes no longer fit, fails here, in seconds, before any rank exists. Built-in corpora
 are built here once, not by every rank. What the launcher needs from the job comes back as a
 ``LaunchPlan``.
@@ -30,6 +31,7 @@ from flame.base import autotune, dump_folder
 from flame import compat
 from flame.config.manager import parse
 from flame.base.errors import ConfigError
+from flame.checkpoint import destination
 from flame.checkpoint.steps import complete_steps
 from flame.prepare import prepare
 
@@ -65,13 +67,15 @@ def check(train_args: list[str], world_size: int, node_rank: int = 0) -> LaunchP
     if node_rank == 0 and config.job.dump_folder.strip():  # the other nodes join node 0's run, which holds the lock
         dump_folder.check_free(config.job.dump_folder)
     compat.check(config)
+    prepare(job, world_size, sources=True)  # also sets a damaged latest step aside: what is complete is known after it
     checkpoints = os.path.join(config.job.dump_folder, config.checkpoint.folder)
     saves = config.checkpoint.enable and not config.checkpoint.load_only  # load_only never saves
+    if saves:  # the export after training replaces <dump_folder>/hf: refused now, not after the whole run
+        export = os.path.join(config.job.dump_folder, "hf")
+        destination.check(export, f"the run's HF export folder {export}", "give another --job.dump_folder")
     steps = complete_steps(checkpoints) if saves and config.checkpoint.load_step == -1 else []
-    if steps and steps[-1] >= config.training.steps:  # nothing to train: the data sources need no loading
-        return LaunchPlan(config.job.dump_folder, saves, checkpoints, complete_at=steps[-1])
-    prepare(job, world_size, sources=True)
-    return LaunchPlan(dump_folder=config.job.dump_folder, saves_checkpoints=saves, checkpoint_folder=checkpoints)
+    complete_at = steps[-1] if steps and steps[-1] >= config.training.steps else None  # nothing left to train
+    return LaunchPlan(config.job.dump_folder, saves, checkpoints, complete_at)
 
 
 def main(argv: list[str] | None = None) -> int:

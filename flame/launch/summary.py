@@ -14,6 +14,7 @@ import shlex
 import sys
 
 from flame.base import run_record
+from flame.base.errors import ConfigError
 from flame.checkpoint.steps import complete_steps
 
 
@@ -42,7 +43,10 @@ def _duration(seconds: float) -> str:
 
 def finished(dump_folder: str, checkpoint_folder: str, seconds: float, export: str | None) -> str:
     """The lines of a run that trained to its end (``export``: the HF export's folder, if it made one)."""
-    records = run_record.metrics(dump_folder)
+    try:
+        records = run_record.metrics(dump_folder)
+    except (ConfigError, OSError):  # metrics.jsonl could not be written (a warning said so) or read: the rest stands
+        records = {}
     steps = complete_steps(checkpoint_folder)
     last_step = max([*steps[-1:], *records], default=0)
     facts = []
@@ -74,6 +78,7 @@ def finished(dump_folder: str, checkpoint_folder: str, seconds: float, export: s
 def stopped(record: dict, train_args: list[str]) -> str:
     """The line of a run that a signal stopped after a step (``record``: flame.training.stop's)."""
     saved = (f"step-{record['step']} is saved and training resumes there" if record.get("saved")
+             else f"{record['failed']}, where training resumes" if record.get("failed")  # its save could not be written
              else f"no checkpoint was saved after step {record['step']}")
     return f"flame: stopped by {record['signal']}: {saved}; resume with: {train_command(train_args)}"
 

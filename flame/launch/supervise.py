@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from flame.base.dump_folder import DumpFolderLock
 from flame.base.run_record import take_stop_record
 from flame.base.process import PARENT_PID, die_with_parent, ranks_of
-from flame.base.errors import ConfigError
+from flame.base.errors import ConfigError, gist
 from flame.launch import summary
 
 if TYPE_CHECKING:
@@ -194,8 +194,8 @@ def record_the_run(dump_folder: str, attempt: int, torchrun_args: list[str]) -> 
         if curves := plot.write_run_curves(dump_folder):
             print(f"flame: the run's curves are in {curves}")
     except Exception as error:
-        print(f"flame: warning: the run's command line or curves were not recorded ({type(error).__name__}: {error}); "
-              f"training and the export are unaffected; draw the curves with: python -m flame.tools.plot {dump_folder}",
+        print(f"flame: warning: the run's command line or curves were not recorded ({type(error).__name__}: {gist(error)}); "
+              f"nothing else depends on them; draw the curves with: python -m flame.tools.plot {dump_folder}",
               file=sys.stderr)
 
 

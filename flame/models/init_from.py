@@ -33,21 +33,18 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from flame.data.tokenizer import TOKENIZER_FILES
+from flame.base import hub
 from flame.base.errors import ConfigError, gist
 
 FLAG = "--model.init_from"
 SAFETENSORS = ".safetensors"
 
 
-def _is_hub_name(location: str) -> bool:
-    return not os.path.isabs(location) and not location.startswith((".", "~")) and location.count("/") <= 1
-
-
 def resolve(location: str) -> str:
     """The local folder ``location`` names: itself, or a hub name's snapshot in the local HF cache (offline)."""
     if os.path.exists(location):
         folder = location
-    elif _is_hub_name(location):
+    elif hub.is_hub_name(location):
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 

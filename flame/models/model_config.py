@@ -12,14 +12,21 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from flame.base import hub
 from flame.base.errors import ConfigError, gist
 from flame.models.registry import ensure_model_type, fla_model_types
 
 
 def load_model_config(path: str) -> PretrainedConfig:
-    """The HF config at ``path`` (a config.json or a directory holding one)."""
+    """The HF config at ``path`` (a config.json, a directory holding one, or a hub model's: the local HF cache first)."""
     try:
-        config_dict, _ = PretrainedConfig.get_config_dict(path)
+        if os.path.exists(path) or not hub.is_hub_name(path):
+            config_dict, _ = PretrainedConfig.get_config_dict(path)
+        else:
+            config_dict, _ = hub.cache_first(f"model config {path}", hub.download_remedy(path),
+                                             lambda: PretrainedConfig.get_config_dict(path))
+    except ConfigError:
+        raise
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot read model config {path}: {gist(error)}; fix it (a JSON object with a model_type)") from None
     except TypeError:  # transformers indexes the JSON as an object

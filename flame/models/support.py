@@ -7,6 +7,8 @@ Every check and table that depends on the model type reads these records:
 - whether and how it runs context parallel (flame.distributed.context_parallel),
 - which of its layers FLOPs count as softmax attention (flame.models.flops),
 - measured gradient spikes it warns about (flame.models.builder),
+- the layers that call flash-attn, and whether llama's architecture expresses it: the HF export's format
+  (flame.checkpoint.llama_export.choose),
 - the support table: ``python -m flame.models`` (``--markdown``: docs/models.md's, flame.models.support_table).
 
 A learned position table (GPT-2's ``wpe``, fla's ``cat``) is not recorded: preflight finds it in
@@ -53,6 +55,20 @@ class Package:
 
 
 @dataclass(frozen=True)
+class FlashAttnCaller:
+    """A layer of a model type that calls flash-attn (as fla wrote it): without flash-attn it refuses to build or to
+    run, unless flame.register() has put PyTorch's attention in its place (flame.compat.fla)."""
+
+    layer: str  # the fla layer (or the kernel it runs)
+    option: str | None = None  # the config setting that brings it in; None: every model of the type
+    applies: Callable[[PretrainedConfig], bool] = lambda config: True  # whether ``config`` has it
+
+
+def _set(option: str) -> Callable[[PretrainedConfig], bool]:
+    return lambda config: bool(getattr(config, option, None))
+
+
+@dataclass(frozen=True)
 class GradientSpikes:
     """Measured gradient spikes under one setting of ``attn_mode``, warned about at build on GPUs."""
 
@@ -84,6 +100,8 @@ class ModelSupport:
     # its backward runs fla's gated chunk kernel, which fla runs on Hopper only through TileLang with
     # the pinned Triton (Triton 3.4 to 3.7.0 computes it wrong there, fla issue #640)
     tilelang_on_hopper: bool = False
+    flash_attn_callers: tuple[FlashAttnCaller, ...] = ()  # its export loads without flame only with flash-attn
+    exports_as_llama: bool = False  # llama's architecture computes it too (flame.checkpoint.llama_export)
     notes: str = ""
 
     @property
@@ -107,6 +125,10 @@ class ModelSupport:
         """The packages this config needs: the type's own, and those of the options it sets."""
         return [p for p in self.packages if p.option is None or getattr(config, p.option, False)]
 
+    def flash_attn_needed(self, config: PretrainedConfig) -> list[FlashAttnCaller]:
+        """The layers of this config's model that call flash-attn."""
+        return [caller for caller in self.flash_attn_callers if caller.applies(config)]
+
 
 # Every fla type measured at 340M trained slower with its blocks compiled (docs/performance.md): fla runs
 # its token mixers outside the compiled graph and its norms and SwiGLU are Triton kernels already, so
@@ -114,11 +136,14 @@ class ModelSupport:
 # leaves every fla type's blocks eager (the measured types say so).
 FLA_COMPILED_SLOWER = ("fla's token mixers run outside the compiled graph, and every fla type measured "
                        "(docs/performance.md) trained slower compiled")
+# fla's hybrids: the layers a model config's ``attn`` lists are fla's softmax Attention
+_HYBRID_ATTENTION = FlashAttnCaller("Attention", "attn", _set("attn"))
 _FLA_DEFAULTS = {
     "documents": Documents.CU_SEQLENS,
     "cuda_only": "runs fla's Triton kernels (its norms, activations and token mixer)",
     "compile_slower": FLA_COMPILED_SLOWER,
 }
+_HYBRID = {"flash_attn_callers": (_HYBRID_ATTENTION,)}  # the types whose model config takes ``attn``
 
 
 def _fla(model_type: str, family: str, **fields) -> ModelSupport:
@@ -137,7 +162,7 @@ SOFTMAX, SPARSE, LINEAR, SSM, HYBRID = "softmax attention", "sparse attention", 
 _ATTENTION_CP = {"context_parallel": ContextParallelism.ATTENTION}
 _HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
 _MEASURED = "packed and separate documents differ (measured, docs/models-verified.md)"
-_TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (pip install tilelang)"
+_TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (3rdparty/install.sh installs it on GPU machines; pip install flame[gpu])"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
 _MAMBA_SCAN = "its Mamba layers run flame's selective scan (Triton); decoding with a cache runs fla's, token by token"
 # the 340M config, one 32K-token varlen row (docs/perf-log.md, 2026-11-25, 2026-11-27 and 2026-11-28)
@@ -166,30 +191,30 @@ _RECORDS = (
                  notes="learned position table: documents of at most max_position_embeddings tokens"),
     ModelSupport("flame_example_lm", "custom_models", SOFTMAX, tensor_parallel_plan="example_lm", **_ATTENTION_CP,
                  notes="custom_models/example_lm, the template for your own architecture"),
-    _fla("abc", LINEAR, **_rows_whole("its layers refuse cu_seqlens")),
-    _fla("bitnet", SOFTMAX, softmax_layers=("BitAttention",)),
+    _fla("abc", LINEAR, **_HYBRID, **_rows_whole("its layers refuse cu_seqlens")),
+    _fla("bitnet", SOFTMAX, softmax_layers=("BitAttention",), flash_attn_callers=(FlashAttnCaller("BitAttention"),)),
     _fla("cat", SOFTMAX, **_rows_whole("its layers refuse cu_seqlens"),
          notes="learned position table: rows of at most max_position_embeddings tokens"),
-    _fla("comba", LINEAR, tilelang_on_hopper=True),
+    _fla("comba", LINEAR, **_HYBRID, tilelang_on_hopper=True),
     _fla("cyclic_flow_attention", LINEAR,
          **_rows_whole("its varlen backward gives other gradients than separate documents (measured, docs/models-verified.md)")),
-    _fla("delta_net", LINEAR, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule",
+    _fla("delta_net", LINEAR, **_HYBRID, tensor_parallel_plan="delta_net", float32_refused_by="chunk_delta_rule",
          compile_slower=_COMPILED_SLOWER),
-    _fla("deltaformer", SOFTMAX,
+    _fla("deltaformer", SOFTMAX, flash_attn_callers=(FlashAttnCaller("parallel_deltaformer"),),
          compile_fails="Triton cannot compile fla's parallel_deltaformer_fwd_kernel as inductor calls it"),
     _fla("forgetting_transformer", SOFTMAX, softmax_layers=("ForgettingAttention",)),
-    _fla("gated_deltanet", LINEAR, tensor_parallel_plan="gated_deltanet",
+    _fla("gated_deltanet", LINEAR, **_HYBRID, tensor_parallel_plan="gated_deltanet",
          context_parallel=ContextParallelism.FLA_KERNELS, tilelang_on_hopper=True,
          compile_slower=_COMPILED_SLOWER),
-    _fla("gated_deltaproduct", LINEAR, float32_refused_by="chunk_gated_delta_product"),
-    _fla("gla", LINEAR, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES,
+    _fla("gated_deltaproduct", LINEAR, **_HYBRID, float32_refused_by="chunk_gated_delta_product"),
+    _fla("gla", LINEAR, **_HYBRID, tensor_parallel_plan="gla", gradient_spikes=_GLA_SPIKES,
          compile_slower=_COMPILED_SLOWER),
-    _fla("gsa", LINEAR, tensor_parallel_plan="gsa"),
-    _fla("hgrn", LINEAR),
-    _fla("hgrn2", LINEAR, compile_slower=_COMPILED_SLOWER),
-    _fla("kda", LINEAR, context_parallel=ContextParallelism.FLA_KERNELS),
-    _fla("lightnet", LINEAR),
-    _fla("linear_attn", LINEAR, **_rows_whole(_MEASURED)),
+    _fla("gsa", LINEAR, **_HYBRID, tensor_parallel_plan="gsa"),
+    _fla("hgrn", LINEAR, **_HYBRID),
+    _fla("hgrn2", LINEAR, **_HYBRID, compile_slower=_COMPILED_SLOWER),
+    _fla("kda", LINEAR, **_HYBRID, context_parallel=ContextParallelism.FLA_KERNELS),
+    _fla("lightnet", LINEAR, **_HYBRID),
+    _fla("linear_attn", LINEAR, **_HYBRID, **_rows_whole(_MEASURED)),
     _fla("log_linear_mamba2", SSM, **_rows_whole("its layers ignore cu_seqlens; their chunk kernel refuses them")),
     _fla("mamba", SSM, notes=_MAMBA_SCAN),
     _fla("mamba2", SSM, tensor_parallel_plan="mamba2",
@@ -197,31 +222,36 @@ _RECORDS = (
          notes="trains on fla's Triton conv and mamba_ssm's Triton SSD scan with one group, else fla's GLA scan "
                "(flame.models.kernels.mamba2); tensor parallel with rmsnorm true"),
     _fla("mamba3", SSM, packages=(_MAMBA_SSM, _TILELANG)),
-    _fla("mesa_net", LINEAR),
-    _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",)),
-    _fla("moba", SPARSE, packages=(_FLASH_MOBA,)),
-    _fla("mom", LINEAR, **_rows_whole(_MEASURED), tilelang_on_hopper=True),
-    _fla("nsa", SPARSE, compile_fails="the compiled blocks give a NaN loss"),
+    _fla("mesa_net", LINEAR, **_HYBRID),
+    _fla("mla", SOFTMAX, softmax_layers=("MultiheadLatentAttention",),
+         flash_attn_callers=(FlashAttnCaller("MultiheadLatentAttention"),)),
+    _fla("moba", SPARSE, packages=(_FLASH_MOBA,), flash_attn_callers=(FlashAttnCaller("MoBA"),)),
+    _fla("mom", LINEAR, **_HYBRID, **_rows_whole(_MEASURED), tilelang_on_hopper=True),
+    _fla("nsa", SPARSE, compile_fails="the compiled blocks give a NaN loss",
+         flash_attn_callers=(FlashAttnCaller("parallel_nsa's sliding window", "window_size", _set("window_size")),)),
     _fla("parallax", LINEAR, compile_fails="inductor fails to compile fla's parallel_parallax_fwd_kernel"),
     _fla("path_attn", SOFTMAX, softmax_layers=("PaTHAttention",)),
-    _fla("precond_gated_deltanet", LINEAR, tilelang_on_hopper=True),
-    _fla("precond_kda", LINEAR),
-    _fla("raven", LINEAR, **_rows_whole(_MEASURED)),
-    _fla("retnet", LINEAR),
-    _fla("rodimus", LINEAR),
-    _fla("rwkv6", LINEAR),
-    _fla("rwkv7", LINEAR,
+    _fla("precond_gated_deltanet", LINEAR, **_HYBRID, tilelang_on_hopper=True),
+    _fla("precond_kda", LINEAR, **_HYBRID),
+    _fla("raven", LINEAR, **_HYBRID, **_rows_whole(_MEASURED)),
+    _fla("retnet", LINEAR, **_HYBRID),
+    _fla("rodimus", LINEAR, flash_attn_callers=(
+        _HYBRID_ATTENTION, FlashAttnCaller("SlidingWindowSharedKeyAttention", "ska_attn", _set("ska_attn")))),
+    _fla("rwkv6", LINEAR, **_HYBRID),
+    _fla("rwkv7", LINEAR, **_HYBRID,
          compile_fails="inductor fails on an in-place op on a view returned by fla's custom autograd Function"),
-    _fla("samba", HYBRID, softmax_layers=("Attention",), notes=_MAMBA_SCAN,
+    _fla("samba", HYBRID, **_HYBRID, softmax_layers=("Attention",), notes=_MAMBA_SCAN,
          compile_slower=_COMPILED_SLOWER),
     _fla("stickbreaking_attn", SOFTMAX, compile_fails="the compiled blocks give a NaN loss",
          softmax_layers=("StickBreakingAttention",)),
     # fla's Attention is also the softmax layer of the hybrids' attn layers
     _fla("transformer", SOFTMAX, tensor_parallel_plan="fla_transformer", softmax_layers=("Attention",),
+         flash_attn_callers=(FlashAttnCaller("Attention"),), exports_as_llama=True,
          compile_slower=_COMPILED_SLOWER + (
              " (the graph breaks at fla's attention); at 1B 62k against 67k"), **_ATTENTION_CP),
     _fla("wall_transformer", SOFTMAX),
-    _fla("yoco", HYBRID, tilelang_on_hopper=True),
+    _fla("yoco", HYBRID, tilelang_on_hopper=True, flash_attn_callers=(FlashAttnCaller(
+        "Attention", "self_decoder_attn type swa", lambda config: config.self_decoder_attn.get("type") == "swa"),)),
 )
 RECORDS: dict[str, ModelSupport] = {record.model_type: record for record in _RECORDS}
 
@@ -232,7 +262,7 @@ GENERIC = ModelSupport(
     notes="one that cannot take flame's attention keeps its own, which does not reliably keep documents apart (warned)",
 )
 # an fla type without a record (an fla checkout newer than the records): fla's defaults
-GENERIC_FLA = _fla("*", LINEAR)
+GENERIC_FLA = _fla("*", LINEAR, **_HYBRID)
 
 
 def support_for(config_or_model_type: PretrainedConfig | str) -> ModelSupport:

@@ -19,7 +19,7 @@ from flame.models.support import (
 MODELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 BEGIN = "<!-- BEGIN support table: python -m flame.models --markdown -->"
 END = "<!-- END support table -->"
-COLUMNS = ("model type", "from", "family", "documents isolated", "compile", "TP", "CP", "needs", "notes")
+COLUMNS = ("model type", "from", "family", "documents isolated", "compile", "TP", "CP", "needs", "HF export", "notes")
 _ISOLATED = {
     Documents.ATTENTION: "yes (flame's attention)",
     Documents.CU_SEQLENS: "yes (cu_seqlens)",
@@ -40,8 +40,20 @@ LEGEND = """\
   with FSDP under tensor or pipeline parallelism), packages fla does not install (preflight prints the
   command). A model with a learned position table is refused when this job's documents (rows, for types
   that keep rows whole) are longer than it.
+- **HF export**: the architecture `--checkpoint.export_as auto` (the default) exports under, and whether
+  loading it without flame needs flash-attn: fla's layers named here call it (with an option: when the
+  model config sets it), and refuse to build or run without it unless `flame.register()` runs first. fla's
+  `transformer` exports as `llama`, which loads in plain transformers.
 - Any other transformers causal LM trains like the last row; these rows come from
   `flame/models/support.py`."""
+
+
+def export_cell(record: ModelSupport) -> str:
+    """What --checkpoint.export_as auto writes for this type, and what loading it needs besides transformers and fla."""
+    if record.exports_as_llama:
+        return "llama"
+    callers = [c.layer + (f" with {c.option}" if c.option else "") for c in record.flash_attn_callers]
+    return f"native; flash-attn for {', '.join(callers)}" if callers else "native"
 
 
 def row(record: ModelSupport) -> tuple[str, ...]:
@@ -68,7 +80,7 @@ def row(record: ModelSupport) -> tuple[str, ...]:
         model_type, record.library, record.family, _ISOLATED[record.documents],
         "no" if record.compile_fails else "eager" if record.compile_slower else "yes",
         "yes" if record.tensor_parallel_plan else "no",
-        record.context_parallel.value, ", ".join(needs) or "-", "; ".join(notes),
+        record.context_parallel.value, ", ".join(needs) or "-", export_cell(record), "; ".join(notes),
     )
 
 

@@ -22,13 +22,14 @@ import transformers
 from flame import memory
 from flame.base import device
 from flame.base.errors import ConfigError
+from flame.checkpoint.identity import check_same_run
 from flame.checkpoint.steps import check_checkpoint, check_checkpoint_fits_model
 from flame.config.manager import ParsedJob, parse
 from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
 from flame.data.validation import validation_plan
 from flame.distributed.degrees import check_fsdp_options, data_parallel_degree
-from flame.prepare import inputs, settings
+from flame.prepare import inputs, settings, sizes
 from flame.prepare.model import ModelUnderCheck, check_model
 
 __all__ = ["ModelUnderCheck", "prepare", "prepare_settings", "prepared", "settled"]
@@ -45,7 +46,9 @@ def prepare(job: ParsedJob, world_size: int, *, sources: bool = False) -> ModelU
         datasets.disable_progress_bars()
     model = prepare_settings(job, world_size)
     check_model(job.config, model)
+    sizes.check_memory(job.config, world_size, model)
     if sources:
+        sizes.check_processes(world_size)  # the ranks train.sh is about to start
         _check_sources(job.config, model)
     return model
 
@@ -61,9 +64,11 @@ def prepare_settings(job: ParsedJob, world_size: int) -> ModelUnderCheck:
         config.metrics.disable_color_printing = True
     inputs.resolve_model_files(config, given)
     settings.check(config, given, world_size)
+    inputs.check_folders_stay_home(config)
     dp = data_parallel_degree(config, world_size)
     device.check_supported(config)
     check_fsdp_options(config, world_size)
+    sizes.check_batch(config, world_size)  # before the plan weighs splits of the batch
     model = ModelUnderCheck.load(config.model.config)
     # may split batch_size into micro-batches: the global batch stays
     memory.apply(config, world_size, given, model.config, lambda: model.meta)
@@ -74,8 +79,10 @@ def prepare_settings(job: ParsedJob, world_size: int) -> ModelUnderCheck:
 def _check_sources(config, model: ModelUnderCheck) -> None:
     """The dump folder, the checkpoint the run would load, the tokenizer and every data source (train.sh's preflight)."""
     inputs.check_dump_folder(config.job.dump_folder)
-    check_checkpoint_fits_model(config, model.meta_copy, check_checkpoint(config))
+    checkpoint = check_checkpoint(config)
+    check_checkpoint_fits_model(config, model.meta_copy, checkpoint)
     tokenizer = load_tokenizer(config.model.tokenizer_path)
+    check_same_run(config, checkpoint, tokenizer)  # the run that saved it: its model, tokenizer, data, optimizer ...
     DataPlan.from_config(config, tokenizer)
     if config.validation.enable:
         validation_plan(config, tokenizer)  # its datasets exist, have the columns, hold documents

@@ -1,14 +1,19 @@
 """The files a job names, found before anything loads them: its model config, its tokenizer (or the
---model.init_from folder that gives both) and a dump folder it can write.
+--model.init_from folder that gives both), a dump folder it can write, and the folders it keeps there.
 
-Paths are taken as given, else relative to the flame checkout (``configs/...`` works from anywhere).
+Paths are taken as given (``~`` and environment variables expanded as the config parsed), else relative
+to the flame checkout (``configs/...`` works from anywhere).
 """
 
 import os
 from typing import Any
 
+from torchtitan.tools.logging import logger
+
 from flame.base.errors import ConfigError
 from flame.config.manager import resolve_path
+from flame.config.paths import ABSOLUTE_OPT_IN, outside_dump_folder
+from flame.data.tokenizer import TOKENIZER_FILES
 from flame.models import init_from
 
 
@@ -34,7 +39,8 @@ def resolve_model_files(config: Any, given: dict[str, int]) -> None:
         raise ConfigError(f"--model.config {model.config} is a directory without config.json; {give}")
     if model.tokenizer_path is None:
         config_dir = model.config if os.path.isdir(model.config) else os.path.dirname(model.config)
-        if any(os.path.isfile(os.path.join(config_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        # taken when it holds a tokenizer's files; load_tokenizer then refuses one that lacks its vocabulary
+        if any(os.path.isfile(os.path.join(config_dir, f)) for f in TOKENIZER_FILES):
             model.tokenizer_path = config_dir
         else:
             raise ConfigError(
@@ -59,3 +65,20 @@ def check_dump_folder(folder: str) -> None:
         raise ConfigError(
             f"--job.dump_folder {folder}: {existing} is not writable by this user; choose a folder you can write"
         )
+
+
+def check_folders_stay_home(config: Any) -> None:
+    """The folders a run keeps in its dump folder stay there: a path that leaves it is refused, an absolute one
+    accepted only under --job.allow_absolute_folders (and logged)."""
+    for dotted, value in outside_dump_folder(config):
+        if not os.path.isabs(value):
+            raise ConfigError(
+                f"--{dotted} {value} leaves the dump folder {config.job.dump_folder}, to which it is relative; give "
+                f"a path that stays inside it, or an absolute path with --{ABSOLUTE_OPT_IN}"
+            )
+        if not config.job.allow_absolute_folders:
+            raise ConfigError(
+                f"--{dotted} {value} is outside the dump folder {config.job.dump_folder}; keep it inside (a relative "
+                f"path), or add --{ABSOLUTE_OPT_IN} to write there"
+            )
+        logger.info(f"--{dotted} {value}: outside the dump folder {config.job.dump_folder} (--{ABSOLUTE_OPT_IN})")

@@ -168,7 +168,8 @@ def check_tilelang_on_hopper(support) -> None:
     if compat.fla.gated_chunk_backward_refused() and importlib.util.find_spec("tilelang") is None:
         raise ConfigError(
             f"{support.name} trains on Hopper GPUs with Triton {triton.__version__} only through TileLang (fla runs "
-            "its backward there, Triton's computes it wrong: fla issue #640): pip install tilelang, or Triton >= 3.7.1"
+            "its backward there, Triton's computes it wrong: fla issue #640): install it (3rdparty/install.sh does on a GPU machine; "
+            "pip install flame[gpu] or pip install tilelang==0.1.15), or use Triton >= 3.7.1"
         )
 
 

@@ -220,7 +220,7 @@ def _check_validation(config: Any, given: dict[str, int]) -> None:
             "--validation.local_batch_size and seq_len: pipeline stages take the shapes of training's batches; "
             "leave them at training's (unset) under --parallelism.pipeline_parallel_degree"
         )
-    datasets = [entry.strip() for entry in v.dataset.split(",")] if v.dataset.strip() else []
+    datasets = split_list(v.dataset, paths=True) if v.dataset.strip() else []
     for name in ("dataset_name", "dataset_split", "data_dir", "data_files", "data_format"):
         value = getattr(v, name)
         entries = value.split(",") if value is not None and f"validation.{name}" in given else []
@@ -266,7 +266,7 @@ def _check_training(config: Any) -> None:
         value = t.dataloader.num_workers if name == "num_workers" else getattr(t, name)
         if value < 0:
             raise ConfigError(f"--training.{name} must be >= 0, got {value}")
-    datasets = split_list(t.dataset)
+    datasets = split_list(t.dataset, paths=True)
     for name in ("dataset_name", "dataset_split", "data_dir", "data_files", "data_format"):
         entries = split_list(getattr(t, name))
         if entries and len(entries) not in (1, len(datasets)):

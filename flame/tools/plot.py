@@ -272,8 +272,8 @@ def write_run_curves(dump_folder: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="flame plot", description=__doc__.split("\n")[0])
-    parser.add_argument("dumps", nargs="+", metavar="DUMP", help="dump folders of runs (--job.dump_folder)")
-    parser.add_argument("--out", help=f"the PNG to write (default: <dump>/{CURVES_FILE} for one run, ./{CURVES_FILE} for several)")
+    parser.add_argument("dumps", nargs="+", path=True, metavar="DUMP", help="dump folders of runs (--job.dump_folder)")
+    parser.add_argument("--out", path=True, help=f"the PNG to write (default: <dump>/{CURVES_FILE} for one run, ./{CURVES_FILE} for several)")
     parser.add_argument("--labels", help="comma list: a legend label per run (default: the folders' names)")
     args = parser.parse_args(argv)
     try:

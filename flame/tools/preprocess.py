@@ -24,16 +24,16 @@ from flame.base.cli import ArgumentParser
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="flame preprocess", description=__doc__.split("\n")[0])
-    parser.add_argument("--dataset", required=True, help="as --training.dataset (one source)")
+    parser.add_argument("--dataset", required=True, path=True, help="as --training.dataset (one source)")
     parser.add_argument("--dataset_name", help="as --training.dataset_name")
     parser.add_argument("--dataset_split", default="train", help="as --training.dataset_split")
     parser.add_argument("--data_dir", help="as --training.data_dir")
-    parser.add_argument("--data_files", help="as --training.data_files")
+    parser.add_argument("--data_files", path=True, help="as --training.data_files")
     parser.add_argument("--text_column", help="as --training.text_column")
-    parser.add_argument("--tokenizer", required=True, help="as --model.tokenizer_path")
+    parser.add_argument("--tokenizer", required=True, path=True, help="as --model.tokenizer_path")
     parser.add_argument("--delimiters", default="auto", choices=["auto", "eos", "bos", "bos+eos"])
     parser.add_argument("--separator_token", help="as --training.separator_token")
-    parser.add_argument("--out", required=True, help="output directory (must not exist)")
+    parser.add_argument("--out", required=True, path=True, help="output directory (must not exist)")
     parser.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizing processes")
     args = parser.parse_args(argv)
 

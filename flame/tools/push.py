@@ -22,9 +22,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-import httpx
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, get_token
-from huggingface_hub.errors import HFValidationError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from flame.base.cli import ArgumentParser
@@ -184,6 +183,12 @@ def hub_problem(error: Exception, upload: Upload) -> str:
     return f"cannot reach the hub at {constants.ENDPOINT} ({gist(error)}): check the network, HF_ENDPOINT and HF_HUB_OFFLINE"
 
 
+def _from_the_network(error: Exception) -> bool:
+    """Whether ``error`` is the hub's answer or the connection's failure: huggingface_hub's HTTP errors, and its HTTP
+    client's (httpx in huggingface_hub 1, httpx2 in 2: named by module, so that neither is a dependency of flame)."""
+    return isinstance(error, (HfHubHTTPError, OSError)) or type(error).__module__.split(".")[0] in ("httpx", "httpx2")
+
+
 def push(upload: Upload, commit_message: str) -> str:
     """Create the repo (and branch) if needed and commit every file of ``upload``; the commit's URL."""
     if not get_token():
@@ -197,7 +202,9 @@ def push(upload: Upload, commit_message: str) -> str:
             api.create_branch(upload.repo_id, branch=upload.revision, exist_ok=True)
         commit = api.create_commit(upload.repo_id, operations=operations, commit_message=commit_message,
                                    revision=upload.revision)
-    except (httpx.HTTPError, OSError) as error:  # huggingface_hub's HTTP errors are both
+    except Exception as error:
+        if not _from_the_network(error):
+            raise
         raise ConfigError(hub_problem(error, upload)) from None
     return commit.commit_url
 
@@ -205,7 +212,7 @@ def push(upload: Upload, commit_message: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="flame push", description=__doc__.split("\n")[0],
                             epilog=f"The repo id may come from ${REPO_ENV}; the token comes from HF_TOKEN or `hf auth login`.")
-    parser.add_argument("folder", help="a run's dump folder (its hf/ export is pushed) or an HF export folder")
+    parser.add_argument("folder", path=True, help="a run's dump folder (its hf/ export is pushed) or an HF export folder")
     parser.add_argument("--repo_id", help=f"the hub repo, owner/name (default: ${REPO_ENV})")
     parser.add_argument("--private", action="store_true", help="create the repo private (an existing one keeps its visibility)")
     parser.add_argument("--revision", default="main", help="the branch to commit to, created if missing (default: main)")

@@ -2,7 +2,8 @@
 
 Every logged step also goes to <dump_folder>/metrics.jsonl (one JSON object per line, naming the
 attempt that wrote it: a resumed run logs again the steps after its checkpoint, and a reader keeps
-the latest attempt's record of a step; flame.base.dump_folder).
+the latest attempt's record of a step; flame.base.dump_folder). A write to metrics.jsonl, TensorBoard
+or W&B that fails is a warning, never the end of the run (flame.training.side_outputs).
 Throughput is tokens per second per device (all tokens fed to the model). TFLOPS and MFU
 count the FLOPs of the batches really trained on (flame.models.flops: matmuls, softmax
 attention over each batch's real documents, linear-attention/SSM terms) against the
@@ -23,9 +24,9 @@ from torchtitan.components.metrics import (
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from flame import compat
 
 from flame.base import device, run_record
+from flame.training import side_outputs
 
 
 def _clock(seconds: float) -> str:
@@ -66,11 +67,12 @@ class FlameMetricsProcessor(MetricsProcessor):
         if job_config.metrics.enable_wandb:
             _use_offline_wandb_without_credentials()
         self.logger = LoggerContainer()
-        self.logger.add_logger(compat.torchtitan.build_metric_logger(job_config, parallel_dims, tag))
+        self.logger.add_logger(side_outputs.tensorboard_and_wandb(job_config, parallel_dims, tag))
         self.jsonl = None
         if torch.distributed.get_rank() == 0:
             self.jsonl = JsonlLogger(job_config.job.dump_folder)
-            self.logger.add_logger(self.jsonl)
+            self.logger.add_logger(side_outputs.NonFatalLogger(self.jsonl, os.path.join(job_config.job.dump_folder,
+                                                                                         run_record.METRICS_FILE)))
         self.parallel_dims = parallel_dims
         self.job_config = job_config
         self.device_memory_monitor = build_device_memory_monitor()

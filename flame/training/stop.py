@@ -27,7 +27,10 @@ REPEAT_S = 2.0  # closer than this, a second signal is a copy of the first (the 
 
 
 class StopSignals:
-    """The first stop signal this process received (``received``), noted by handlers installed in the main thread."""
+    """The first stop signal this process received (``received``), noted by handlers installed in the main thread.
+
+    One per process (``signals()``): a signal's handler belongs to the process, not to an object.
+    """
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
@@ -47,6 +50,14 @@ class StopSignals:
             os._exit(128 + signum)
 
 
+_SIGNALS = StopSignals()
+
+
+def signals() -> StopSignals:
+    """This process's stop signals (flame.train installs their handlers first; the Trainer reads them)."""
+    return _SIGNALS
+
+
 def save_the_stopped_step(checkpointer, step: int, first_step: int, received: signal.Signals | None,
                           dump_folder: str) -> None:
     """After the loop stopped on a signal (every rank): save ``step`` unless the loop's interval save just did, in full
@@ -63,9 +74,15 @@ def save_the_stopped_step(checkpointer, step: int, first_step: int, received: si
             checkpointer.last_save_model_only = model_only
     if checkpointer.recorder is not None:
         checkpointer.recorder.wait()  # the manifest that makes the step complete
-    saved = taken and checkpointer.enable
+    # a save that could not be written (flame.checkpoint.save_failures) says why
+    failed = checkpointer.failures.failed.get(step) if taken and checkpointer.enable else None
+    saved = taken and checkpointer.enable and failed is None
     what = received.name if received else "another rank's signal"
-    logger.warning(f"Stopped by {what} after step {step}: " + (f"step-{step} is saved" if saved else "nothing new to save"))
+    logger.warning(f"Stopped by {what} after step {step}: "
+                   + (f"step-{step} is saved" if saved else failed or "nothing new to save"))
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(dump_folder, STOPPED_FILE), "w") as file:
-            json.dump({"signal": what, "step": step, "saved": saved}, file)
+        try:
+            with open(os.path.join(dump_folder, STOPPED_FILE), "w") as file:
+                json.dump({"signal": what, "step": step, "saved": saved, **({"failed": failed} if failed else {})}, file)
+        except OSError as error:  # the launcher then cannot say how the run stopped: the log says it
+            logger.warning(f"{STOPPED_FILE} was not written ({error}); the run stopped after step {step}")

@@ -11,7 +11,8 @@ which torchtitan's loop calls after each step's checkpoint). flame overrides:
   and label inputs;
 - ``train``: a final checkpoint (and evaluation, with --validation.enable) when the data ran out,
   keep_latest_k also after the final save; on a stop signal (flame.training.stop), every rank finishes
-  the same step and the run saves it;
+  the same step and the run saves it; a last step that could not be saved stops the run in one line
+  (an interval save that fails is only a warning: flame.checkpoint.save_failures);
 - ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
   to start: numbers the attempt and records its job config (flame.base.dump_folder); no further
   step after a stop signal;
@@ -54,7 +55,7 @@ from flame.training import evaluation
 from flame.models.loss import build_loss
 from flame.training.metrics import build_metrics_processor
 from flame.training.nsys import NsysWindow
-from flame.training import stop
+from flame.training import side_outputs, stop
 from flame.optim.builder import build_lr_schedulers, build_optimizers
 from flame.training.update_guard import UpdateGuard
 from flame.training.validation import build_validator
@@ -95,9 +96,10 @@ def register_flame_train_spec() -> None:
 
 
 class Trainer(TorchtitanTrainer):
-    def __init__(self, job_config, stop_signals: stop.StopSignals | None = None):
+    def __init__(self, job_config):
         # installed by flame.train first of all: a signal while building stops the run before step 1
-        self.stop_signals = stop_signals or stop.StopSignals()
+        self.stop_signals = stop.signals()
+        side_outputs.make_folders(job_config)  # a trace folder that cannot be made turns its output off, with a warning
         self.stopping = False  # all ranks agreed to stop after the current step
         self.first_step = 1  # this attempt's first step, once the checkpoint loaded
         compat.apply(job_config, FlameCheckpointManager)  # before torchtitan's Trainer picks its device
@@ -116,7 +118,10 @@ class Trainer(TorchtitanTrainer):
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
         self.updates = UpdateGuard(job_config.training, job_config.optimizer, self.optimizers, self._what_is_saved)
         self.checkpointer.before_save = self.updates.settle  # the train state counts the skips of every step
+        if self.checkpointer.failures is not None:  # a failed save before the last one says which save tries again
+            self.checkpointer.failures.last_step = job_config.training.steps
         self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
+        self.checkpointer.set_identity(job_config, self.tokenizer)  # recorded with every step, for a resume's check
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
@@ -165,7 +170,7 @@ class Trainer(TorchtitanTrainer):
 
     def train(self) -> None:
         super().train()
-        self.updates.settle()  # the steps after the last log line and save
+        self.updates.settle(ended=not self.stopping and self.step - self.data_exhausted)  # and did the run train?
         self.nsys.close()  # the run ended inside the window
         if self.data_exhausted:  # the loop stopped inside a step it counted but did not take
             self.step -= 1
@@ -176,6 +181,8 @@ class Trainer(TorchtitanTrainer):
         if self.stopping:
             stop.save_the_stopped_step(self.checkpointer, self.step, self.first_step, self.stop_signals.received,
                                        self.job_config.job.dump_folder)
+        elif self.checkpointer.failures is not None:  # the last save: no later one makes up for it
+            self.checkpointer.failures.check_the_last_save(self.step, self.checkpointer.recorder)
         if self.checkpointer.enable:  # torchtitan's final save does not apply keep_latest_k
             compat.torchtitan.purge_stale_checkpoints(self.checkpointer)
         self.finished = not self.stopping
@@ -292,7 +299,7 @@ class Trainer(TorchtitanTrainer):
         )
         step_loss = torch.stack(losses).sum()
         self.updates.step(self.step, grad_norm, global_loss=lambda: self._reduce_loss(step_loss)[1],
-                          before_update=self.checkpointer.maybe_wait_for_staging)
+                          targets=global_valid_tokens, before_update=self.checkpointer.maybe_wait_for_staging)
         self.lr_schedulers.step()
         self.nsys.pop()
 

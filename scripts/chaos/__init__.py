@@ -19,7 +19,11 @@ through ``bash train.sh`` as a user would, on a short schedule (--steps, a check
 4. damage cases (damage.py): the latest step of a finished run's copy damaged, then resumed:
    is the damaged file named, does the run fall back to the previous step and finish with the
    reference's losses?
-5. two runs started together on one dump folder (two_runs.py): exactly one may run.
+5. failing writes (writes.py): a full disk at an interval save or at the last save, under
+   metrics.jsonl; files where the TensorBoard and trace folders go. A failure costs only itself:
+   said in a line of its own, no traceback, the run's losses and export the reference's (a
+   failed last save: exit non-zero, nothing exported, and the same command again finishes it).
+6. two runs started together on one dump folder (two_runs.py): exactly one may run.
 
 It ends with a tally table and exits 1 if any check failed. tests/launch/test_chaos.py runs the
 smallest version of each case in CI.

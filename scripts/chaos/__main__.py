@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import scripts.chaos
-from scripts.chaos import damage, kills, signals, two_runs
+from scripts.chaos import damage, kills, signals, two_runs, writes
 from scripts.chaos.runs import Job, Reference, run_reference
 
 
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=int, default=2, help="a checkpoint every this many steps (default 2)")
     parser.add_argument("--damage", default=",".join(damage.CASES),
                         help=f"damage cases, comma-separated, or 'none' (default all: {', '.join(damage.CASES)})")
+    parser.add_argument("--writes", default=",".join(writes.CASES),
+                        help=f"failing-write cases, comma-separated, or 'none' (default all: {', '.join(writes.CASES)})")
     parser.add_argument("--no-two-runs", action="store_true", help="skip the two-runs-on-one-folder case")
     parser.add_argument("--grace", type=float, default=5,
                         help="seconds a killed run's processes get to die before they count as orphans (default 5)")
@@ -64,14 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="where the runs go (default: a new folder in the temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep every dump folder (default: only the output of every attempt)")
     parser.add_argument("--short", action="store_true",
-                        help="a quick pass: 2 kills on 1 process, 6 steps, damage truncate-distcp, two runs")
+                        help="a quick pass: 2 kills on 1 process, 6 steps, damage truncate-distcp, a full disk at a save, two runs")
     args = parser.parse_args(argv)
     if args.short:
         args.kills, args.signals, args.procs, args.steps, args.damage = 2, 1, "1", 6, "truncate-distcp"
+        args.writes = "full-disk-at-a-save"
     procs = [int(p) for p in args.procs.split(",")]
     cases = [] if args.damage == "none" else args.damage.split(",")
     if unknown := [c for c in cases if c not in damage.CASES]:
         parser.error(f"unknown damage case {unknown[0]}: choose among {', '.join(damage.CASES)}")
+    write_cases = [] if args.writes == "none" else args.writes.split(",")
+    if unknown := [c for c in write_cases if c not in writes.CASES]:
+        parser.error(f"unknown writes case {unknown[0]}: choose among {', '.join(writes.CASES)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="flame-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
@@ -119,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         for problem in result.problems:
             print(f"  ! {problem}", flush=True)
 
+    failed_writes = []
+    for case in write_cases:
+        for p in procs:
+            result = writes.run_case(case, references[p], work / f"p{p}", args.keep)
+            failed_writes.append(result)
+            print(f"\nwrites {case}, {p} process(es): exit {result.status}, said why {_yes(result.said)}, traceback "
+                  f"{_yes(result.traceback)}, reference losses {_yes(result.identical)}", flush=True)
+            for problem in result.problems:
+                print(f"  ! {problem}", flush=True)
+
     shared = None if args.no_two_runs else two_runs.run_two(references[procs[0]], work, args.keep)
     if shared:
         print(f"\ntwo runs on one folder: exit statuses {shared.statuses}", flush=True)
@@ -138,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         print(damage_tally(damaged))
         print(f"detected with a file named {sum(r.detected for r in damaged)}/{len(damaged)}, "
               f"fell back {sum(r.fell_back for r in damaged)}/{len(damaged)}")
+    if failed_writes:
+        print(f"\nfailing writes: {sum(r.passed for r in failed_writes)}/{len(failed_writes)} cost only themselves (the "
+              "failure said in a line of its own, no traceback, the reference's losses and export)")
     if shared:
         verdict = f"refused in one line: {shared.refused}" if shared.refused else "not refused in one line"
         print(f"\ntwo runs on one folder: {'PASS' if shared.passed else 'FAIL'}: exactly one ran {_yes(shared.one_ran)}, "
@@ -147,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(reference.job.dump, ignore_errors=True)
     passed = (all(t.identical and t.export_ok and not t.staging_left and not any(k.orphans for k in t.kills)
                   for t in trials) and all(t.passed for t in stopped)
-              and all(r.detected and r.fell_back and r.identical for r in damaged) and (shared is None or shared.passed))
+              and all(r.detected and r.fell_back and r.identical for r in damaged) and all(r.passed for r in failed_writes)
+              and (shared is None or shared.passed))
     print(f"\nchaos: {'every check passed' if passed else 'some checks failed (see ! lines above)'}; "
           f"every attempt's output is in {work}")
     return 0 if passed else 1

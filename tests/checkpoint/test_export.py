@@ -131,3 +131,43 @@ def test_large_models_export_as_sharded_safetensors(tmp_path, bf16_run):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def export_status(*args: str) -> int:
+    from flame.checkpoint.export import main
+
+    return main(list(args))
+
+
+def test_an_export_never_replaces_a_folder_flame_did_not_make(tmp_path, bf16_run, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert export_status("--path", str(bf16_run), "--out", str(mine)) == 2
+    assert f"--out {mine} exists and is not an export flame wrote (it holds notes.txt)" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    (tmp_path / "a_file").write_text("x")
+    assert export_status("--path", str(bf16_run), "--out", str(tmp_path / "a_file")) == 2
+    assert "is a file, and an export is a folder" in capsys.readouterr().err
+
+
+def test_an_export_replaces_an_empty_folder_an_earlier_export_and_the_folder_a_link_names(tmp_path, bf16_run):
+    out = tmp_path / "out"
+    out.mkdir()
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--out", str(out))  # empty: taken
+    assert (out / ".flame_export").is_file() and (out / "config.json").is_file()
+    (out / "config.json").write_text("{}")  # an earlier export, changed since: replaced whole
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--out", str(out))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run), "--out", str(link))
+    assert link.is_symlink() and (out / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_an_earlier_flames_export_in_the_run_folder_is_replaced(tmp_path, bf16_run):
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run))
+    (bf16_run / "hf" / ".flame_export").unlink()  # as flame wrote exports before it marked them
+    convert("flame.utils.convert_dcp_to_hf", "--path", str(bf16_run))
+    assert (bf16_run / "hf" / ".flame_export").is_file()

@@ -138,7 +138,7 @@ def test_the_startup_log_lists_the_changes_in_one_line(tmp_path, tiny_model, cor
     on_cpu = [] if device.CUDA else ["torchtitan.cpu_without_accelerator"]
     # the attention first: prepare reads the model config (resolving its type) before the Trainer starts
     changes = ["transformers.scikit_learn_imported_when_used", "transformers.attention_implementation",
-               "torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", *on_cpu, "transformers.fused_rotary(llama)"]
+               "torchtitan.checkpoints_with_manifests", "torchtitan.ends_without_sleep", "torchtitan.readable_log", *on_cpu, "transformers.fused_rotary(llama)"]
     assert len(lines) == 1
     assert lines[0].endswith(f"Changes to other libraries (flame.compat): {', '.join(changes)}")
     # and the model's fused kernels, one line (flame.models.kernels.fused)

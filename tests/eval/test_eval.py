@@ -194,7 +194,7 @@ def test_dataset_not_in_the_local_cache_is_one_line(llama_export):
                             check=False, cwd=ROOT, env=flame_env() | OFFLINE, capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     error = result.stderr.strip().splitlines()[-1]
-    assert error.startswith("flame.eval: error: task piqa: baber/piqa is not at hand")
+    assert error.startswith("flame.eval: error: task piqa: baber/piqa is not in the local HF cache")
     assert "HF_HOME" in error and "--include_path" in error
 
 

@@ -1,5 +1,6 @@
 """Fault injection, the smallest run of each scripts/chaos case: a kill mid-save, a damaged checkpoint,
-two runs on one dump folder. The long version is ``python -m scripts.chaos --kills 20 --procs 1,2``.
+two runs on one dump folder, stop signals, a full disk at a save. The long version is
+``python -m scripts.chaos --kills 20 --procs 1,2``.
 
 Every run is the debug job through ``bash train.sh``, 4 steps with a checkpoint every 2 (rows of
 64 tokens, so that start-up is most of a run), in one process, against one uninterrupted reference.
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 
-from scripts.chaos import damage, kills, signals, two_runs
+from scripts.chaos import damage, kills, signals, two_runs, writes
 from scripts.chaos.runs import Attempt, Job, Reference, leftovers, losses, metric_lines, run_reference
 from tests.conftest import two_at_a_time
 
@@ -108,3 +109,10 @@ def test_a_second_signal_stops_at_once(reference, tmp_path):
     assert status == 128 + signal.SIGKILL, attempt.stderr[-2000:]
     assert "stopped at once by a second signal" in attempt.stderr and "Traceback" not in attempt.stdout + attempt.stderr
     assert not leftovers(job.dump, [])
+
+
+def test_a_full_disk_at_a_save_costs_only_that_save(reference, tmp_path):
+    # DCP's writer fails the first save with ENOSPC (scripts/chaos/writes.py); the next interval saves again
+    result = writes.run_case("full-disk-at-a-save", reference, tmp_path, False)
+    assert result.status == 0 and result.said and not result.traceback, result.problems
+    assert result.identical and not result.problems, result.problems

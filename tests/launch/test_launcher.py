@@ -194,7 +194,7 @@ def test_the_launcher_refuses_a_dump_folder_locked_after_the_check(tmp_path, mon
             pass
 
         def outcome(self):
-            return LaunchPlan(str(tmp_path), True)
+            return LaunchPlan(str(tmp_path), True, str(tmp_path / "checkpoint"))
 
     monkeypatch.setattr(supervise, "warm_up", lambda: "fork")
     monkeypatch.setattr(supervise, "JobCheck", Checked)

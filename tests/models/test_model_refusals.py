@@ -210,7 +210,7 @@ def test_types_whose_hopper_backward_needs_tilelang_are_refused_without_it(monke
     assert support.tilelang_on_hopper and support_for("gla").tilelang_on_hopper is False
     if refused:
         with pytest.raises(ConfigError, match="fla's gated_deltanet trains on Hopper GPUs with Triton .* only through "
-                                              "TileLang .* pip install tilelang"):
+                                              "TileLang .* pip install flame\\[gpu\\]"):
             check_tilelang_on_hopper(support)
     else:
         check_tilelang_on_hopper(support)

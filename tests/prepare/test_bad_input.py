@@ -58,12 +58,14 @@ def test_bad_input_is_refused_in_one_line(case, tmp_path, capfd, finished, monke
     monkeypatch.chdir(tmp_path)  # a relative path a case might write lands here
     args = prepare(case, tmp_path / "case", finished)
     before = fingerprint(finished)
+    run = tmp_path / "case" / "run"
+    made = fingerprint(run) if run.exists() else None  # what the case put in its dump folder itself
     code, err = preflight(args, world_size(case), tmp_path, capfd)
     line = one_line_error(code, err)
     assert line is not None, f"exit {code}, stderr:\n{err}"
     for fragment in case.expect:
         assert fragment in line, line
-    assert not (tmp_path / "case" / "run").exists()  # nothing written
+    assert (fingerprint(run) if run.exists() else None) == made  # nothing written
     assert fingerprint(finished) == before
 
 
@@ -85,6 +87,15 @@ def test_train_sh_refuses_in_one_line(case, tmp_path):
     assert line is not None, f"exit {result.returncode}, stderr:\n{result.stderr}"
     for fragment in case.expect:
         assert fragment in line, line
+
+
+def test_a_dataset_file_whose_name_holds_a_comma_is_read_whole(tmp_path, capfd, finished):
+    # --training.dataset is a comma list; an entry that exists with its comma is one path, not two
+    (tmp_path / "a,b.jsonl").write_text('{"text": "def f():\\n    return 1\\n"}\n' * 8)
+    args = prepare(Case("comma", ("--training.dataset", f"{tmp_path}/a,b.jsonl,{tmp_path}/a,b.jsonl"), ()),
+                   tmp_path / "case", finished)
+    code, err = preflight(args, 1, tmp_path, capfd)
+    assert code == 0, err
 
 
 def test_a_load_step_that_is_not_there_names_the_steps_that_are(tmp_path, capfd, finished):
