@@ -17,15 +17,15 @@ if __name__ == "__main__":  # a rank: first of all (importing torch takes second
     scikit_learn_imported_when_used()  # before the imports below load transformers' model classes
 
 import logging
+import multiprocessing
 import os
 import sys
-import traceback
 
 import torch
 from torchtitan.tools.logging import init_logger, logger
 
 from flame.base import autotune
-from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError
+from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError, failure_line
 from flame.base.process import arrange_stack_dumps, die_with_parent
 from flame.config.manager import parse
 from flame.training import stop
@@ -71,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     except (UpdatesFailingError, SaveFailedError) as error:
         print(f"flame: error: {error}", file=sys.stderr)
         return 1
-    except Exception:
+    except Exception as error:
         # Maybe only this rank failed, and its peers wait for it in a collective. Destroying the
         # NCCL process group would wait for them, so the job would hang with the error unprinted.
         # Print it and exit: torchrun then stops the other ranks.
         every_rank_stops = False
-        traceback.print_exc()
+        logs = os.path.join(config.job.dump_folder, "logs")
+        print(f"flame: error: {failure_line(error, logs, os.environ.get('RANK', '0'))}", file=sys.stderr)
         return 1
     finally:
         if trainer is not None:
@@ -91,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 def run_rank(*argv: str) -> None:
     """A rank started by train.sh's launcher (flame.launch.supervise), forked from it: ``python -m flame.train`` without the imports."""
     die_with_parent(signal.SIGKILL)
-    if status := main(list(argv)):
+    status = main(list(argv))
+    # A run that failed may still hold its data loader, whose workers ignore SIGTERM (flame.base.process.
+    # ignore_stop_signals), the signal multiprocessing ends its children with before it waits for them: end them here.
+    for worker in multiprocessing.active_children():
+        worker.kill()
+    if status:
         sys.exit(status)
 
 

@@ -3,6 +3,7 @@ every module can raise them without importing the config machinery (no import cy
 
 import math
 import os
+import traceback
 
 
 class ConfigError(ValueError):
@@ -65,3 +66,21 @@ def check_number(flag: str, value: float, low: float, high: float = math.inf, *,
     if not math.isfinite(value) or value < low or above:
         bound = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
         raise ConfigError(f"{flag} must be a number {bound}{meaning}, got {value}")
+
+
+def failure_line(error: BaseException, logs: str, rank: str) -> str:
+    """One line for an unexpected error of rank ``rank``: what failed and where its traceback went.
+
+    A rank's stderr is also the console's (train.sh tees it), so the traceback goes to a file of its own,
+    <logs>/rank<rank>-traceback.txt, for the report of a bug; the console gets this line.
+    """
+    path = os.path.join(logs, f"rank{rank}-traceback.txt")
+    try:
+        os.makedirs(logs, exist_ok=True)
+        with open(path, "w") as file:
+            file.write("".join(traceback.format_exception(error)))
+        where = f"its traceback is in {path}"
+    except OSError as problem:  # nowhere to write it: the traceback on stderr, after all
+        traceback.print_exception(error)
+        where = f"its traceback is above ({path} could not be written: {problem.strerror})"
+    return f"rank {rank} failed: {gist(error)} ({type(error).__name__}); {where}"

@@ -28,13 +28,14 @@ from typing import Any
 from flame.base.errors import ConfigError
 from flame.checkpoint import manifest
 from flame.checkpoint.steps import model_only
+from flame.data.tokenizer import load_tokenizer
 from flame.models.model_config import load_model_config
 from flame.optim.builder import schedule
+from flame.optim.record import optimizer_record
 
 _DATA = ("dataset", "dataset_name", "dataset_split", "data_dir", "data_files", "data_probs", "mix_unit", "data_format",
          "streaming", "text_column", "sft_loss_on", "truncate_long", "token_dtype", "delimiters", "separator_token",
          "document_mask", "varlen", "shuffle_buffer", "row_shuffle_buffer", "source_exhausted")
-_MUON = ("muon_adjust_lr", "muon_momentum", "muon_nesterov", "muon_weight_decay", "muon_ns_steps")
 _SCHEDULE = ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor")
 # bookkeeping of transformers and tokenizers, not of the model or the tokenizer: a new version rewrites them
 _MODEL_BOOKKEEPING = ("transformers_version", "_name_or_path")
@@ -65,6 +66,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _as_on_disk(job_config, tokenizer):
+    """The run's tokenizer as its files define it: loaded afresh, not the process's shared (cached) object, which a
+    caller may have changed since (a chat template set on it, say)."""
+    path = job_config.model.tokenizer_path
+    return load_tokenizer.__wrapped__(path) if path else tokenizer
+
+
 def _model(job_config, tokenizer) -> dict:
     config = load_model_config(job_config.model.config).to_dict()
     return _flat({k: v for k, v in config.items() if k not in _MODEL_BOOKKEEPING})
@@ -77,15 +85,21 @@ def _data(job_config, tokenizer) -> dict:
     return data
 
 
+def _owned(job_config) -> dict:
+    """The settings only this run's optimizer reads (its record's ``owns``: Muon's muon_* fields), by dotted name."""
+    fields = optimizer_record(job_config.optimizer.name).owns
+    return {name: getattr(job_config.optimizer, name.split(".", 1)[1]) for name in fields}
+
+
 def _optimizer(job_config, tokenizer) -> dict:
     o = job_config.optimizer
-    names = ("name", "beta1", "beta2", "eps", "weight_decay", *(_MUON if o.name == "Muon" else ()))
-    return {f"optimizer.{name}": getattr(o, name) for name in names}
+    shared = {f"optimizer.{name}": getattr(o, name) for name in ("name", "beta1", "beta2", "eps", "weight_decay")}
+    return shared | {name: value for name, value in _owned(job_config).items() if not name.endswith("_lr")}
 
 
 def _lr(job_config, tokenizer) -> dict:
-    o = job_config.optimizer
-    return {"optimizer.lr": o.lr, **({"optimizer.muon_lr": o.muon_lr} if o.name == "Muon" else {})}
+    return {"optimizer.lr": job_config.optimizer.lr} | {
+        name: value for name, value in _owned(job_config).items() if name.endswith("_lr")}
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,7 @@ class Field:
 
 FIELDS = [
     Field("model", _model, lambda key: f"--model.config's {key}", one_sided=False),
-    Field("tokenizer", lambda c, t: {"fingerprint": tokenizer_fingerprint(t)},
+    Field("tokenizer", lambda c, t: {"fingerprint": tokenizer_fingerprint(_as_on_disk(c, t))},
           lambda key: "--model.tokenizer_path's vocabulary, merges or special tokens, fingerprint"),
     Field("data", _data),
     Field("seed", lambda c, t: {"debug.seed": c.debug.seed}),

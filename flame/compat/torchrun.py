@@ -7,6 +7,7 @@ Written for torch 2.11-2.13 (3rdparty/requirements.txt); the guard checks the ha
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -45,3 +46,23 @@ def first_signal_waits_for_the_save(on_first: Callable[[signal.Signals], None], 
                                   sigval=signal.SIGKILL)
 
     api._terminate_process_handler = handler
+
+
+class _WithoutTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = None  # the record's own line stays
+        return True
+
+
+@patch(TORCH)
+def failures_without_tracebacks() -> None:
+    """The agent's report of a failed rank in its one line, without the agent's own traceback.
+
+    Upstream: the agent logs "failed (exitcode: N) local_rank: R ..." with the traceback of its wait
+    for the ranks (ProcessExitedException), which says nothing about why the rank failed. flame: the
+    rank printed its own error line (its traceback in <dump_folder>/logs), and the launcher names the
+    first rank that failed and how (flame.launch.summary.failed); the agent's line stays, its
+    traceback goes.
+    """
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_WithoutTraceback())

@@ -9,8 +9,10 @@ Three endings, each a few lines on the console (the ranks' own logs hold the det
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
+import signal
 import sys
 
 from flame.base import run_record
@@ -86,3 +88,31 @@ def stopped(record: dict, train_args: list[str]) -> str:
 def already_complete(step: int) -> str:
     return (f"flame: the run is already complete at step {step} (its last checkpoint); raise --training.steps "
             "to train further, or give a new --job.dump_folder for a new run")
+
+
+def failed(failures: dict, logs: str) -> str:
+    """The line of a run whose ranks failed (``failures``: torchrun's rank -> ProcessFailure): the first rank to fail,
+    how, its own error line where its log has one, and where the logs are."""
+    rank, first = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    if first.exitcode < 0:
+        how = f"was killed by {signal.Signals(-first.exitcode).name}"
+        if -first.exitcode == signal.SIGKILL:
+            how += " (the host's out-of-memory killer, or a kill -9)"
+    else:
+        how = f"exited with status {first.exitcode}"
+    said = _last_error_line(logs, first.local_rank)
+    others = f"; {len(failures) - 1} other rank(s) stopped after it" if len(failures) > 1 else ""
+    return f"training failed: rank {rank} {how}{f': {said}' if said else ''}{others}; per-rank logs are in {logs}"
+
+
+def _last_error_line(logs: str, local_rank: int) -> str | None:
+    """The last ``flame: error:`` line of a local rank's newest stderr.log under torchrun's log folder, without the prefix."""
+    found = sorted(glob.glob(os.path.join(logs, "*", "attempt_*", str(local_rank), "stderr.log")), key=os.path.getmtime)
+    if not found:
+        return None
+    try:
+        with open(found[-1], errors="replace") as file:
+            lines = [line.strip() for line in file if "flame: error:" in line]
+    except OSError:
+        return None
+    return lines[-1].split("flame: error:", 1)[1].strip() if lines else None

@@ -36,7 +36,6 @@ import shlex
 import signal
 import sys
 import time
-import traceback
 import uuid
 from typing import TYPE_CHECKING
 
@@ -139,13 +138,14 @@ def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int
 
 
 def train(torchrun_args: list[str], start_method: str) -> int:
-    """Run torchrun's agent in this process: 0 when every rank finished, else 1 (after torchrun's report).
+    """Run torchrun's agent in this process: 0 when every rank finished, else a status after one line saying why.
 
     ``torchrun_args`` are torchrun's own command line, ending ``-m flame.train <train flags>``; the
     agent starts each rank as ``flame.train.run_rank(<train flags>)`` by ``start_method``.
     """
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from flame.train import run_rank
@@ -153,6 +153,8 @@ def train(torchrun_args: list[str], start_method: str) -> int:
     from flame.compat import torchrun
 
     torchrun.first_signal_waits_for_the_save(pass_on_to_the_ranks, lambda: bool(ranks_of(os.getpid())))
+    torchrun.failures_without_tracebacks()
+    logs = torchrun_args[torchrun_args.index("--log-dir") + 1] if "--log-dir" in torchrun_args else "torchrun's log folder"
     try:
         args = run.parse_args(["--start-method", start_method, *torchrun_args])
         if args.standalone:  # as torchrun does: a rendezvous on this host, under a fresh id
@@ -162,10 +164,12 @@ def train(torchrun_args: list[str], start_method: str) -> int:
     except SignalException as error:  # a second signal: the ranks are killed (flame.compat.torchrun)
         print("flame: stopped at once by a second signal; steps after the last checkpoint are lost", file=sys.stderr)
         return 128 + error.sigval
-    except Exception:  # a rank failed (torchrun's ChildFailedError names it)
-        traceback.print_exc()
-        logs = torchrun_args[torchrun_args.index("--log-dir") + 1] if "--log-dir" in torchrun_args else "torchrun's log folder"
-        print(f"flame: training failed; per-rank logs are in {logs}", file=sys.stderr)
+    except ChildFailedError as error:  # each rank printed its own line (its traceback is in its log folder)
+        print(f"flame: error: {summary.failed(error.failures, logs)}", file=sys.stderr)
+        return 1
+    except Exception as error:  # torchrun's agent itself (its rendezvous, its processes): its words, one line
+        print(f"flame: error: torchrun's agent failed: {gist(error)} ({type(error).__name__}); per-rank logs are in "
+              f"{logs}", file=sys.stderr)
         return 1
     return 0
 

@@ -85,7 +85,9 @@ class Writes:
         return self.said and not self.traceback and self.identical and not self.problems
 
 
-def _faults(work: Path, steps: list[int]) -> dict[str, str]:
+def fault_env(work: Path, steps: list[int]) -> dict[str, str]:
+    """The environment that makes the saves of ``steps`` fail (its sitecustomize written into ``work``); PYTHONPATH is
+    the sitecustomize's folder alone: add it after what a process needs on its path."""
     folder = work / "sitecustomize"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -99,9 +101,9 @@ def run_case(case: str, reference: Reference, work: Path, keep: bool) -> Writes:
     saves = source.save_steps
     faults, flags = {}, []
     if case == "full-disk-at-a-save":
-        faults = _faults(work / case, [saves[0]])
+        faults = fault_env(work / case, [saves[0]])
     elif case == "full-disk-at-the-last-save":
-        faults = _faults(work / case, [saves[-1]])
+        faults = fault_env(work / case, [saves[-1]])
     elif case == "output-folders-blocked":
         flags = ["--metrics.enable_tensorboard"]
     job = FaultyJob(work / case / "dump", source.procs, source.steps, source.interval, source.extra + flags, faults)

@@ -11,12 +11,22 @@ import random
 import signal
 import time
 from functools import partial
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from scripts.chaos import damage, kills, signals, two_runs, writes
-from scripts.chaos.runs import Attempt, Job, Reference, leftovers, losses, metric_lines, run_reference
+from scripts.chaos.runs import (
+    Attempt,
+    Job,
+    Reference,
+    descendants,
+    leftovers,
+    losses,
+    metric_lines,
+    run_reference,
+)
 from tests.conftest import two_at_a_time
 
 FAST = ["--training.seq_len", "64", "--training.batch_size", "2"]
@@ -116,3 +126,24 @@ def test_a_full_disk_at_a_save_costs_only_that_save(reference, tmp_path):
     result = writes.run_case("full-disk-at-a-save", reference, tmp_path, False)
     assert result.status == 0 and result.said and not result.traceback, result.problems
     assert result.identical and not result.problems, result.problems
+
+
+def test_a_lost_rank_is_named_in_one_line_without_a_traceback(tmp_path):
+    job = Job(tmp_path / "dump", 2, 200, 100, FAST)
+    attempt = Attempt(job, tmp_path / "attempt")
+    while attempt.running() and not losses(metric_lines(job.dump))[0]:
+        time.sleep(0.05)
+    [rank1] = [p.pid for p in descendants(attempt.process.pid) if _name(p.pid) == "flame-rank1"]
+    os.kill(rank1, signal.SIGKILL)  # what the host's out-of-memory killer does
+    assert attempt.wait(120) == 1
+    console = attempt.stdout + attempt.stderr
+    assert "flame: error: training failed: rank 1 was killed by SIGKILL" in attempt.stderr, console[-2000:]
+    assert "Traceback" not in console
+    assert not leftovers(job.dump, [])
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

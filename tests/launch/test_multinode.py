@@ -106,13 +106,13 @@ def test_sbatch_stops_the_step_with_a_checkpoint_on_usr1_then_requeues_the_job(t
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         pid_file, calls = tmp_path / "srun.pid", tmp_path / "scontrol.calls"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while not pid_file.is_file() or not pid_file.read_text().strip():  # trap set, step running
             assert time.monotonic() < deadline and script.poll() is None
             time.sleep(0.05)
         script.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends before the time limit
         # the step gets SIGTERM (train.sh's run saves its step and ends: docs/running.md), then the job is requeued
-        output, _ = script.communicate(timeout=30)
+        output, _ = script.communicate(timeout=90)
         assert script.returncode == 128 + signal.SIGTERM  # the step's status: the fake step dies of the SIGTERM
         assert calls.read_text().splitlines() == ["requeue 4242"]
         assert "time limit near: saving the current step, then requeueing job 4242" in output

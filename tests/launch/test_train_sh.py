@@ -252,6 +252,11 @@ def test_an_error_on_one_rank_is_printed_and_the_process_group_left_for_torchrun
     monkeypatch.setattr(flame.training.trainer, "Trainer", TrainerFailingOnThisRank)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setenv("RANK", "3")
     assert main(["--job.config_file", str(job_toml(tmp_path, tiny_model, corpus))]) == 1
-    assert "RuntimeError: stage 0 failed" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    # one line on the console (a rank's stderr is also the console's); the traceback in the rank's file
+    traceback_file = next(tmp_path.rglob("rank3-traceback.txt"))
+    assert f"flame: error: rank 3 failed: stage 0 failed (RuntimeError); its traceback is in {traceback_file}" in err
+    assert "Traceback" not in err and "RuntimeError: stage 0 failed" in traceback_file.read_text()
     assert not destroyed

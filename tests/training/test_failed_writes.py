@@ -1,5 +1,5 @@
 """A write that fails costs only itself: a checkpoint save (retried at the next interval; the last one stops the run
-in one line), metrics.jsonl, TensorBoard, the trace folders. tests/scripts/fail_saves.py fails the saves it is told to."""
+in one line), metrics.jsonl, TensorBoard, the trace folders. The saves fail through scripts/chaos/writes.py's fault."""
 
 import logging
 import os
@@ -10,12 +10,18 @@ from torchtitan.components.metrics import BaseLogger
 from flame.checkpoint.manifest import complete_steps
 from flame.launch import summary
 from flame.training.side_outputs import NonFatalLogger
-from tests.conftest import SCRIPTS, base_args, check, metrics, torchrun, train_job
+from scripts.chaos import writes
+from tests.conftest import base_args, check, flame_env, metrics, torchrun
 
 
-def _failing_saves(steps: str, *flags: str, rank: int = 0, nproc: int = 1):
-    return train_job(4, "--checkpoint.interval=2", *flags, module=str(SCRIPTS / "fail_saves.py"), nproc=nproc,
-                     env={"FLAME_TEST_FAILED_SAVES": steps, "FLAME_TEST_FAILING_RANK": str(rank)})
+def _failing_saves(steps: list[int], *flags: str, nproc: int = 1):
+    """4 steps saved every 2, the saves of ``steps`` failing on the last rank as on a full disk (ENOSPC, after part of
+    its file: scripts/chaos/writes.py's fault)."""
+    def job(dump, model, data):
+        faults = writes.fault_env(dump.parent / "faults", steps)
+        env = faults | {"PYTHONPATH": f"{flame_env()['PYTHONPATH']}:{faults['PYTHONPATH']}"}
+        return torchrun(base_args(model, data, dump, steps=4) + ["--checkpoint.interval=2", *flags], nproc=nproc, env=env)
+    return job
 
 
 def _unwritable_side_outputs(dump, model, data):
@@ -27,7 +33,7 @@ def _unwritable_side_outputs(dump, model, data):
 
 
 # a data-loading worker: a failed save must leave nothing that keeps it alive (the rank would wait for it at exit)
-@pytest.mark.background_runs(run=_failing_saves("2", "--training.num_workers=1", rank=1, nproc=2))
+@pytest.mark.background_runs(run=_failing_saves([2], "--training.num_workers=1", nproc=2))
 def test_a_save_that_cannot_be_written_is_retried_at_the_next_interval(background_runs):
     dump, result = background_runs["run"]
     check(result)
@@ -39,7 +45,7 @@ def test_a_save_that_cannot_be_written_is_retried_at_the_next_interval(backgroun
     assert sorted(metrics(dump)) == [1, 2, 3, 4]
 
 
-@pytest.mark.background_runs(run=_failing_saves("2,4", "--checkpoint.async_mode=async"))
+@pytest.mark.background_runs(run=_failing_saves([2, 4], "--checkpoint.async_mode=async"))
 def test_a_last_save_that_cannot_be_written_stops_the_run_in_one_line(background_runs):
     dump, result = background_runs["run"]
     assert result.returncode == 1
