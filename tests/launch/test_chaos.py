@@ -87,12 +87,14 @@ def test_a_second_run_on_one_dump_folder_is_refused_in_one_line(cases):
 
 @pytest.fixture(scope="module")
 def stops(reference, tmp_path_factory) -> list[signals.SignalTrial]:
-    """A terminal's Ctrl-C (SIGINT to train.sh's process group) and Slurm's or a user's SIGTERM to the launcher alone,
-    each at a seeded step, then the same command again."""
+    """A terminal's Ctrl-C (SIGINT to train.sh's process group), SIGINT to the launcher alone, and Slurm's SIGTERM to
+    the process group, each at a seeded step, then the same command again."""
     work = tmp_path_factory.mktemp("signals")
+    trial = partial(signals.run_signal_trial, reference=reference, work=work, keep=False)
     return two_at_a_time(
-        partial(signals.run_signal_trial, "ctrl-c", reference, signal.SIGINT, "group", work, random.Random(1), False),
-        partial(signals.run_signal_trial, "sigterm", reference, signal.SIGTERM, "launcher", work, random.Random(2), False))
+        partial(trial, "ctrl-c", sig=signal.SIGINT, target="group", rng=random.Random(1)),
+        partial(trial, "sigint-launcher", sig=signal.SIGINT, target="launcher", rng=random.Random(2)),
+        partial(trial, "slurm-sigterm", sig=signal.SIGTERM, target="group", rng=random.Random(3)))
 
 
 def test_a_stop_signal_saves_the_step_taken_and_the_resume_is_bit_identical(stops):
