@@ -165,7 +165,7 @@ def train(torchrun_args: list[str], start_method: str) -> int:
         print("flame: stopped at once by a second signal; steps after the last checkpoint are lost", file=sys.stderr)
         return 128 + error.sigval
     except ChildFailedError as error:  # each rank printed its own line (its traceback is in its log folder)
-        print(f"flame: error: {summary.failed(error.failures, logs)}", file=sys.stderr)
+        print(f"flame: {summary.failed(error.failures, logs)}", file=sys.stderr)  # the rank printed its error line
         return 1
     except Exception as error:  # torchrun's agent itself (its rendezvous, its processes): its words, one line
         print(f"flame: error: torchrun's agent failed: {gist(error)} ({type(error).__name__}); per-rank logs are in "

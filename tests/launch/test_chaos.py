@@ -139,7 +139,7 @@ def test_a_lost_rank_is_named_in_one_line_without_a_traceback(tmp_path):
     os.kill(rank1, signal.SIGKILL)  # what the host's out-of-memory killer does
     assert attempt.wait(120) == 1
     console = attempt.stdout + attempt.stderr
-    assert "flame: error: training failed: rank 1 was killed by SIGKILL" in attempt.stderr, console[-2000:]
+    assert "flame: training failed: rank 1 was killed by SIGKILL" in attempt.stderr, console[-2000:]
     assert "Traceback" not in console
     assert not leftovers(job.dump, [])
 
