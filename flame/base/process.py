@@ -1,7 +1,7 @@
 """A process tied to the one that started it, and the names ranks go by (Linux; elsewhere neither).
 
 train.sh's launcher (flame.launch.supervise) and every process it starts call ``die_with_parent`` first, so that
-the run's processes end with train.sh however it ends; ``name_rank`` gives a rank the name ``pkill -USR1
+the run's processes end with train.sh however it ends; ``name_rank`` gives a rank the name ``pkill -USR2
 '^flame-rank'`` finds.
 """
 
@@ -19,8 +19,9 @@ PR_SET_NAME = 15
 RANK_NAME = "flame-rank"
 PARENT_PID = "FLAME_PARENT_PID"  # set by a parent for its child: the pid the child must find as its parent
 # The signals that stop a run with a checkpoint (flame.training.stop): Slurm's and torchrun's SIGTERM, Ctrl-C, a closed
-# terminal. SIGUSR1 stays the stack dump's (arrange_stack_dumps).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# terminal, and SIGUSR1 (what Slurm's --signal sends by default). SIGUSR2 is the stack dump's (arrange_stack_dumps).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 
 def die_with_parent(sig: signal.Signals, parent: int | None = None) -> None:
@@ -73,7 +74,7 @@ def ranks_of(parent: int) -> list[int]:
 
 
 def name_rank(local_rank: str) -> None:
-    """Name this process flame-rank<local rank> (Linux; elsewhere nothing): ``pkill -USR1 '^flame-rank'``."""
+    """Name this process flame-rank<local rank> (Linux; elsewhere nothing): ``pkill -USR2 '^flame-rank'``."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_NAME, f"{RANK_NAME}{local_rank}".encode(), 0, 0, 0)
 
@@ -81,12 +82,12 @@ def name_rank(local_rank: str) -> None:
 def arrange_stack_dumps() -> None:
     """Let a stuck rank show where it waits, in its stderr.log under <dump_folder>/logs.
 
-    SIGUSR1 prints every thread's Python stack and training goes on (docs/running.md: "If a run seems
+    SIGUSR2 prints every thread's Python stack and training goes on (docs/running.md: "If a run seems
     stuck"). `FLAME_DUMP_STACKS_AFTER=<seconds> bash train.sh` prints them once, that long
     after train.sh started, from faulthandler's watchdog thread, which needs no signal: for
-    machines where SIGUSR1 reaches the data-loader workers but not the ranks' main processes.
+    machines where a signal reaches the data-loader workers but not the ranks' main processes.
     """
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    name_rank(os.environ.get("LOCAL_RANK", ""))  # answering SIGUSR1 now: what pkill -USR1 '^flame-rank' finds
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+    name_rank(os.environ.get("LOCAL_RANK", ""))  # answering SIGUSR2 now: what pkill -USR2 '^flame-rank' finds
     if at := os.environ.get("FLAME_DUMP_STACKS_AT"):  # train.sh: its start + FLAME_DUMP_STACKS_AFTER
         faulthandler.dump_traceback_later(max(float(at) - time.time(), 0.1))

@@ -21,7 +21,7 @@ _HANDLER = Target(TORCH, "torch.distributed.elastic.multiprocessing.api", "_term
 
 @patch(TORCH, _HANDLER)
 def first_signal_waits_for_the_save(on_first: Callable[[signal.Signals], None], ranks_alive: Callable[[], bool]) -> None:
-    """Let the ranks save before they stop: the agent's first SIGTERM/SIGINT/SIGHUP waits, a second one kills.
+    """Let the ranks save before they stop: the agent's first stop signal waits, a second one kills.
 
     Upstream: the agent's handler raises ``SignalException``; the agent then sends the signal on to
     every rank and kills what is left 30 s later, whatever the ranks are doing.
@@ -30,7 +30,8 @@ def first_signal_waits_for_the_save(on_first: Callable[[signal.Signals], None], 
     them as in a normal run. A second signal raises as upstream does, with SIGKILL for the ranks: the
     user asked twice, so nothing more is saved; once the ranks have ended (the agent is closing down
     after they saved), a second signal changes nothing and is ignored. The agent registers its handler when it starts the
-    ranks, reading the module's function at that moment: this replaces that function.
+    ranks, reading the module's function at that moment: this replaces that function. Upstream leaves SIGUSR1
+    (Slurm's --signal default) to end the agent and, with it, the ranks unsaved: here it is one more stop signal.
     """
     api = importlib.import_module(_HANDLER.module)
     first: list[signal.Signals] = []
@@ -46,6 +47,7 @@ def first_signal_waits_for_the_save(on_first: Callable[[signal.Signals], None], 
                                   sigval=signal.SIGKILL)
 
     api._terminate_process_handler = handler
+    signal.signal(signal.SIGUSR1, handler)
 
 
 class _WithoutTraceback(logging.Filter):

@@ -120,7 +120,8 @@ class JobCheck:
         except EOFError:  # it died without an answer: its traceback is on stderr
             outcome = 1
         self._process.join()
-        signal.signal(self.REFUSED, signal.SIG_DFL)  # the ranks, forked from here, keep the default
+        # from now on a stray SIGUSR2 (the ranks' stack-dump signal, sent to the whole group) must not end the launcher
+        signal.signal(self.REFUSED, signal.SIG_IGN)
         return outcome
 
 

@@ -18,11 +18,11 @@
 #   FLAME_CACHE  where the built-in corpus and tokenizer are built (default ~/.cache/flame)
 #   TRITON_CACHE_AUTOTUNING  default 1: fla's kernels autotune once per machine, then read the choice
 #   FLAME_DUMP_STACKS_AFTER  seconds: every rank prints its Python stacks to its stderr.log once,
-#                that long after train.sh started, and goes on (for where SIGUSR1 does not reach the
+#                that long after train.sh started, and goes on (for where SIGUSR2 does not reach the
 #                ranks). faulthandler reads a busy rank's frames while they change and can crash it,
 #                so set it just before a point where you would stop the run anyway
 #
-# A run that seems stuck: pkill -USR1 '^flame-rank' makes every rank
+# A run that seems stuck: pkill -USR2 '^flame-rank' makes every rank
 # print its Python stacks to its stderr.log and go on.
 #
 # Multi-node: run train.sh on every node with the same arguments and its NODE_RANK. Inside a
@@ -129,5 +129,6 @@ launch+=("${export_args[@]}" -- "${rendezvous[@]}" --nproc_per_node "$NGPU" --re
 # A stop signal to this script's whole process group (Slurm's SIGTERM, a terminal's Ctrl-C) must not end it
 # before the launcher, whose run saves a checkpoint first and would read this script's exit as a second
 # signal (flame.training.stop): the trap outlives the signal and lets the launcher's status through.
-trap ':' TERM INT HUP
+trap ':' TERM INT HUP USR1
+trap '' USR2 # the ranks' stack dumps (pkill -USR2 '^flame-rank'); sent to the whole group, it ends nothing
 FLAME_PARENT_PID=$$ "${launch[@]}" # its own messages say what failed

@@ -4,13 +4,13 @@ import argparse
 import random
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import scripts.chaos
+from flame.base.process import STOP_SIGNALS
 from scripts.chaos import damage, kills, signals, two_runs, writes
 from scripts.chaos.runs import Job, Reference, run_reference
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.chaos", description=scripts.chaos.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--signals", type=int, default=2,
-                        help="stop signals in all, per process count of --procs: SIGTERM, SIGINT and SIGHUP to the "
+                        help="stop signals in all, per process count of --procs: SIGTERM, SIGINT, SIGHUP and SIGUSR1 to the "
                              "process group or the launcher in turn (default 2)")
     parser.add_argument("--kills", type=int, default=6, help="kill -9s in all, shared among --procs (default 6)")
     parser.add_argument("--procs", default="1,2", help="process counts to run, comma-separated (default 1,2)")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ! {problem}", flush=True)
 
     stopped = []
-    plan = [(sig, target) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) for target in signals.TARGETS]
+    plan = [(sig, target) for sig in STOP_SIGNALS for target in signals.TARGETS]
     for p in procs:
         for number in range(args.signals):
             sig, target = plan[number % len(plan)]

@@ -93,7 +93,7 @@ def stops(reference, tmp_path_factory) -> list[signals.SignalTrial]:
     trial = partial(signals.run_signal_trial, reference=reference, work=work, keep=False)
     return two_at_a_time(
         partial(trial, "ctrl-c", sig=signal.SIGINT, target="group", rng=random.Random(1)),
-        partial(trial, "sigint-launcher", sig=signal.SIGINT, target="launcher", rng=random.Random(2)),
+        partial(trial, "sigusr1-launcher", sig=signal.SIGUSR1, target="launcher", rng=random.Random(2)),
         partial(trial, "slurm-sigterm", sig=signal.SIGTERM, target="group", rng=random.Random(3)))
 
 

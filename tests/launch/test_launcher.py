@@ -130,7 +130,7 @@ def test_kill_9_of_train_sh_ends_every_rank(background_runs):
     pids = json.loads((dump.parent / "pids.json").read_text())
     assert pids["before"], "the rank ran"
     assert pids["after"] == [], "a rank outlived its launcher"
-    # docs/running.md, "If a run seems stuck": pkill -USR1 '^flame-rank' finds the rank, not the launcher whose
+    # docs/running.md, "If a run seems stuck": pkill -USR2 '^flame-rank' finds the rank, not the launcher whose
     # command line it shares, nor the data-loader workers
     assert pids["names"].count("flame-rank0") == 1 and len(pids["names"]) > 1, pids["names"]
 
