@@ -25,7 +25,7 @@ import torch
 from torchtitan.tools.logging import init_logger, logger
 
 from flame.base import autotune
-from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError, failure_line
+from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError, failure_line, worker_message
 from flame.base.process import arrange_stack_dumps, die_with_parent
 from flame.config.manager import parse
 from flame.training import stop
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
     except DataError as error:  # maybe on this rank only, its peers waiting in a collective: as below
         every_rank_stops = False
-        print(f"flame: error: {error}", file=sys.stderr)
+        print(f"flame: error: {worker_message(error)}", file=sys.stderr)
         return 2
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr)

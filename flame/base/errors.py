@@ -3,6 +3,7 @@ every module can raise them without importing the config machinery (no import cy
 
 import math
 import os
+import re
 import traceback
 
 
@@ -51,6 +52,12 @@ def gist(error: BaseException) -> str:
     return lines[0].rstrip(".") if lines else type(error).__name__
 
 
+def preview(value) -> str:
+    """A record's value, short enough for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _errno(error: OSError) -> int | None:
     """The error number of ``error``: its errno, or a lone number it was raised with (``OSError(28)``)."""
     if error.errno is not None:
@@ -68,6 +75,19 @@ def check_number(flag: str, value: float, low: float, high: float = math.inf, *,
         raise ConfigError(f"{flag} must be a number {bound}{meaning}, got {value}")
 
 
+def worker_message(error: BaseException) -> str:
+    """The message of an error as its DataLoader worker raised it.
+
+    torch re-raises a worker's error in the rank as the same type, its text "Caught X in DataLoader worker
+    process N" followed by the worker's whole traceback; the original message is that traceback's last line.
+    """
+    text = str(error)
+    if "in DataLoader worker process" not in text or "Original Traceback" not in text:
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
 def failure_line(error: BaseException, logs: str, rank: str) -> str:
     """One line for an unexpected error of rank ``rank``: what failed and where its traceback went.
 
@@ -83,4 +103,24 @@ def failure_line(error: BaseException, logs: str, rank: str) -> str:
     except OSError as problem:  # nowhere to write it: the traceback on stderr, after all
         traceback.print_exception(error)
         where = f"its traceback is above ({path} could not be written: {problem.strerror})"
-    return f"rank {rank} failed: {gist(error)} ({type(error).__name__}); {where}"
+    return f"rank {rank} failed: {_what_failed(error)} ({type(error).__name__}); {where}"
+
+
+_SOURCE_PLACE = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\]\s*")  # "[/path/gloo/.../unbound_buffer.cc:78] " in C++ errors
+_WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (is killed by signal: [^.]+|exited unexpectedly)")
+
+
+def _what_failed(error: BaseException) -> str:
+    """What an unexpected error of a rank means, in its words, with the remedy where one is known."""
+    if "in DataLoader worker process" in str(error):
+        return worker_message(error)
+    words = _SOURCE_PLACE.sub("", gist(error))
+    if died := _WORKER_DIED.search(str(error)):
+        return (f"its data-loader worker (pid {died.group(1)}) {died.group(2).replace('is killed', 'was killed')}: a "
+                "worker killed by SIGKILL was usually ended by the host's out-of-memory killer (give the run more host "
+                "memory, or fewer --training.num_workers); run the same command again to resume from the last "
+                "checkpoint")
+    if "timed out" in words.lower() or "timeout" in type(error).__name__.lower():
+        return (f"a collective timed out ({words}): a rank never joined it (the launcher's line names it where it can), "
+                "or the step is slower than --comm.train_timeout_seconds allows")
+    return words

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
+from flame.base.errors import DataError, gist, preview
 from flame.data.tokenizer import Delimiters
 
 DOCUMENTS_PER_READ = 64  # documents read and tokenized together (batched tokenization is much faster)
@@ -60,7 +61,9 @@ class TokenizedSource:
     """A document stream tokenized in reads of ``window`` documents, one delimited document at a time.
 
     ``tokenize`` turns a list of texts into token id lists; None means the stream already
-    holds token ids (pretokenized data). ``shuffle_seed`` (a tuple) permutes each read.
+    holds token ids (pretokenized data), each below ``id_limit`` when given. ``shuffle_seed`` (a
+    tuple) permutes each read. A record that cannot be encoded stops the run with a DataError naming
+    it (the stream names its records: flame.data.streams), whatever the encoder raised.
     """
 
     def __init__(
@@ -70,9 +73,10 @@ class TokenizedSource:
         delimiters: Delimiters,
         window: int = DOCUMENTS_PER_READ,
         shuffle_seed: tuple[int, ...] | None = None,
+        id_limit: int | None = None,
     ):
         self.stream, self.tokenize, self.delimiters = stream, tokenize, delimiters
-        self.window, self.shuffle_seed = window, shuffle_seed
+        self.window, self.shuffle_seed, self.id_limit = window, shuffle_seed, id_limit
         self._read_start = copy.deepcopy(stream.state_dict())  # stream position of the current read
         self._reads = 0  # reads done before the current one (seeds its permutation)
         self._documents: list[np.ndarray] = []
@@ -84,7 +88,7 @@ class TokenizedSource:
             if self._documents:
                 self._reads += 1
             self._read_start = copy.deepcopy(self.stream.state_dict())
-            self._documents = self._encode(self.stream.read(self.window))
+            self._documents = self._encode_named(self.stream.read(self.window))
             if self.shuffle_seed is not None:
                 order = _permutation(len(self._documents), *self.shuffle_seed, self._reads)
                 self._documents = [self._documents[i] for i in order]
@@ -97,6 +101,46 @@ class TokenizedSource:
         """A read's documents as delimited token arrays (subclasses may drop some: resuming re-encodes alike)."""
         ids = self.tokenize(documents) if self.tokenize is not None else documents
         return [np.asarray(self.delimiters.wrap(list(d)), dtype=np.int64) for d in ids]
+
+    def _encode_named(self, documents: list) -> list:
+        """``_encode``, with any failure a DataError naming the record that caused it."""
+        try:
+            encoded = self._encode(documents)
+        except DataError:
+            raise
+        except Exception:
+            self._refuse_the_failing_record(documents)
+            raise  # no record fails alone
+        if self.id_limit is not None:
+            self._check_ids(documents)
+        return encoded
+
+    def _refuse_the_failing_record(self, documents: list) -> None:
+        """Raise a DataError naming the first of ``documents`` that fails to encode alone (if one does)."""
+        for index, document in enumerate(documents):
+            try:
+                self._encode([document])
+            except Exception as cause:
+                kind = "text" if self.tokenize is not None else "a list of token ids"
+                if document is None:
+                    what = "has no value (null)"
+                elif self.tokenize is not None and not isinstance(document, str):
+                    what = f"holds {type(document).__name__} {preview(document)}, not {kind}"
+                else:
+                    what = f"cannot be encoded: {gist(cause)} ({type(cause).__name__})"
+                raise DataError(f"dataset {self.stream.name}: {self.stream.record_name(index, document)} {what}: fix "
+                                "or remove that record, then run the same command again (the run resumes from its "
+                                "last checkpoint)") from cause
+
+    def _check_ids(self, documents: list) -> None:
+        """Token ids given as they are must be the tokenizer's: below ``id_limit``, not negative."""
+        for index, document in enumerate(documents):
+            if len(document) and (min(document) < 0 or max(document) >= self.id_limit):
+                bad = next(i for i in document if not 0 <= i < self.id_limit)
+                raise DataError(f"dataset {self.stream.name}: {self.stream.record_name(index, document)} holds token "
+                                f"id {bad}, outside the tokenizer's vocabulary (ids 0 to {self.id_limit - 1}): it "
+                                "was tokenized with another tokenizer: give that one (with a model whose vocab_size "
+                                "covers it), or tokenize the text again")
 
     def state_dict(self) -> dict:
         return {"stream": self._read_start, "reads": self._reads, "used": self._used}

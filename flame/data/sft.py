@@ -35,12 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from datasets import Dataset
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from transformers import PreTrainedTokenizerBase
 
 from flame.data.packing import TokenizedSource, WholeDocument
-from flame.data.sources import SourceSpec, column_names
+from flame.data.sources import SourceSpec, column_names, record_location
 from flame.data.tokenizer import Delimiters
 from flame.base.errors import ConfigError, DataError, gist
 
@@ -51,7 +52,8 @@ SHAPES = {
     "prompt/completion": (("prompt", "completion"), ()),
     "instruction/input/output": (("instruction", "output"), ("input",)),
 }
-SAMPLE = 64  # records of each SFT source checked before training (the rest as they are read)
+SAMPLE = 64  # the first records of each SFT source, checked before training (the rest as they are read)
+SPREAD_SAMPLE = 512  # and of a map-style one, records spread evenly over it
 
 DEFAULT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -215,12 +217,19 @@ class ChatEncoder:
         return ChatSource(stream, self, window, shuffle_seed)
 
     def check_sample(self, dataset) -> None:
-        """Encode the first records before training: bad records, columns and templates fail here, in one line."""
-        records = list(dataset.select_columns(list(self.columns)).take(SAMPLE))
-        _, dropped = self.encode(records, lambda index: f"record {index}")
+        """Encode the first records before training, and of a map-style source also SPREAD_SAMPLE spread over it: bad
+        records, columns and templates fail here, in one line (the others when a rank reads them)."""
+        columns = dataset.select_columns(list(self.columns))
+        if isinstance(columns, Dataset):
+            rows = sorted({*range(min(SAMPLE, len(columns))),
+                           *np.linspace(0, len(columns) - 1, min(SPREAD_SAMPLE, len(columns))).astype(int).tolist()})
+            records = [columns[row] for row in rows]
+        else:
+            rows, records = list(range(SAMPLE)), list(columns.take(SAMPLE))
+        _, dropped = self.encode(records, lambda index: record_location(self.source, rows[index]))
         if dropped:
             logger.warning(
-                f"dataset {self.source}: {dropped} of its first {len(records)} conversations are longer than "
+                f"dataset {self.source}: {dropped} of the {len(records)} conversations checked are longer than "
                 f"--training.context_len {self.context_len} tokens and are dropped; raise --training.seq_len "
                 "(and context_len), or pass --training.truncate_long to keep their beginnings"
             )
@@ -250,7 +259,7 @@ class ChatSource(TokenizedSource):
     def _record_name(self, records: list[dict]) -> Callable[[int], str]:
         rows = getattr(self.stream, "last_read", None)
         if rows is not None:
-            return lambda index: f"record {rows[index]}"
+            return lambda index: record_location(self.encoder.source, rows[index])
         return lambda index: (f"a record streamed to data shard {self.stream.consumer} in epoch {self.stream.epoch} "
                               f"({json.dumps(records[index], default=str)[:80]}...)")
 

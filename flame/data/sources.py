@@ -1,7 +1,9 @@
 """Dataset specs from the config -> Hugging Face datasets (map-style or streaming)."""
 
 import glob
+import gzip
 import os
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -70,6 +72,11 @@ def load_source(spec: SourceSpec, streaming: bool) -> datasets.Dataset | dataset
         raise ConfigError(f"dataset {spec.path} is empty or unreadable ({type(error).__name__})") from None
     except datasets.exceptions.DatasetGenerationError as error:
         raise ConfigError(f"cannot read dataset {spec.path}: {gist(error)}; fix or remove the file") from None
+    except (OSError, EOFError, zlib.error) as error:  # e.g. a .gz file that is not gzip, or is cut short
+        hint = (" (a .gz file must hold gzip data: rename a plain file without .gz)"
+                if isinstance(error, (gzip.BadGzipFile, EOFError, zlib.error)) else "")
+        raise ConfigError(f"cannot read dataset {spec.path}: {gist(error)} ({type(error).__name__}); fix or remove "
+                          f"the file{hint}") from None
     empty = len(dataset) == 0 if isinstance(dataset, datasets.Dataset) else next(iter(dataset.take(1)), None) is None
     if empty:
         raise ConfigError(f"dataset {spec.path} (split {spec.split}) has no documents")
@@ -185,3 +192,41 @@ def _holds_token_ids(dataset, column: str, spec: SourceSpec) -> bool:
         f"column '{column}' of dataset {spec.path} holds {type(first).__name__} values; "
         "flame reads text (str) or token ids (list of int)"
     )
+
+
+def record_location(path: str, index: int) -> str:
+    """"record N" of source ``path`` (0-based, as datasets numbers them), with the file and line (or row) that hold it
+    when the source is local JSON-lines, text or parquet files; only looked up for an error message."""
+    where = f"record {index}"
+    files = sorted(glob.glob(path)) if os.path.isfile(path) or glob.has_magic(path) else []
+    for file in files:
+        found = _records_in_file(file)
+        if found is None:
+            return where
+        count, name = found
+        if index < count:
+            return f"{where} ({name(index)} of {file})"
+        index -= count
+    return where
+
+
+def _records_in_file(file: str):
+    """(records in ``file``, the name of its i-th record's place), or None where the file does not tell."""
+    builder = _builder_for(file)
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(file).metadata.num_rows, lambda i: f"row {i}"
+        if builder not in ("json", "text"):
+            return None
+        with (gzip.open if file.endswith(".gz") else open)(file, "rb") as stream:
+            lines = stream.read().splitlines()
+    except (OSError, EOFError, zlib.error, ValueError):
+        return None
+    if builder == "text":
+        return len(lines), lambda i: f"line {i + 1}"
+    if next((line.strip()[:1] for line in lines if line.strip()), b"") == b"[":  # one JSON array, not JSON lines
+        return None
+    numbers = [number for number, line in enumerate(lines, 1) if line.strip()]  # datasets skips blank lines
+    return len(numbers), lambda i: f"line {numbers[i]}"

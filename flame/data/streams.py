@@ -13,7 +13,8 @@ from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 from torchtitan.tools.logging import logger
 
-from flame.base.errors import ConfigError
+from flame.base.errors import ConfigError, DataError, gist, preview
+from flame.data.sources import record_location
 
 
 class SourceExhausted(Exception):
@@ -75,7 +76,21 @@ class MapStream:
         take = self._share()[self.position : self.position + count]
         self.position += len(take)
         self.last_read = take.tolist()
-        return _values(self.dataset[self.last_read], self.column)
+        try:
+            return _values(self.dataset[self.last_read], self.column)
+        except Exception as error:  # e.g. text that is not UTF-8: name the record
+            for row in self.last_read:
+                try:
+                    self.dataset[row]
+                except Exception as failure:
+                    raise DataError(f"dataset {self.name}: {record_location(self.name, row)} cannot be read: "
+                                    f"{gist(failure)} ({type(failure).__name__}): fix or remove that record, then run "
+                                    "the same command again (the run resumes from its last checkpoint)") from error
+            raise
+
+    def record_name(self, index: int, value) -> str:
+        """The ``index``-th document of the last read, for a message: its record (file and line where known)."""
+        return record_location(self.name, self.last_read[index])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -106,7 +121,14 @@ class IterStream:
             if self._batches is None:
                 self.dataset.set_epoch(self.epoch)
                 self._batches = self.dataset.iter(batch_size=count)
-            batch = next(self._batches, None)
+            try:
+                batch = next(self._batches, None)
+            except Exception as error:  # a file cut, replaced or deleted under the stream, a record datasets refuses
+                raise DataError(
+                    f"dataset {self.name}: reading its stream failed (data shard {self.consumer}, epoch {self.epoch}): "
+                    f"{gist(error)} ({type(error).__name__}); a streamed file must stay as it was while the run "
+                    "reads it: restore it (or fix the record), then run the same command again (the run resumes "
+                    "from its last checkpoint)") from error
             if batch is not None:
                 return _values(batch, self.column)
             if self.stop_at_end:
@@ -120,6 +142,10 @@ class IterStream:
         raise ConfigError(
             f"dataset {self.name} gives data shard {self.consumer} no documents: lower --training.data_shards"
         )
+
+    def record_name(self, index: int, value) -> str:
+        """The ``index``-th document of the last read, for a message (a stream tells no record numbers): its start."""
+        return f"a record streamed to data shard {self.consumer} in epoch {self.epoch} ({preview(value)})"
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "stream": copy.deepcopy(self.dataset.state_dict())}

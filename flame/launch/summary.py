@@ -15,7 +15,7 @@ import shlex
 import signal
 import sys
 
-from flame.base import run_record
+from flame.base import progress, run_record
 from flame.base.errors import ConfigError
 from flame.checkpoint.steps import complete_steps
 
@@ -102,7 +102,10 @@ def failed(failures: dict, logs: str) -> str:
         how = f"exited with status {first.exitcode}"
     said = _last_error_line(logs, first.local_rank)
     others = f"; {len(failures) - 1} other rank(s) stopped after it" if len(failures) > 1 else ""
-    return f"training failed: rank {rank} {how}{f': {said}' if said else ''}{others}; per-rank logs are in {logs}"
+    waited = progress.laggards(os.path.join(logs, "progress"), rank)  # a hung rank fails nothing itself: its peers time out
+    waited = f"; {waited} (a hanging rank's Python stacks: pkill -USR2 '^flame-rank' while it hangs)" if waited else ""
+    return (f"training failed: rank {rank} {how}{f': {said}' if said else ''}{others}{waited}; per-rank logs are in "
+            f"{logs}")
 
 
 def _last_error_line(logs: str, local_rank: int) -> str | None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from flame.base.dump_folder import DumpFolderLock
 from flame.base.run_record import take_stop_record
+from flame.base import progress
 from flame.base.process import PARENT_PID, die_with_parent, ranks_of
 from flame.base.errors import ConfigError, gist
 from flame.launch import summary
@@ -255,6 +256,8 @@ def launch(args: argparse.Namespace, torchrun_args: list[str], script: int) -> i
     else:  # rank 0 may run on this node; it numbers the attempt itself, under node 0's lock
         os.environ.pop("FLAME_ATTEMPT", None)
     os.environ[PARENT_PID] = str(os.getpid())  # the ranks' parent: torchrun's agent, this process
+    os.environ[progress.PROGRESS_DIR] = os.path.join(plan.log_folder(args.node_rank, args.nodes), "progress")
+    progress.clear(os.environ[progress.PROGRESS_DIR])  # an earlier attempt's notes would name the wrong rank
     started = time.monotonic()
     try:
         status = train(torchrun_args, start_method)

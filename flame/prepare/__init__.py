@@ -25,6 +25,7 @@ from flame.base.errors import ConfigError
 from flame.checkpoint.identity import check_same_run
 from flame.checkpoint.steps import check_checkpoint, check_checkpoint_fits_model
 from flame.config.manager import ParsedJob, parse
+from flame.data.records import check_records
 from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
 from flame.data.validation import validation_plan
@@ -83,9 +84,9 @@ def _check_sources(config, model: ModelUnderCheck) -> None:
     check_checkpoint_fits_model(config, model.meta_copy, checkpoint)
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     check_same_run(config, checkpoint, tokenizer)  # the run that saved it: its model, tokenizer, data, optimizer ...
-    DataPlan.from_config(config, tokenizer)
+    check_records(DataPlan.from_config(config, tokenizer))  # every record of each source, or a spread sample
     if config.validation.enable:
-        validation_plan(config, tokenizer)  # its datasets exist, have the columns, hold documents
+        check_records(validation_plan(config, tokenizer))  # its datasets exist, have the columns, hold documents
 
 
 def prepared(args: list[str], world_size: int | None = None):

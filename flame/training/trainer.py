@@ -44,7 +44,7 @@ from torchtitan.protocols.train_spec import (
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
-from flame.base import batch_context, device
+from flame.base import batch_context, device, progress
 
 from flame import compat, memory
 
@@ -99,6 +99,7 @@ class Trainer(TorchtitanTrainer):
     def __init__(self, job_config):
         # installed by flame.train first of all: a signal while building stops the run before step 1
         self.stop_signals = stop.signals()
+        self.step_notes = progress.StepNotes(int(os.environ.get("RANK", "0")))  # names a hung rank if the run fails
         side_outputs.make_folders(job_config)  # a trace folder that cannot be made turns its output off, with a warning
         self.stopping = False  # all ranks agreed to stop after the current step
         self.first_step = 1  # this attempt's first step, once the checkpoint loaded
@@ -242,6 +243,7 @@ class Trainer(TorchtitanTrainer):
         except DataloaderExhaustedError:
             exhausted = True
         local_valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches) if not exhausted else 0
+        self.step_notes.starts(self.step)  # before the step's first collective: a rank that never gets here is named
         signalled = int(self.stop_signals.received is not None)  # agreed in the same reduction: no collective of its own
         # from pinned memory without waiting: a plain copy to the GPU would wait for the previous step's kernels
         counts = torch.tensor([local_valid, int(exhausted), signalled], dtype=torch.int64, pin_memory=device.CUDA)

@@ -13,7 +13,7 @@ through ``bash train.sh`` as a user would, on a short schedule (--steps, a check
    (mid-save, mid-export, random), the same command again until the job finishes; then: no
    process of a killed run left alive, every logged loss equal to the reference's, the HF
    export loads with the reference's weights, no export staging folder left.
-3. signal trials (signals.py): SIGTERM, SIGINT or SIGHUP to train.sh's process group (a terminal's
+3. signal trials (signals.py): SIGTERM, SIGINT, SIGHUP or SIGUSR1 to train.sh's process group (a terminal's
    Ctrl-C, Slurm) or to its launcher alone, at a seeded step; the run must save the step it took,
    exit 128 + signal without a traceback, say how to resume, and resume bit-identically.
 4. damage cases (damage.py): the latest step of a finished run's copy damaged, then resumed:

@@ -200,6 +200,9 @@ class NoTokenizing:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
+    def __len__(self) -> int:  # given ids are checked against the vocabulary's size
+        return len(self._real)
+
     def __call__(self, *args, **kwargs):
         raise AssertionError("pretokenized data was tokenized")
 

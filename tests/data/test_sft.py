@@ -299,11 +299,11 @@ def chats_with(tmp_path, bad: dict, at: int = 3, count: int = 10) -> str:
 
 BAD_RECORDS = {
     "no-assistant-turn": ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "Hi"}]},
-                          ["record 3: no assistant turn (roles: system, user)", "fix or remove the record"]),
+                          ["record 3 (line 4 of", "): no assistant turn (roles: system, user)", "fix or remove the record"]),
     "unknown-role": ({"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]},
-                     ["record 3: message 0 has the unknown role 'tool'", "roles are system, user, assistant"]),
+                     ["record 3 (line 4 of", "): message 0 has the unknown role 'tool'", "roles are system, user, assistant"]),
     "content-not-text": ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "ok"}]},
-                         ["record 3: message 0: 'content' holds NoneType, not text"]),
+                         ["record 3 (line 4 of", "): message 0: 'content' holds NoneType, not text"]),
 }
 
 
@@ -329,7 +329,7 @@ def test_a_chat_template_that_raises_is_refused_in_one_line(tmp_path, capfd, tin
                            {"role": "assistant", "content": "Hello."}]}
     line = preflight(tmp_path, capfd, tiny_model, chats_with(tmp_path, record), "--training.data_format", "sft",
                      "--model.tokenizer_path", str(tmp_path / "tok"))
-    assert line and "record 3: the chat template of tokenizer" in line and "(System role not supported)" in line, line
+    assert line and "record 3 (line 4 of" in line and "): the chat template of tokenizer" in line and "(System role not supported)" in line, line
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -350,7 +350,7 @@ def test_a_bad_record_met_while_training_stops_the_loader_in_one_line(tmp_path, 
                          "--training.num_workers", "1")  # raised in a worker process: it arrives as one line
     with pytest.raises(DataError) as error:
         batches(make_loader(config), 40)
-    assert str(error.value).count("\n") == 0 and "record 150: no assistant turn" in str(error.value)
+    assert str(error.value).count("\n") == 0 and "record 150 (line 151 of" in str(error.value) and "): no assistant turn" in str(error.value)
     assert isinstance(error.value, ConfigError)  # flame.train prints it as `flame: error: ...`, exit 2
 
 

@@ -144,6 +144,36 @@ def test_a_lost_rank_is_named_in_one_line_without_a_traceback(tmp_path):
     assert not leftovers(job.dump, [])
 
 
+def test_a_hung_rank_is_named_by_the_launcher_though_another_rank_reports_the_timeout(tmp_path):
+    job = Job(tmp_path / "dump", 2, 200, 100, [*FAST, "--comm.train_timeout_seconds", "10"])
+    attempt = Attempt(job, tmp_path / "attempt")
+    while attempt.running() and len(losses(metric_lines(job.dump))[0]) < 3:
+        time.sleep(0.05)
+    [rank1] = [p.pid for p in descendants(attempt.process.pid) if _name(p.pid) == "flame-rank1"]
+    os.kill(rank1, signal.SIGSTOP)  # frozen: rank 0's next collective times out, rank 1 reports nothing
+    assert attempt.wait(180) == 1
+    console = attempt.stdout + attempt.stderr
+    assert "flame: training failed: rank 0 exited with status 1: rank 0 failed: a collective timed out" in console, \
+        console[-2000:]
+    assert "rank 1 stopped answering" in console and "the others waited for it" in console, console[-2000:]
+    assert "Traceback" not in console
+    assert not leftovers(job.dump, [])
+
+
+def test_a_killed_data_loader_worker_is_named_with_its_likely_cause(tmp_path):
+    job = Job(tmp_path / "dump", 1, 200, 100, [*FAST, "--training.num_workers", "2"])
+    attempt = Attempt(job, tmp_path / "attempt")
+    while attempt.running() and not losses(metric_lines(job.dump))[0]:
+        time.sleep(0.05)
+    worker = next(p.pid for p in descendants(attempt.process.pid) if _name(p.pid) == "pt_data_worker")
+    os.kill(worker, signal.SIGKILL)
+    assert attempt.wait(120) == 1
+    console = attempt.stdout + attempt.stderr
+    assert f"its data-loader worker (pid {worker}) was killed by signal: Killed" in console, console[-2000:]
+    assert "out-of-memory killer" in console and "Traceback" not in console
+    assert not leftovers(job.dump, [])
+
+
 def _name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()

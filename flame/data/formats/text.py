@@ -18,21 +18,23 @@ class TextEncoder:
     columns: str
     tokenizer: PreTrainedTokenizerBase | None  # None: the column holds token ids (pretokenized data)
     delimiters: Delimiters
+    vocabulary: int  # the tokenizer's size: given token ids must be below it
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         # no special tokens: document boundaries are flame's delimiters, whatever the tokenizer would add
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def documents(self, stream: Any, window: int, shuffle_seed: tuple[int, ...] | None = None) -> TokenizedSource:
-        tokenize = None if self.tokenizer is None else self.tokenize
-        return TokenizedSource(stream, tokenize, self.delimiters, window, shuffle_seed)
+        if self.tokenizer is None:
+            return TokenizedSource(stream, None, self.delimiters, window, shuffle_seed, id_limit=self.vocabulary)
+        return TokenizedSource(stream, self.tokenize, self.delimiters, window, shuffle_seed)
 
 
 def text_encoder(dataset: Any, spec: SourceSpec, training: Any, tokenizer: PreTrainedTokenizerBase,
                  delimiters: Delimiters) -> TextEncoder:
     """--training.text_column, else 'text', 'content' or 'input_ids'; ConfigError when none is there."""
     column, token_ids = document_column(dataset, spec, training.text_column)
-    return TextEncoder(column, None if token_ids else tokenizer, delimiters)
+    return TextEncoder(column, None if token_ids else tokenizer, delimiters, len(tokenizer))
 
 
 TEXT = DataFormat(

@@ -30,7 +30,7 @@ UINT16_IDS = 1 << 16  # a vocabulary this large or smaller fits uint16 ids
 def token_encoder(dataset: Any, spec: SourceSpec, training: Any, tokenizer: PreTrainedTokenizerBase,
                   delimiters: Delimiters) -> TextEncoder:
     """The token ids of each document, delimited as a text source's (no tokenizing)."""
-    return TextEncoder(COLUMN, None, delimiters)
+    return TextEncoder(COLUMN, None, delimiters, len(tokenizer))
 
 
 def _checked(files: list[TokenFile], tokenizer: PreTrainedTokenizerBase, fix: str) -> TokenArray:
