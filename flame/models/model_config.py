@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from flame.base import hub
 from flame.base.errors import ConfigError, gist
@@ -53,7 +53,21 @@ def load_model_config(path: str) -> PretrainedConfig:
     except Exception as error:  # transformers' own validation: a value of the wrong type, heads that do not fit ...
         raise ConfigError(f"model config {path} is not a valid {model_type} config: {gist(error)}; fix it there") from None
     check_model_sizes(config, path)  # again, with the defaults and the names the config class maps
+    _check_causal(config, path)
     return config
+
+
+def _check_causal(config: PretrainedConfig, path: str) -> None:
+    """A config transformers has no causal LM for (T5), or an encoder's (BERT) whose causal head would attend to later
+    tokens, trains no causal LM: refused before anything is built."""
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"model_type '{config.model_type}' ({path}) has no causal LM in transformers "
+                          f"{'(an encoder-decoder) ' if getattr(config, 'is_encoder_decoder', False) else ''}and flame "
+                          "trains causal LMs: give a decoder-only model's config")
+    if getattr(config, "is_decoder", None) is False:  # only encoder families' configs have the attribute
+        raise ConfigError(f"model_type '{config.model_type}' ({path}) is an encoder: its causal LM head attends to later "
+                          "tokens unless the config says \"is_decoder\": true; set it there, or give a decoder-only "
+                          "model's config")
 
 
 # sizes that no model can have below 1, in HF's spellings and fla's
@@ -74,6 +88,7 @@ def check_model_sizes(config: PretrainedConfig | SimpleNamespace, path: str) -> 
                 f"{kv_heads} {kv} does not divide {heads} {h} in the model config {path}: each key/value head serves "
                 f"the same number of query heads, so make {kv_heads} a divisor of {h}"
             )
+    _check_positive_settings(config, path)
     if isinstance(config, SimpleNamespace):
         return  # a config class may default head_dim to other than hidden_size / heads: judged once built
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
@@ -82,3 +97,28 @@ def check_model_sizes(config: PretrainedConfig | SimpleNamespace, path: str) -> 
             f"num_attention_heads {heads} does not divide hidden_size {hidden} in the model config {path}: each head "
             f"takes hidden_size / num_attention_heads dimensions; make it a divisor of {hidden} (or set head_dim)"
         )
+
+
+def _check_positive_settings(config: PretrainedConfig | SimpleNamespace, path: str) -> None:
+    """rope_theta (also inside rope_parameters) must be positive, a norm's epsilon not negative: the model would train
+    on NaN or without positions, silently."""
+    rope = getattr(config, "rope_parameters", None)
+    thetas = [getattr(config, "rope_theta", None), *(rope.get("rope_theta") for rope in _rope_dicts(rope))]
+    for theta in thetas:
+        if isinstance(theta, (int, float)) and not isinstance(theta, bool) and not theta > 0:  # NaN too
+            raise ConfigError(f"rope_theta is {theta} in the model config {path}: the rotary base must be positive "
+                              "(e.g. 10000 or 500000)")
+    for name, value in vars(config).items():
+        if (name.endswith(("_eps", "epsilon")) or name == "eps") and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and not value >= 0:
+            raise ConfigError(f"{name} is {value} in the model config {path}: a norm's epsilon must be positive and "
+                              "small (e.g. 1e-5 or 1e-6)")
+
+
+def _rope_dicts(rope) -> list[dict]:
+    """rope_parameters as a dict, or as a dict of dicts per attention kind (transformers 5)."""
+    if not isinstance(rope, dict):
+        return []
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested or [rope]
+

@@ -119,6 +119,7 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
     config = model.config
     support = support_for(config)
     check_position_table(model, job_config)
+    check_checkpointed_blocks(config, job_config.activation_checkpoint)
     check_tensor_parallel(config, job_config, lambda: model.meta)
     check_context_parallel(config, job_config)
     check_pipeline_parallel(config, job_config)
@@ -154,6 +155,26 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
         check_attention_settings(config)
     if (adapters := lora.LoraSettings.of(job_config.lora)) is not None:
         lora.resolve_targets(model.meta, adapters)  # each entry names some layer
+
+
+def check_checkpointed_blocks(config: PretrainedConfig, ac) -> None:
+    """AC that names blocks the model does not have checkpoints fewer than the user meant, or none at all."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)
+    if not isinstance(layers, int):
+        return
+    option = str(ac.selective_ac_option)
+    if ac.mode == "selective" and option.lstrip("-").isdigit():
+        every = int(option)
+        if every < 1:
+            raise ConfigError(f"--activation_checkpoint.selective_ac_option {every}: AC of every N-th block needs N >= 1 "
+                              "(1: every block), or 'op' for per-operator AC")
+        if every > layers:
+            raise ConfigError(f"--activation_checkpoint.selective_ac_option {every} checkpoints every {every}th block, and "
+                              f"the model has {layers}: none would be; give 1 to {layers}, or --activation_checkpoint.mode "
+                              "none")
+    if ac.mode == "full" and ac.blocks is not None and ac.blocks > layers:
+        raise ConfigError(f"--activation_checkpoint.blocks {ac.blocks} is more than the model's {layers} blocks: give 1 "
+                          f"to {layers} (all of them: leave it unset)")
 
 
 def check_tilelang_on_hopper(support) -> None:

@@ -19,6 +19,10 @@ from flame.optim.record import OPTIMIZERS, OptimizerRecord, first_that, optimize
 def check(config: Any, given: dict[str, int], world_size: int) -> None:
     """Refuse what torch, torchtitan or flame's trainer cannot run; ``given``: the dotted names the TOML and CLI set."""
     _check_training(config)
+    seed = config.debug.seed
+    if seed is not None and not 0 <= seed < 2**32:
+        raise ConfigError(f"--debug.seed {seed}: a seed is a number from 0 to 2^32-1 (numpy's and the data order's "
+                          "range); give one there, or leave it unset (0)")
     _check_seed_checkpoint(config, world_size)
     _check_eval(config)
     if not config.job.dump_folder.strip():
@@ -285,8 +289,9 @@ def _check_training(config: Any) -> None:
             values = [float(p) for p in probs]
         except ValueError:
             raise ConfigError(f"--training.data_probs must be numbers, got {t.data_probs!r}") from None
-        if any(v <= 0 for v in values):
-            raise ConfigError(f"--training.data_probs must all be positive, got {t.data_probs!r}")
+        if not all(math.isfinite(v) and v > 0 for v in values):  # NaN compares false: caught here too
+            raise ConfigError(f"--training.data_probs must all be positive finite numbers (weights, normalized to sum "
+                              f"to 1), got {t.data_probs!r}")
     if config.checkpoint.keep_latest_k == 1:
         raise ConfigError(
             "--checkpoint.keep_latest_k 1 could delete the only loadable checkpoint during a save: use 0 (keep all) or >= 2"
