@@ -93,7 +93,8 @@ def _owned(job_config) -> dict:
 
 def _optimizer(job_config, tokenizer) -> dict:
     o = job_config.optimizer
-    shared = {f"optimizer.{name}": getattr(o, name) for name in ("name", "beta1", "beta2", "eps", "weight_decay")}
+    shared = {f"optimizer.{name}": getattr(o, name)
+              for name in ("name", "beta1", "beta2", "eps", "weight_decay", "decay_everything", "param_groups")}
     return shared | {name: value for name, value in _owned(job_config).items() if not name.endswith("_lr")}
 
 

@@ -83,7 +83,9 @@ class Training:
     varlen: bool = False
     """Pack documents into one row of seq_len tokens per device with cu_seqlens marking every document (needs batch_size 1)"""
     gradient_accumulation_steps: int = 1
-    """Micro-batches accumulated into one optimizer step"""
+    """Micro-batches accumulated into one optimizer step (derived when training.global_batch_size or global_batch_tokens fixes the global batch)"""
+    global_batch_tokens: int | None = None
+    """Tokens a step, whatever the GPU count: a multiple of seq_len; the gradient accumulation is derived for the data-parallel ranks (or give training.global_batch_size in rows)"""
     fused_cross_entropy: Literal["auto", "on", "off"] = "auto"
     """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False
@@ -132,6 +134,10 @@ class Parallelism:
 class Optimizer:
     name: str = "AdamW"
     """AdamW, Adam, or Muon: Muon for the weights of the decoder blocks' linear layers, AdamW (optimizer.lr, betas, eps, weight_decay) for embeddings, the head, norms and biases (docs/configuration.md)"""
+    decay_everything: bool = False
+    """Weight decay on every parameter. flame's default exempts embeddings, norms, biases and what the model marks _no_weight_decay (docs/configuration.md, Parameter groups)"""
+    param_groups: str = ""
+    """Per-group lr multiples and weight decays, ';'-separated: <kind or re:pattern>: lr=<multiple>, weight_decay=<value>; kinds: embeddings, head, norms, biases, exempt, hidden (e.g. "embeddings: lr=0.5; head: weight_decay=0")"""
     muon_lr: float | None = None
     """Muon: the lr of the hidden matrices, scaled per matrix by muon_adjust_lr and by the LR schedule (default: optimizer.lr)"""
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"

@@ -107,7 +107,6 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "model.hf_assets_path": "use --model.tokenizer_path and --model.config",
     "model.converters": "float8/mx converters need torchao, which flame does not ship",
     "training.dataset_path": "use --training.dataset (paths are accepted there)",
-    "training.global_batch_size": "use --training.batch_size and --training.gradient_accumulation_steps",
     "checkpoint.initial_load_in_hf": (
         "start from the HF model with --model.init_from <hf dir> (or convert it first: python -m "
         "flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint <dump_folder>/checkpoint/step-0)"

@@ -225,12 +225,33 @@ class FlameDataLoader(BaseDataLoader):
             self._load_counts([mine])
             return
         saved_ranks, saved_workers = state["layout"]
+        continued = self._continue_in_this_layout(sum(sum(rank["cursors"].values()) for rank in ranks.values()))
         logger.info(
             f"data: resuming {dataset.shards} data shards saved by {saved_ranks} ranks x {saved_workers} workers "
-            f"on {dataset.dp_world_size} ranks x {dataset.workers} workers (same stream, batches composed anew)"
+            f"on {dataset.dp_world_size} ranks x {dataset.workers} workers (same stream, "
+            f"{'each step the rows an uninterrupted run would have' if continued else 'batches composed anew'})"
         )
-        dataset.cursors, dataset.role_offset, self.batches = {}, 0, 0
         self._load_counts(list(ranks.values()) if self.dp_rank == 0 else [])  # the run's totals go on in rank 0's
+
+    def _continue_in_this_layout(self, rows_read: int) -> bool:
+        """Place every worker role where a run in this layout would be after ``rows_read`` rows in all.
+
+        A reader takes its batch's rows from its shards in turn, and the shards are dealt round-robin, so the rows
+        of a step, over all ranks, come from the same shards in any layout whose readers divide the shard count:
+        with the saved shard states, the roles' cursors and the next role's turn are all a resume needs to give each
+        step the rows of an uninterrupted run (same global batch, the loss within summation order). Where
+        ``rows_read`` is not whole batches of this layout, batches are composed anew (False).
+        """
+        dataset, rows = self.dataset, self.dataset.plan.batch_size
+        per_step = dataset.dp_world_size * rows
+        if rows_read % per_step or dataset.shards % dataset.readers:
+            dataset.cursors, dataset.role_offset, self.batches = {}, 0, 0
+            return False
+        self.batches = rows_read // per_step  # batches each rank would have delivered
+        dataset.cursors = {role: (self.batches - role + dataset.workers - 1) // dataset.workers * rows
+                           for role in range(dataset.workers)}
+        dataset.role_offset = self.batches % dataset.workers
+        return True
 
     def _load_counts(self, ranks: list[dict]) -> None:
         """The counters as the sum over ``ranks``' saved ones (a counter a checkpoint lacks starts at 0)."""

@@ -32,7 +32,8 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parall
     record = optimizer_record(o.name)
     if o.on_host:
         kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
-        return HostOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, gpu_blocks=o.gpu_blocks)
+        return HostOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, gpu_blocks=o.gpu_blocks,
+                                       optimizer_config=o)
     return record.build(model_parts, o, parallel_dims, ft_manager)
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,8 +44,10 @@ from torch.optim import Adam, AdamW, Optimizer
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
 
 from flame.models.registry import decoder_layers
+from flame.optim import groups
 
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -142,14 +145,15 @@ class HostAdamW(Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 decoupled: bool = True, host_threads: int | None = None, gpu_blocks: int = 0):
+                 decoupled: bool = True, host_threads: int | None = None, gpu_blocks: int = 0,
+                 param_groups: list[dict] | None = None):
         self.units = units_of(model)
         self.on_device = leading_units(self.units, model, gpu_blocks)  # the first units: state and step on the GPU
         params = [p for p in model.parameters() if p.requires_grad]  # the model's order, as torch's AdamW has them
         # torch's own defaults for these settings (amsgrad, fused, ...): the checkpoint's groups are then AdamW's
         like = (AdamW if decoupled else Adam)([torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
                                                weight_decay=weight_decay, fused=True)
-        super().__init__(params, like.defaults)
+        super().__init__(param_groups or params, like.defaults)  # the groups' own lr and weight decay (flame.optim.groups)
         self.decoupled = decoupled
         self.cuda = params[0].is_cuda
         if self.cuda:
@@ -337,10 +341,17 @@ class HostAdamW(Optimizer):
 class HostOptimizersContainer(OptimizersContainer):
     """torchtitan's container of one optimizer per model part, each a HostAdamW."""
 
-    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, gpu_blocks: int = 0) -> None:
+    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, gpu_blocks: int = 0,
+                 optimizer_config: Any = None) -> None:
         self.model_parts = model_parts
-        self.optimizers = [HostAdamW(model, **kwargs, decoupled=decoupled, gpu_blocks=gpu_blocks)
-                           for model in model_parts]
+        self.optimizers = []
+        for model in model_parts:
+            parts = groups.groups_of(model, optimizer_config) if optimizer_config is not None else []
+            if parts:
+                logger.info(f"Parameter groups ({optimizer_config.name}, on the host): "
+                            f"{groups.describe(parts, kwargs['lr'], optimizer_config)}")
+            self.optimizers.append(HostAdamW(model, **kwargs, decoupled=decoupled, gpu_blocks=gpu_blocks,
+                                             param_groups=[g.torch_group(kwargs["lr"]) for g in parts]))
         self._validate_length(len(model_parts))
         self._post_init([p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]],
                         kwargs)

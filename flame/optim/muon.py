@@ -45,6 +45,7 @@ from torchtitan.tools.logging import logger
 
 from flame.base.errors import check_number
 from flame.models.registry import decoder_layers
+from flame.optim import groups
 from flame.optim.host import local_part
 from flame.optim.record import OptimizerRecord, register
 
@@ -166,7 +167,7 @@ class MuonWithAdamW(Optimizer):
     optimizer's groups and state, also after a checkpoint replaced them (``load_state_dict``).
     """
 
-    def __init__(self, muon: list[nn.Parameter], adamw: list[nn.Parameter], muon_kwargs: dict, adamw_kwargs: dict):
+    def __init__(self, muon: list[nn.Parameter], adamw: list[dict], muon_kwargs: dict, adamw_kwargs: dict):
         # AdamW's groups first: the trainer logs the first group's lr, which is then --optimizer.lr's schedule
         self._inner = ([AdamW(adamw, **adamw_kwargs)] if adamw else []) + ([Muon(muon, **muon_kwargs)] if muon else [])
         self._group_counts = [len(o.param_groups) for o in self._inner]
@@ -198,16 +199,18 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
 class MuonOptimizersContainer(OptimizersContainer):
     """torchtitan's container of one optimizer per model part, each a MuonWithAdamW."""
 
-    def __init__(self, model_parts: list[nn.Module], muon_kwargs: dict, adamw_kwargs: dict) -> None:
+    def __init__(self, model_parts: list[nn.Module], muon_kwargs: dict, adamw_kwargs: dict, optimizer_config: Any) -> None:
         self.model_parts = model_parts
         self.optimizers = []
         all_params = []
         for model in model_parts:
             muon, adamw = split_parameters(model)
-            self.optimizers.append(MuonWithAdamW(muon, adamw, muon_kwargs, adamw_kwargs))
+            adamw_groups = groups.groups_of(model, optimizer_config, only={id(p) for p in adamw})
+            self.optimizers.append(MuonWithAdamW(muon, [g.torch_group(adamw_kwargs["lr"]) for g in adamw_groups],
+                                                 muon_kwargs, adamw_kwargs))
             all_params += muon + adamw
-            logger.info(f"Muon on {len(muon)} hidden matrices ({sum(p.numel() for p in muon):,} parameters); AdamW on "
-                        f"{len(adamw)} others ({sum(p.numel() for p in adamw):,}: embeddings, head, norms, biases)")
+            logger.info(f"Muon on {len(muon)} hidden matrices ({sum(p.numel() for p in muon):,} parameters); AdamW's "
+                        f"parameter groups: {groups.describe(adamw_groups, adamw_kwargs['lr'], optimizer_config)}")
         self._validate_length(len(model_parts))
         self._post_init(all_params, adamw_kwargs)
 
@@ -221,7 +224,7 @@ def build(model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Pa
     muon = {"lr": o.lr if o.muon_lr is None else o.muon_lr, "momentum": o.muon_momentum,
             "weight_decay": o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay,
             "nesterov": o.muon_nesterov, "ns_steps": o.muon_ns_steps, "adjust_lr_fn": o.muon_adjust_lr}
-    return MuonOptimizersContainer(model_parts, muon, adamw)
+    return MuonOptimizersContainer(model_parts, muon, adamw, o)
 
 
 def check(optimizer_config: Any) -> None:

@@ -30,7 +30,7 @@ from flame.data.shards import DataPlan
 from flame.data.tokenizer import load_tokenizer
 from flame.data.validation import validation_plan
 from flame.distributed.degrees import check_fsdp_options, data_parallel_degree
-from flame.prepare import inputs, settings, sizes
+from flame.prepare import batch, inputs, settings, sizes
 from flame.prepare.model import ModelUnderCheck, check_model
 
 __all__ = ["ModelUnderCheck", "prepare", "prepare_settings", "prepared", "settled"]
@@ -67,6 +67,7 @@ def prepare_settings(job: ParsedJob, world_size: int) -> ModelUnderCheck:
     settings.check(config, given, world_size)
     inputs.check_folders_stay_home(config)
     dp = data_parallel_degree(config, world_size)
+    batch.derive_accumulation(config, given, dp)  # a fixed global batch: the accumulation for this many ranks
     device.check_supported(config)
     check_fsdp_options(config, world_size)
     sizes.check_batch(config, world_size)  # before the plan weighs splits of the batch

@@ -28,6 +28,7 @@ from flame.models import init_from, lora
 from flame.models.inputs import keeps_rows_whole
 from flame.models.model_config import load_model_config
 from flame.models.registry import meta_model
+from flame.optim.groups import check_rules_select
 from flame.models.support import Documents, support_for
 
 
@@ -155,6 +156,8 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
         check_attention_settings(config)
     if (adapters := lora.LoraSettings.of(job_config.lora)) is not None:
         lora.resolve_targets(model.meta, adapters)  # each entry names some layer
+    elif job_config.optimizer.param_groups:  # (under LoRA only the adapters train: judged on the built model)
+        check_rules_select(model.meta, job_config.optimizer.param_groups)
 
 
 def check_checkpointed_blocks(config: PretrainedConfig, ac) -> None:

@@ -13,6 +13,7 @@ from flame.base.errors import ConfigError
 from flame.base.errors import check_number as _number  # shared with the optimizer records' checks
 from flame.config.manager import split_list
 from flame.data.formats import DATA_FORMATS, choices, data_format as format_record
+from flame.optim.groups import parse_rules
 from flame.optim.record import OPTIMIZERS, OptimizerRecord, first_that, optimizer_record
 
 
@@ -107,6 +108,7 @@ def _check_optimizer(o: Any, given: dict[str, int]) -> None:
     _number("--optimizer.beta2", o.beta2, 0, 1, high_open=True)
     _number("--optimizer.eps", o.eps, 0)
     _number("--optimizer.weight_decay", o.weight_decay, 0)
+    parse_rules(o.param_groups)  # its syntax; what it selects is checked against the model (flame.prepare.model)
 
 
 def _own_settings(record: OptimizerRecord) -> str:

@@ -93,7 +93,7 @@ def test_each_model_parts_schedule_keeps_its_own_lrs_when_a_checkpoint_loads():
         return module
 
     optimizer = SimpleNamespace(name="Muon", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                                implementation="for-loop", muon_lr=2e-2, muon_momentum=0.95, muon_weight_decay=None,
+                                implementation="for-loop", muon_lr=2e-2, muon_momentum=0.95, muon_weight_decay=None, param_groups="", decay_everything=False,
                                 muon_nesterov=True, muon_ns_steps=5, muon_adjust_lr="match_rms_adamw", on_host=False)
     schedule = SimpleNamespace(warmup_steps=2, total_steps=None, decay_ratio=None, decay_type="linear",
                                min_lr_factor=0.0)
