@@ -84,6 +84,10 @@ class Training:
     """Pack documents into one row of seq_len tokens per device with cu_seqlens marking every document (needs batch_size 1)"""
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated into one optimizer step (derived when training.global_batch_size or global_batch_tokens fixes the global batch)"""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss, z_loss x log(Z)^2 per target (Z: the softmax's normalizer; PaLM used 1e-4), added inside the cross entropy (fused or not) and logged as loss_metrics/z_loss; 0 = off"""
+    logit_softcap: float = 0.0
+    """Cap the logits at +-c by c x tanh(logit / c) before the cross entropy (Gemma 2 used 30); 0 = off"""
     global_batch_tokens: int | None = None
     """Tokens a step, whatever the GPU count: a multiple of seq_len; the gradient accumulation is derived for the data-parallel ranks (or give training.global_batch_size in rows)"""
     fused_cross_entropy: Literal["auto", "on", "off"] = "auto"

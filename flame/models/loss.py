@@ -16,6 +16,7 @@ over the ranks by the all-gather that brought the hidden states in.
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,23 +31,85 @@ from flame.base import batch_context
 CHUNK_TOKENS = 8192
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed CE (in fp32) over the targets that are not IGNORE_INDEX."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-    )
+@dataclass(frozen=True)
+class LogitTerms:
+    """What the loss adds to the cross entropy (--training.z_loss, --training.logit_softcap).
+
+    z_loss: z x log(Z)^2 per target, Z the softmax's normalizer (PaLM's 1e-4): keeps log(Z) near 0, so the
+    logits cannot drift up together. softcap: the logits pass through c x tanh(logit / c) first (Gemma 2's 30),
+    bounding them at +-c. Both are computed inside each chunk of the fused cross entropy (and of its
+    vocabulary-parallel form) and on the logits path alike; the z term's sum is kept for the log.
+    """
+
+    z_loss: float = 0.0
+    softcap: float = 0.0
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed CE of one chunk of logits, and its gradient (softmax - one-hot) in the logits' dtype."""
-    scores = logits.float()
+_terms = LogitTerms()
+_z_sum: torch.Tensor | None = None  # the z terms summed since the last take_z_sum(), detached
+
+
+def set_logit_terms(terms: LogitTerms) -> None:
+    """This process's terms (build_loss sets them from the job, before any forward)."""
+    global _terms
+    _terms = terms
+
+
+def _add_z(z_sum: torch.Tensor) -> None:
+    global _z_sum
+    _z_sum = z_sum.detach() if _z_sum is None else _z_sum + z_sum.detach()
+
+
+def take_z_sum() -> torch.Tensor | None:
+    """The z terms summed over the targets computed since the last call (None when z_loss is off)."""
+    global _z_sum
+    taken, _z_sum = _z_sum, None
+    return taken
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, terms: LogitTerms | None = None,
+                      compute=None) -> torch.Tensor:
+    """Summed CE (in fp32) over the targets that are not IGNORE_INDEX, with the z term and softcap of ``terms``
+    (``compute``: a compiled ``_cross_entropy_and_z``)."""
+    terms = terms or _terms
+    loss, z_sum = (compute or _cross_entropy_and_z)(logits, labels, terms.z_loss, terms.softcap)
+    if terms.z_loss:
+        _add_z(z_sum)
+    return loss
+
+
+def _cross_entropy_and_z(logits: torch.Tensor, labels: torch.Tensor, z_loss: float,
+                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _capped(logits.flatten(0, 1).float(), softcap)
+    targets = labels.flatten(0, 1)
+    loss = F.cross_entropy(scores, targets, reduction="sum", ignore_index=IGNORE_INDEX)
+    if not z_loss:
+        return loss, torch.zeros((), device=loss.device)
+    z_sum = (z_loss * torch.logsumexp(scores, dim=-1) ** 2 * (targets != IGNORE_INDEX)).sum()
+    return loss + z_sum, z_sum
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
+                         softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed CE of one chunk of logits (plus the z term), its gradient in the logits' dtype, and the z term's sum.
+
+    d/d scores = softmax x (1 + 2 z log Z) - one-hot; under a softcap, times 1 - (capped / c)^2.
+    """
+    scores = _capped(logits.float(), softcap)
     keep = targets != IGNORE_INDEX
     safe_targets = torch.where(keep, targets, 0)
     log_z = torch.logsumexp(scores, dim=-1)
-    loss = ((log_z - scores.gather(1, safe_targets[:, None])[:, 0]) * keep).sum()
-    grad = torch.exp(scores - log_z[:, None])
+    z_sum = (z_loss * log_z**2 * keep).sum()
+    loss = ((log_z - scores.gather(1, safe_targets[:, None])[:, 0]) * keep).sum() + z_sum
+    grad = torch.exp(scores - log_z[:, None]) * (1 + 2 * z_loss * log_z[:, None])
     grad = grad.scatter_add(1, safe_targets[:, None], -torch.ones_like(log_z[:, None]))
-    return loss, (grad * keep[:, None]).to(logits.dtype)
+    if softcap:
+        grad = grad * (1 - (scores / softcap) ** 2)
+    return loss, (grad * keep[:, None]).to(logits.dtype), z_sum
 
 
 _compiled_chunk_loss_and_grad = None
@@ -69,18 +132,21 @@ def _shard_sums(scores, shift, local_targets, mine):
     return torch.stack([sum_exp, target_logit])
 
 
-def _shard_loss_and_grad(scores, shift, sums, local_targets, mine, keep, dtype):
+def _shard_loss_and_grad(scores, shift, sums, local_targets, mine, keep, dtype, z_loss, softcap):
     log_z = shift + sums[0].log()
-    loss = ((log_z - sums[1]) * keep).sum()
-    grad = torch.exp(scores - log_z[:, None])
+    z_sum = (z_loss * log_z**2 * keep).sum()
+    loss = ((log_z - sums[1]) * keep).sum() + z_sum
+    grad = torch.exp(scores - log_z[:, None]) * (1 + 2 * z_loss * log_z[:, None])
     grad = grad.scatter_add(1, local_targets[:, None], -mine[:, None].to(grad.dtype))
-    return loss, (grad * keep[:, None]).to(dtype)
+    if softcap:
+        grad = grad * (1 - (scores / softcap) ** 2)
+    return loss, (grad * keep[:, None]).to(dtype), z_sum
 
 
 _compiled_shard_functions = None
 
 
-def _vocab_shard_chunk_loss_and_grad(logits, targets, group, vocab_start):
+def _vocab_shard_chunk_loss_and_grad(logits, targets, z_loss, softcap, group, vocab_start):
     """``_chunk_loss_and_grad`` for logits over this rank's vocabulary rows [vocab_start, +n)."""
     global _compiled_shard_functions
     sums_fn, loss_and_grad_fn = _shard_sums, _shard_loss_and_grad
@@ -88,7 +154,7 @@ def _vocab_shard_chunk_loss_and_grad(logits, targets, group, vocab_start):
         if _compiled_shard_functions is None:
             _compiled_shard_functions = tuple(torch.compile(f, dynamic=False) for f in (_shard_sums, _shard_loss_and_grad))
         sums_fn, loss_and_grad_fn = _compiled_shard_functions
-    scores = logits.float()
+    scores = _capped(logits.float(), softcap)
     keep = targets != IGNORE_INDEX
     local_targets = targets - vocab_start
     mine = keep & (local_targets >= 0) & (local_targets < scores.shape[1])
@@ -97,7 +163,7 @@ def _vocab_shard_chunk_loss_and_grad(logits, targets, group, vocab_start):
     dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
     sums = sums_fn(scores, shift, local_targets, mine)
     dist.all_reduce(sums, group=group)  # sum of exponentials and the target logit, over the vocabulary
-    return loss_and_grad_fn(scores, shift, sums, local_targets, mine, keep, logits.dtype)
+    return loss_and_grad_fn(scores, shift, sums, local_targets, mine, keep, logits.dtype, z_loss, softcap)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -111,8 +177,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_loss_and_grad):
+    def forward(ctx, hidden, weight, bias, targets, chunk_loss_and_grad, terms):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        z_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         # a frozen head (LoRA) needs no weight gradient: neither its matmul nor its fp32 buffer
         train_head = ctx.needs_input_grad[1]
@@ -120,8 +187,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
             h, t = hidden[start : start + CHUNK_TOKENS], targets[start : start + CHUNK_TOKENS]
-            loss, grad_logits = chunk_loss_and_grad(F.linear(h, weight, bias), t)
+            loss, grad_logits, z_sum = chunk_loss_and_grad(F.linear(h, weight, bias), t, terms.z_loss, terms.softcap)
             total += loss
+            z_total += z_sum
             grad_hidden[start : start + CHUNK_TOKENS] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += (grad_logits.T @ h).float()
@@ -129,6 +197,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_bias += grad_logits.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        if terms.z_loss:
+            _add_z(z_total)
         return total
 
     @staticmethod
@@ -137,12 +207,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         weight_dtype, bias_dtype = ctx.dtypes
         grad_weight = (grad_weight * grad_output).to(weight_dtype) if grad_weight is not None else None
         grad_bias = (grad_bias * grad_output).to(bias_dtype) if grad_bias is not None else None
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight, grad_bias, None, None
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight, grad_bias, None, None, None
 
 
 def linear_cross_entropy_sum(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    chunk_loss_and_grad=None,
+    chunk_loss_and_grad=None, terms: LogitTerms | None = None,
 ) -> torch.Tensor:
     """Summed CE of the logits ``hidden @ weight.T + bias`` (``[N, H]`` hidden, ``[N]`` targets)."""
     if torch.is_autocast_enabled(hidden.device.type):  # compute in what F.linear would use
@@ -151,7 +221,7 @@ def linear_cross_entropy_sum(
         bias = bias.to(dtype) if bias is not None else None
     chunk_loss_and_grad = chunk_loss_and_grad or _chunk_function(hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_loss_and_grad)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_loss_and_grad, terms or _terms)
 
 
 def vocab_parallel_linear_cross_entropy_sum(
@@ -218,10 +288,12 @@ def use_fused_cross_entropy(model: nn.Module) -> LossHead:
 
 
 def build_loss(job_config, **kwargs):
-    """torchtitan TrainSpec hook: loss(model output or logits, labels)."""
+    """torchtitan TrainSpec hook: loss(model output or logits, labels); sets the job's z-loss and softcap."""
+    set_logit_terms(LogitTerms(job_config.training.z_loss, job_config.training.logit_softcap))
     cross_entropy = cross_entropy_sum
     if job_config.compile.enable and "loss" in job_config.compile.components:
-        cross_entropy = torch.compile(cross_entropy_sum, backend=job_config.compile.backend)
+        compiled = torch.compile(_cross_entropy_and_z, backend=job_config.compile.backend)
+        cross_entropy = functools.partial(cross_entropy_sum, compute=compiled)
 
     def loss(output, labels: torch.Tensor) -> torch.Tensor:
         logits = getattr(output, "logits", output)

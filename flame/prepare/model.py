@@ -121,6 +121,14 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
     support = support_for(config)
     check_position_table(model, job_config)
     check_checkpointed_blocks(config, job_config.activation_checkpoint)
+    if job_config.training.logit_softcap and getattr(config, "final_logit_softcapping", None):
+        raise ConfigError(f"--training.logit_softcap {job_config.training.logit_softcap:g}: {support.name} caps its "
+                          f"logits itself (final_logit_softcapping {config.final_logit_softcapping:g} in its config): "
+                          "drop the flag, or change the cap there")
+    fused = device.fused_cross_entropy_enabled(job_config, getattr(config, "vocab_size", 0))
+    if job_config.training.z_loss and job_config.parallelism.tensor_parallel_degree > 1 and not fused:
+        raise ConfigError("--training.z_loss under tensor parallelism is computed inside the fused cross entropy, which "
+                          "this run does not use: add --training.fused_cross_entropy on")
     check_tensor_parallel(config, job_config, lambda: model.meta)
     check_context_parallel(config, job_config)
     check_pipeline_parallel(config, job_config)

@@ -240,6 +240,8 @@ def _check_validation(config: Any, given: dict[str, int]) -> None:
 
 def _check_training(config: Any) -> None:
     t = config.training
+    _number("--training.z_loss", t.z_loss, 0, meaning=" (its coefficient; 1e-4 is usual, 0 = off)")
+    _number("--training.logit_softcap", t.logit_softcap, 0, meaning=" (the cap c of c x tanh(logit / c); 0 = off)")
     if not t.dataset:
         raise ConfigError("no dataset given: set --training.dataset (e.g. builtin:python-stdlib or a path)")
     if t.seq_len <= 0:
