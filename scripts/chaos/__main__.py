@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signals", type=int, default=2,
                         help="stop signals in all, per process count of --procs: SIGTERM, SIGINT, SIGHUP and SIGUSR1 to the "
                              "process group or the launcher in turn (default 2)")
+    parser.add_argument("--stop-signals", type=lambda value: {f"SIG{name.strip().upper().removeprefix('SIG')}"
+                                                              for name in value.split(",")},
+                        default={sig.name for sig in STOP_SIGNALS},
+                        help="which stop signals the signal trials send, comma-separated (default all: TERM,INT,HUP,USR1)")
     parser.add_argument("--kills", type=int, default=6, help="kill -9s in all, shared among --procs (default 6)")
     parser.add_argument("--procs", default="1,2", help="process counts to run, comma-separated (default 1,2)")
     parser.add_argument("--seed", type=int, default=0, help="seeds every random choice (default 0)")
@@ -68,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true",
                         help="a quick pass: 2 kills on 1 process, 6 steps, damage truncate-distcp, a full disk at a save, two runs")
     args = parser.parse_args(argv)
+    if unknown := args.stop_signals - {sig.name for sig in STOP_SIGNALS}:
+        parser.error(f"--stop-signals: {', '.join(sorted(unknown))} is not a stop signal; give TERM, INT, HUP or USR1")
     if args.short:
         args.kills, args.signals, args.procs, args.steps, args.damage = 2, 1, "1", 6, "truncate-distcp"
         args.writes = "full-disk-at-a-save"
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ! {problem}", flush=True)
 
     stopped = []
-    plan = [(sig, target) for sig in STOP_SIGNALS for target in signals.TARGETS]
+    plan = [(sig, target) for sig in STOP_SIGNALS if sig.name in args.stop_signals for target in signals.TARGETS]
     for p in procs:
         for number in range(args.signals):
             sig, target = plan[number % len(plan)]
