@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from flame.checkpoint import manifest
-from flame.checkpoint.steps import complete_steps, weight_mismatches
+from flame.checkpoint.steps import EMA_STATE, complete_steps, weight_mismatches
 from flame.data.tokenizer import load_tokenizer
 from flame.base.dump_folder import RUN_CONFIG_FILE, pid_alive
 from flame.base.cli import ArgumentParser
@@ -75,11 +75,12 @@ def find_step(path: str, run: dict, step: int = -1, checkpoint_folder: str | Non
     return os.path.join(folder, f"step-{step}"), step
 
 
-def load_hf_model_from_dcp(checkpoint: str, config, runnable: bool = False) -> torch.nn.Module:
+def load_hf_model_from_dcp(checkpoint: str, config, runnable: bool = False, ema: bool = False) -> torch.nn.Module:
     """An HF model (fp32, CPU) holding the weights of a DCP checkpoint, once its files match its manifest.
 
     ``runnable``: also set what a checkpoint does not hold, the non-persistent buffers (rotary
     frequencies, ...), as the model's HF initialization does; an export writes only what it holds.
+    ``ema``: the average of the weights the run kept (--training.ema_decay) instead of the weights.
     """
     if found := manifest.defect(checkpoint):
         raise ConfigError(
@@ -102,8 +103,27 @@ def load_hf_model_from_dcp(checkpoint: str, config, runnable: bool = False) -> t
             f"checkpoint {checkpoint} does not hold this model's weights ({'; '.join(problems[:3])}): "
             "is --config the model the run trained?"
         )
+    if ema:
+        state_dict = _average_entries(checkpoint, metadata, state_dict)
     dcp.load(state_dict, checkpoint_id=checkpoint)
     return model
+
+
+def _average_entries(checkpoint: str, metadata, state_dict: dict) -> dict:
+    """``state_dict`` under the names of the checkpoint's average of the weights (ema.<name>); a tied weight once."""
+    prefix = f"{EMA_STATE}."
+    if not any(name.startswith(prefix) for name in metadata.state_dict_metadata):
+        raise ConfigError(f"checkpoint {checkpoint} holds no average of the weights: its run trained without "
+                          "--training.ema_decay; export the weights themselves (drop --ema)")
+    entries, storages = {}, set()
+    for name, tensor in state_dict.items():
+        if prefix + name in metadata.state_dict_metadata:
+            entries[prefix + name] = tensor
+            storages.add(tensor.untyped_storage().data_ptr())
+    for name, tensor in state_dict.items():  # what has no average: a tied alias (loaded already), or frozen weights
+        if prefix + name not in metadata.state_dict_metadata and tensor.untyped_storage().data_ptr() not in storages:
+            entries[name] = tensor
+    return entries
 
 
 def _alive_here(host: str, pid: int) -> bool:
@@ -228,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                              "auto: llama where the own architecture needs flash-attn to load and llama expresses it, "
                              "else native (default: the run's checkpoint.export_as)")
     parser.add_argument("--lora_export", choices=("adapter", "merged"), help="a LoRA run's export (default: the run's lora.export)")
+    parser.add_argument("--ema", action="store_true",
+                        help="export the average of the weights the run kept (--training.ema_decay) instead of them")
     parser.add_argument("--sample", metavar="PROMPT", help="after exporting, load the model and print a continuation")
     args = parser.parse_args(argv)
     if bool(args.folder) == bool(args.path):
@@ -265,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             if adapters is not None and not merge:
                 raise ConfigError("--export_as llama renames a whole model, not a LoRA adapter: add --lora_export merged")
         tokenizer = load_tokenizer(tokenizer_path)
-        model = load_hf_model_from_dcp(checkpoint, config)
+        if args.ema and adapters is not None:
+            raise ConfigError("--ema exports a whole model's average, and this is a LoRA run: export its adapters "
+                              "without --ema")
+        model = load_hf_model_from_dcp(checkpoint, config, ema=args.ema)
         if adapters is not None:
             model = load_adapters(model, adapters, checkpoint, base_model)
             model = model.merge_and_unload() if merge else model
@@ -283,10 +308,10 @@ def main(argv: list[str] | None = None) -> int:
               f"kept, and an earlier export there is as it was; fix that and export again: flame export {args.path}",
               file=sys.stderr)
         return 1
-    what = "the LoRA adapter of " if adapters is not None and not merge else ""
+    what = "the LoRA adapter of " if adapters is not None and not merge else ("the weights' average (EMA) of " if args.ema else "")
     as_llama = " as llama" if export_as == "llama" else ""
     print(f"exported {what}step {step} of {args.path} to {out}{as_llama} ({str(dtype).removeprefix('torch.')}): {chosen}")
-    if what and not lora.holds_weights(base_model):
+    if adapters is not None and not merge and not lora.holds_weights(base_model):
         print(f"note: its base model {base_model} holds no weights (they are in the checkpoint): export the merged "
               "model (--lora_export merged) for a model that loads on its own")
     if args.sample is not None:

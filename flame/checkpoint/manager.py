@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpoint import (
     MODEL,
@@ -44,6 +45,7 @@ from flame.checkpoint import manifest
 from flame.checkpoint.identity import identity
 from flame.checkpoint.save_failures import SaveFailures
 from flame.checkpoint.steps import (
+    EMA_STATE,
     explicit_step_error,
     newest_intact,
     unrecorded_checkpoint_error,
@@ -248,6 +250,20 @@ class FlameCheckpointManager(CheckpointManager):
         logger.info(f"{init_from.FLAG}: loaded in {time.monotonic() - begin:.2f} seconds")
         return True
 
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """torchtitan's load, where a checkpoint saved without the weights' average (--training.ema_decay turned on
+        for the resume) starts it from the loaded weights instead of failing on its missing entries."""
+        average = self.states.get(EMA_STATE)
+        starts_average = (average is not None and EMA_STATE in state_dict and not from_hf
+                          and not _holds(checkpoint_id, f"{EMA_STATE}."))
+        if starts_average:
+            state_dict = {key: value for key, value in state_dict.items() if key != EMA_STATE}
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        if starts_average:
+            average.restart()
+            logger.info(f"--training.ema_decay: {checkpoint_id} holds no average of the weights; it starts at the "
+                        "loaded weights")
+
     def _find_load_step(self, folder: str = "") -> int:
         steps = manifest.complete_steps(folder or self.folder)
         return steps[-1] if steps else -1
@@ -296,3 +312,9 @@ class FlameCheckpointManager(CheckpointManager):
         if ranks > 1:
             dist.barrier()  # rank 0's last rename is done before any rank lists the folder
         return next((step for step, path in steps.items() if path == chosen), -1)
+
+
+def _holds(checkpoint_id: str, prefix: str) -> bool:
+    """Whether the DCP checkpoint ``checkpoint_id`` has entries whose names start with ``prefix``."""
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    return any(name.startswith(prefix) for name in metadata.state_dict_metadata)

@@ -27,6 +27,8 @@ from flame.base.errors import ConfigError
 from flame.checkpoint.manifest import Defect, complete_steps
 from flame.models import lora
 
+EMA_STATE = "ema"  # the checkpoint's entry of the weights' average (flame.training.ema): ema.<name> in DCP's files
+
 
 def newest_intact(steps: dict[int, str], defect: Callable[[str], Defect | None], warn: Callable[[str], None] | None) -> str | None:
     """The newest of ``steps`` (step -> folder) that ``defect`` finds intact, or None.

@@ -84,6 +84,8 @@ class Training:
     """Pack documents into one row of seq_len tokens per device with cu_seqlens marking every document (needs batch_size 1)"""
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated into one optimizer step (derived when training.global_batch_size or global_batch_tokens fixes the global batch)"""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights, ema = decay x ema + (1 - decay) x weights after every update (e.g. 0.999), in the checkpoint, validated beside the live weights (validation/ema_*) and exportable (convert_dcp_to_hf --ema); 0 = off"""
     z_loss: float = 0.0
     """Coefficient of the z-loss, z_loss x log(Z)^2 per target (Z: the softmax's normalizer; PaLM used 1e-4), added inside the cross entropy (fused or not) and logged as loss_metrics/z_loss; 0 = off"""
     logit_softcap: float = 0.0

@@ -240,6 +240,7 @@ def _check_validation(config: Any, given: dict[str, int]) -> None:
 
 def _check_training(config: Any) -> None:
     t = config.training
+    _number("--training.ema_decay", t.ema_decay, 0, 1, high_open=True, meaning=" (0.999 is usual; 0 = off)")
     _number("--training.z_loss", t.z_loss, 0, meaning=" (its coefficient; 1e-4 is usual, 0 = off)")
     _number("--training.logit_softcap", t.logit_softcap, 0, meaning=" (the cap c of c x tanh(logit / c); 0 = off)")
     if not t.dataset:

@@ -45,11 +45,13 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
 from flame.base import batch_context, device, progress
+from flame.training.ema import WeightAverage
 
 from flame import compat, memory
 
 from flame.base.batch_context import BatchContext
 from flame.checkpoint.manager import FlameCheckpointManager
+from flame.checkpoint.steps import EMA_STATE
 from flame.checkpoint.steps import complete_steps
 from flame.training import evaluation
 from flame.models import loss as loss_terms
@@ -125,6 +127,11 @@ class Trainer(TorchtitanTrainer):
             self.checkpointer.failures.last_step = job_config.training.steps
         self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
         self.checkpointer.set_identity(job_config, self.tokenizer)  # recorded with every step, for a resume's check
+        self.ema = WeightAverage(self.model_parts, job_config.training.ema_decay) if job_config.training.ema_decay else None
+        if self.ema is not None:  # saved and loaded with the step; validated beside the live weights
+            self.checkpointer.states[EMA_STATE] = self.ema
+            if getattr(self, "validator", None) is not None:
+                self.validator.ema = self.ema
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
@@ -305,6 +312,8 @@ class Trainer(TorchtitanTrainer):
         self.updates.step(self.step, grad_norm, global_loss=lambda: self._reduce_loss(step_loss)[1],
                           targets=global_valid_tokens, before_update=self.checkpointer.maybe_wait_for_staging)
         self.lr_schedulers.step()
+        if self.ema is not None:
+            self.ema.update()
         self.nsys.pop()
 
         # The logged loss is the mean over the steps since the last log line (a smooth curve

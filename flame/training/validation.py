@@ -48,6 +48,7 @@ class Validator(BaseValidator):
         self.device = torch.device("cuda", torch.cuda.current_device()) if device.CUDA else torch.device("cpu")
         self.set = ValidationSet.build(job_config, tokenizer, dp_rank, dp_world_size)
         self.last_step: int | None = None  # the step last evaluated
+        self.ema = None  # the weights' average (flame.training.ema), scored after the live weights when set
         if dp_rank == 0:
             logger.info(
                 f"Validation: {', '.join(self.set.names)}, {len(self.set.batches)} batches per data-parallel rank of "
@@ -63,6 +64,13 @@ class Validator(BaseValidator):
         if step == self.last_step:
             return
         self.last_step = step
+        self._score(model_parts, step)
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                self._score(model_parts, step, "ema_")
+
+    def _score(self, model_parts: list[nn.Module], step: int, weights: str = "") -> None:
+        """Evaluate the set with the weights the model holds now; log it (``weights``: _log's)."""
         start = time.perf_counter()
         for model in model_parts:
             model.eval()
@@ -82,7 +90,7 @@ class Validator(BaseValidator):
                         module.reshard()
         seconds = time.perf_counter() - start
         self.metrics_processor.time_last_log += seconds  # the next training line's tokens/s and MFU leave it out
-        self._log(step, self._reduce(losses), seconds)
+        self._log(step, self._reduce(losses), seconds, weights)
 
     def _summed_loss(self, model_parts: list[nn.Module], inputs: dict, labels: torch.Tensor) -> torch.Tensor:
         """This rank's summed loss of one batch (its CP share; 0 on pipeline stages without the loss)."""
@@ -115,23 +123,27 @@ class Validator(BaseValidator):
             torch.distributed.all_reduce(totals, group=dims.get_mesh("batch").get_group())
         return totals.cpu()
 
-    def _log(self, step: int, totals: torch.Tensor, seconds: float) -> None:
+    def _log(self, step: int, totals: torch.Tensor, seconds: float, weights: str = "") -> None:
+        """Log the set's scores: validation/loss (ppl, bpb, tokens), per source when several; ``weights`` prefixes the
+        names of another set of weights' scores (``ema_``: validation/ema_loss ...)."""
         metrics = {}
         for prefix, (loss, tokens, nbytes) in [("validation", totals.sum(0).tolist()),
                                                *((f"validation/{name}", row) for name, row in zip(self.set.names, totals.tolist()))]:
             if prefix != "validation" and len(self.set.names) == 1:
                 break  # one source: the overall numbers are its own
             mean = loss / tokens if tokens else float("nan")
-            metrics |= {f"{prefix}/loss": mean, f"{prefix}/ppl": math.exp(min(mean, 700)),
-                        f"{prefix}/bpb": loss / math.log(2) / nbytes if nbytes else float("nan"),
-                        f"{prefix}/tokens": int(tokens)}
-        metrics["validation/time_s"] = seconds
+            metrics |= {f"{prefix}/{weights}loss": mean, f"{prefix}/{weights}ppl": math.exp(min(mean, 700)),
+                        f"{prefix}/{weights}bpb": loss / math.log(2) / nbytes if nbytes else float("nan"),
+                        f"{prefix}/{weights}tokens": int(tokens)}
+        metrics[f"validation/{weights}time_s"] = seconds
         self.metrics_processor.logger.log(metrics, step)
-        per_source = "".join(f"  {name} {metrics[f'validation/{name}/loss']:.4f}" for name in self.set.names
-                             if f"validation/{name}/loss" in metrics)
+        per_source = "".join(f"  {name} {metrics[f'validation/{name}/{weights}loss']:.4f}" for name in self.set.names
+                             if f"validation/{name}/{weights}loss" in metrics)
+        which = " (EMA weights)" if weights else ""
         logger.info(
-            f"validate step {step}  loss {metrics['validation/loss']:7.4f}  ppl {metrics['validation/ppl']:.2f}  "
-            f"bpb {metrics['validation/bpb']:.4f}  tokens {metrics['validation/tokens']:,}  {seconds:.1f}s{per_source}"
+            f"validate step {step}{which}  loss {metrics[f'validation/{weights}loss']:7.4f}  ppl "
+            f"{metrics[f'validation/{weights}ppl']:.2f}  bpb {metrics[f'validation/{weights}bpb']:.4f}  tokens "
+            f"{metrics[f'validation/{weights}tokens']:,}  {seconds:.1f}s{per_source}"
         )
 
 
