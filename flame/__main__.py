@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("", "train a model: flame's launcher (the same as bash train.sh in a checkout)"),
     "eval": ("flame.eval.__main__", "score an HF export or a run's checkpoint with lm-evaluation-harness"),
     "export": ("flame.checkpoint.export", "export a run's checkpoint as a Hugging Face model (<dump>/hf)"),
+    "average": ("flame.checkpoint.average", "average a run's last checkpoints into one HF model, scored beside them"),
     "convert": ("", "convert checkpoints: dcp_to_hf (as export) or hf_to_dcp (an HF model as a step-0 checkpoint)"),
     "plot": ("flame.tools.plot", "draw the curves of one run or several (curves.png)"),
     "push": ("flame.tools.push", "upload a run's HF export to the Hugging Face hub"),
