@@ -369,7 +369,8 @@ def test_only_fused_adam_skips_a_non_finite_update_on_the_device(name, implement
     config = SimpleNamespace(name=name, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                              implementation=implementation, early_step_in_backward=False, on_host=on_host,
                              gpu_blocks=0, muon_lr=None, muon_momentum=0.95, muon_weight_decay=None,
-                             muon_nesterov=True, muon_ns_steps=5, muon_adjust_lr="match_rms_adamw")
+                             muon_nesterov=True, muon_ns_steps=5, muon_adjust_lr="match_rms_adamw", param_groups="",
+                             decay_everything=False)
     optimizers = build_optimizers([model], config, None)
     assert optimizer_record(name).skips_on_gpu(config) is on_device
     # what the record says, the optimizers built do: torch's fused Adam and AdamW read found_inf in their step
