@@ -27,6 +27,7 @@ from flame.checkpoint.export import (
     run_settings,
 )
 from flame.checkpoint.manifest import complete_steps
+from flame.data.sources import SourceSpec, document_column, load_source
 from flame.data.tokenizer import load_tokenizer
 from flame.models import load_model_config
 
@@ -100,8 +101,6 @@ def mean_loss(model: torch.nn.Module, documents: list[list[int]]) -> float:
 
 def scoring_documents(run: dict, tokenizer, count: int, max_tokens: int) -> tuple[str, list[list[int]]]:
     """(where they come from, the token ids of the first ``count`` documents) of the run's validation or training data."""
-    from flame.data.sources import SourceSpec, document_column, load_source
-
     validation, training = run.get("validation", {}), run.get("training", {})
     path = validation.get("dataset") or (training.get("dataset") or "").split(",")[0]
     if not path:

@@ -26,6 +26,7 @@ from torchtitan.tools.logging import logger
 
 
 from flame.base import device, run_record
+from flame.models import loss
 from flame.training import side_outputs
 
 
@@ -172,3 +173,24 @@ class FlameMetricsProcessor(MetricsProcessor):
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
     """torchtitan TrainSpec hook."""
     return FlameMetricsProcessor(job_config, parallel_dims, tag)
+
+
+class ZLossWindow:
+    """The z-loss part of the steps since the last log line (--training.z_loss), kept on the device: no sync a step."""
+
+    def __init__(self) -> None:
+        self.window: torch.Tensor | None = None
+
+    def add(self, global_valid_tokens: torch.Tensor, on: torch.device) -> None:
+        """The step's z terms (flame.models.loss), per target like its loss; a pipeline stage without the head has none."""
+        z_sum = loss.take_z_sum()
+        step = z_sum / global_valid_tokens if z_sum is not None else torch.zeros((), device=on)
+        self.window = step if self.window is None else self.window + step
+
+    def metrics(self, reduce, steps: int) -> dict[str, float]:
+        """{loss_metrics/z_loss: the mean over the window}, reduced as the loss is (``reduce``: the trainer's)."""
+        if self.window is None:
+            return {}
+        mean, self.window = reduce(self.window / steps)[1].item(), None
+        return {"loss_metrics/z_loss": mean}
+

@@ -54,9 +54,8 @@ from flame.checkpoint.manager import FlameCheckpointManager
 from flame.checkpoint.steps import EMA_STATE
 from flame.checkpoint.steps import complete_steps
 from flame.training import evaluation
-from flame.models import loss as loss_terms
 from flame.models.loss import build_loss
-from flame.training.metrics import build_metrics_processor
+from flame.training.metrics import ZLossWindow, build_metrics_processor
 from flame.training.nsys import NsysWindow
 from flame.training import side_outputs, stop
 from flame.optim.builder import build_lr_schedulers, build_optimizers
@@ -111,7 +110,7 @@ class Trainer(TorchtitanTrainer):
         self.data_exhausted = False
         self.adapters_unchecked = job_config.lora.rank is not None  # until the first backward (lora.check_gradients)
         self._loss_window: torch.Tensor | None = None
-        self._z_window: torch.Tensor | None = None  # the z-loss part of the logged steps (--training.z_loss)
+        self.z_window = ZLossWindow() if job_config.training.z_loss else None  # its part of the logged loss
         self._window_steps = 0
         self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
         super().__init__(job_config)
@@ -319,19 +318,14 @@ class Trainer(TorchtitanTrainer):
         # The logged loss is the mean over the steps since the last log line (a smooth curve
         # even when logging every N steps); accumulated on device, so no sync per step.
         self._loss_window = step_loss if self._loss_window is None else self._loss_window + step_loss
-        if self.job_config.training.z_loss:  # its part of the loss, for the log (a stage without the head: none)
-            z_sum = loss_terms.take_z_sum()
-            z_step = z_sum / global_valid_tokens if z_sum is not None else torch.zeros((), device=self.device)
-            self._z_window = z_step if self._z_window is None else self._z_window + z_step
+        if self.z_window is not None:
+            self.z_window.add(global_valid_tokens, self.device)
         self._window_steps += 1
         if not self.metrics_processor.should_log(self.step):
             return
         self.updates.settle()
         loss, global_avg_loss = self._reduce_loss(self._loss_window / self._window_steps)
-        z_terms = {}
-        if self._z_window is not None:
-            z_terms = {"loss_metrics/z_loss": self._reduce_loss(self._z_window / self._window_steps)[1].item()}
-            self._z_window = None
+        z_terms = self.z_window.metrics(self._reduce_loss, self._window_steps) if self.z_window is not None else {}
         self._loss_window, self._window_steps = None, 0
         batch_mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
         global_max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, batch_mesh)
