@@ -125,7 +125,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, fsdp),
         autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(config, model_config.vocab_size),
         expandable_segments=expandable_segments(config), dense_attention=attention == "sdpa",
-        tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined,
+        tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined, ema=t.ema_decay > 0,
         activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
     )
     if device.CUDA and world_size == 1 and not fsdp:

@@ -52,6 +52,8 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     kept = "host (CPU offload)" if layout.offload else "GPU"
     state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
     parts = [Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank")]
+    if job.ema:
+        parts.append(Part("weights' average", 4 * weights, kept, "fp32, --training.ema_decay"))
     gradients = Part("gradients", 4 * weights, kept, "fp32")
     if layout.host_optimizer:
         # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU

@@ -81,6 +81,7 @@ class Job:
     dense_attention: bool  # sdpa keeps the T x T weights; flash-style kernels do not
     tensor_parallel: int
     pipelined: bool  # stages split the blocks: AC of the first K blocks is not offered
+    ema: bool  # an average of the weights beside them (--training.ema_decay): fp32, placed like the weights
     activations: ActivationProfile = field(repr=False)
     # one process, no FSDP: the job as it runs once CPU offload or the optimizer on the host wraps it in FSDP over
     # a one-rank mesh (flame.distributed.degrees.fsdp_alone), its activations measured again without autocast;

@@ -477,6 +477,15 @@ def test_the_backward_counts_the_autocast_copies_of_the_blocks_not_yet_through_i
     assert parts["autocast weight copies"].bytes == block_copy
 
 
+def test_the_weights_average_is_counted_like_the_weights(long_model, monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off", "--training.ema_decay=0.999"))
+    job = memory.job_of(config, 1)
+    parts = {part.name: part for part in estimate(job, Layout())}
+    assert job.ema and parts["weights' average"].bytes == parts["parameters"].bytes == 4 * job.params
+    without = {part.name for part in estimate(dataclasses.replace(job, ema=False), Layout())}
+    assert "weights' average" not in without
+
+
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     job = memory.job_of(config, 1)
@@ -854,7 +863,7 @@ def test_transformer_7b_on_an_80_gb_gpu_steps_its_optimizer_on_the_host(monkeypa
                        compute_bytes=2, hidden_bytes=2, optimizer=ADAMW, rows=8, accumulates=False,
                        tokens_per_row=32768, weight_shards=1, fsdp=True, alone=True, can_offload=True,
                        can_step_on_host=True, gpu_state_params=0, autocast_copies=False, fused_loss=True,
-                       expandable_segments=True, dense_attention=False, tensor_parallel=1, pipelined=False,
+                       expandable_segments=True, dense_attention=False, tensor_parallel=1, pipelined=False, ema=False,
                        activations=measured)
     rates = Hardware("NVIDIA H100 80GB HBM3", {256: 238.0, 1024: 537.0, 4096: 723.0, 16384: 763.0}, 54.9, 5.62e9, 1e-5)
     plan = choose(alone, Layout(), set(), 78.18 * GIB, 110 * GIB, lambda: rates)
