@@ -34,7 +34,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from flame.base.errors import DataError, gist, preview
-from flame.data.tokenizer import Delimiters
+from flame.data.tokenizer import Delimiters, id_outside_vocabulary
 
 DOCUMENTS_PER_READ = 64  # documents read and tokenized together (batched tokenization is much faster)
 ROW_COUNTERS = ("tokens", "documents", "dropped", "truncated", "padding")  # Row.source_<name>, per source
@@ -111,8 +111,10 @@ class TokenizedSource:
         except Exception:
             self._refuse_the_failing_record(documents)
             raise  # no record fails alone
-        if self.id_limit is not None:
-            self._check_ids(documents)
+        if self.id_limit is not None and encoded:
+            every = np.concatenate(encoded)  # the read's ids at once (delimiters are the tokenizer's own)
+            if every.min() < 0 or every.max() >= self.id_limit:
+                self._refuse_the_id_outside(documents)
         return encoded
 
     def _refuse_the_failing_record(self, documents: list) -> None:
@@ -132,15 +134,14 @@ class TokenizedSource:
                                 "or remove that record, then run the same command again (the run resumes from its "
                                 "last checkpoint)") from cause
 
-    def _check_ids(self, documents: list) -> None:
-        """Token ids given as they are must be the tokenizer's: below ``id_limit``, not negative."""
+    def _refuse_the_id_outside(self, documents: list) -> None:
+        """Raise a DataError naming the first document holding an id outside the vocabulary (the read holds one)."""
         for index, document in enumerate(documents):
-            if len(document) and (min(document) < 0 or max(document) >= self.id_limit):
-                bad = next(i for i in document if not 0 <= i < self.id_limit)
-                raise DataError(f"dataset {self.stream.name}: {self.stream.record_name(index, document)} holds token "
-                                f"id {bad}, outside the tokenizer's vocabulary (ids 0 to {self.id_limit - 1}): it "
-                                "was tokenized with another tokenizer: give that one (with a model whose vocab_size "
-                                "covers it), or tokenize the text again")
+            ids = np.asarray(document, dtype=np.int64)
+            outside = ids[(ids < 0) | (ids >= self.id_limit)]
+            if len(outside):
+                raise DataError(f"dataset {self.stream.name}: {self.stream.record_name(index, document)} "
+                                f"{id_outside_vocabulary(int(outside[0]), self.id_limit)}")
 
     def state_dict(self) -> dict:
         return {"stream": self._read_start, "reads": self._reads, "used": self._used}

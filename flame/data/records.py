@@ -22,6 +22,7 @@ from flame.base.errors import DataError, preview
 from flame.data.formats.text import TextEncoder
 from flame.data.shards import DataPlan
 from flame.data.sources import SourceSpec, record_location
+from flame.data.tokenizer import id_outside_vocabulary
 
 WHOLE_BYTES = 4 << 30  # a column up to this size is checked in full
 STREAMED_SAMPLE = 1000
@@ -109,12 +110,8 @@ class RecordCheck:
             self.refuse_id(start + parents[at].as_py(), ids[at].as_py())
 
     def refuse_id(self, index: int, token_id: int) -> None:
-        if token_id < 0:
-            self.refuse(index, f"holds token id {token_id}", "token ids are never negative: fix how the data was written")
-        self.refuse(index, f"holds token id {token_id}, outside the vocabulary of --model.tokenizer_path "
-                           f"{self.tokenizer} (ids 0 to {self.vocabulary - 1})",
-                    "it was tokenized with another tokenizer: give that one (with a model whose vocab_size covers "
-                    "it), or tokenize the text again")
+        what, _, fix = id_outside_vocabulary(token_id, self.vocabulary, self.tokenizer).partition(": ")
+        self.refuse(index, what, fix)
 
     def refuse(self, index: int, what: str, fix: str) -> None:
         raise DataError(f"dataset {self.spec.path}: {record_location(self.spec.path, index)} of column '{self.column}' "

@@ -138,3 +138,13 @@ def document_delimiters(
         wanted = (False, True)
     return Delimiters(bos=bos if wanted[0] else None, eos=eos if wanted[1] else None)
 
+
+def id_outside_vocabulary(token_id: int, vocabulary: int, tokenizer: str = "") -> str:
+    """What is wrong with a given token id outside [0, vocabulary), and the fix (a clause after "record N ")."""
+    if token_id < 0:
+        return f"holds token id {token_id}: token ids are never negative: fix how the data was written"
+    whose = f"--model.tokenizer_path {tokenizer}" if tokenizer else "the tokenizer"
+    return (f"holds token id {token_id}, outside the vocabulary of {whose} (ids 0 to "
+            f"{vocabulary - 1}): it was tokenized with another tokenizer: give that one (with a model whose "
+            "vocab_size covers it), or tokenize the text again")
+

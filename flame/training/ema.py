@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from flame.optim.groups import clean_name
+from flame.optim.host import local_part
 
 
 class WeightAverage(Stateful):
@@ -57,14 +58,15 @@ class WeightAverage(Stateful):
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """The average in the parameters' place (their dtype) while the block runs; the weights back after."""
-        kept = [param.detach().clone() for param in self.params]
+        """The average in the parameters' place while the block runs, the weights back after. The weights wait in host
+        memory meanwhile (this rank's shards), so scoring the average costs the GPU no second copy of the model."""
         with torch.no_grad():
+            kept = [local_part(param).detach().to("cpu", copy=True) for param in self.params]
             for param, average in zip(self.params, self.average):
                 param.copy_(average)
         try:
             yield
         finally:
             with torch.no_grad():
-                for param, weight in zip(self.params, kept):
-                    param.copy_(weight)
+                for param, weights in zip(self.params, kept):
+                    local_part(param).copy_(weights)
