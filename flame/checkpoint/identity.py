@@ -78,9 +78,16 @@ def _model(job_config, tokenizer) -> dict:
     return _flat({k: v for k, v in config.items() if k not in _MODEL_BOOKKEEPING})
 
 
+def _set(training, *names: str) -> dict:
+    """The curriculum's settings a run gives (flame.config.curriculum), by dotted name: a run without them has the
+    identity of a run saved before they existed."""
+    unset = {"batch_ramp": "", "context_ramp": "", "data_phases": "", "lr_follows_batch": "none"}
+    return {f"training.{name}": getattr(training, name) for name in names if getattr(training, name) != unset[name]}
+
+
 def _data(job_config, tokenizer) -> dict:
     training, validation = job_config.training, job_config.validation
-    data = {f"training.{name}": getattr(training, name) for name in _DATA}
+    data = {f"training.{name}": getattr(training, name) for name in _DATA} | _set(training, "data_phases")
     data["validation.holdout_documents"] = validation.holdout_documents if validation.enable else 0  # never trained on
     return data
 
@@ -122,9 +129,11 @@ FIELDS = [
     Field("data", _data),
     Field("seed", lambda c, t: {"debug.seed": c.debug.seed}),
     Field("seq_len", lambda c, t: {"training.seq_len": c.training.seq_len}),
-    Field("context_len", lambda c, t: {"training.context_len": c.training.context_len}),
-    Field("batch", lambda c, t: {"rows": c.training.global_batch_size},
-          lambda key: "rows a step: --training.batch_size x data-parallel ranks x --training.gradient_accumulation_steps"),
+    Field("context_len", lambda c, t: {"training.context_len": c.training.context_len,
+                                       **_set(c.training, "context_ramp")}),
+    Field("batch", lambda c, t: {"rows": c.training.global_batch_size, **_set(c.training, "batch_ramp", "lr_follows_batch")},
+          lambda key: "rows a step: --training.batch_size x data-parallel ranks x --training.gradient_accumulation_steps"
+          if key == "rows" else f"--{key}"),
     Field("optimizer", _optimizer),
     Field("lr", _lr),
     Field("schedule", lambda c, t: {f"lr_scheduler.{name}": getattr(c.lr_scheduler, name) for name in _SCHEDULE}),

@@ -92,6 +92,14 @@ class Training:
     """Cap the logits at +-c by c x tanh(logit / c) before the cross entropy (Gemma 2 used 30); 0 = off"""
     global_batch_tokens: int | None = None
     """Tokens a step, whatever the GPU count: a multiple of seq_len; the gradient accumulation is derived for the data-parallel ranks (or give training.global_batch_size in rows)"""
+    batch_ramp: str = ""
+    """Global batch ramp, "step: rows" from step 1 (e.g. "1: 64, 501: 128, 2001: 256"): rows a step from each step on, the last the run's global batch; each rank's micro-batch stays, the accumulation follows (docs/configuration.md)"""
+    lr_follows_batch: Literal["none", "sqrt", "linear"] = "none"
+    """With batch_ramp: scale the lr by (rows / the largest batch's rows) to the power 1/2 (sqrt) or 1 (linear)"""
+    context_ramp: str = ""
+    """Context-length ramp, "step: tokens" from step 1 (e.g. "1: 512, 1001: 2048"): documents are cut to at most this many tokens from each step on (rows keep seq_len tokens), each <= context_len"""
+    data_phases: str = ""
+    """Data mixture phases, "step: probabilities [reset_optimizer] [restart_lr]; ..." (e.g. "2001: 0,1 reset_optimizer restart_lr"): one probability per dataset from that step on; data_probs holds before the first phase"""
     fused_cross_entropy: Literal["auto", "on", "off"] = "auto"
     """Compute the loss from the last hidden states in chunks, never materializing all logits (faster than logits + CE on CUDA; docs/perf-log-archive.md). auto = on for CUDA runs with vocab_size >= 16384"""
     skip_nan_inf: bool = False

@@ -63,6 +63,7 @@ class PackedDataset(IterableDataset):
         self.shard_states: dict[int, dict] = {}  # where shards continue from (all shards of the run)
         self.cursors: dict[int, int] = {}  # role -> rows made so far (whose shard is next)
         self.role_offset = 0  # worker w plays role (w + role_offset) % workers
+        self.rows_before = 0  # global rows read before the cursors started (a resume that composed batches anew)
 
     @property
     def readers(self) -> int:
@@ -85,10 +86,11 @@ class PackedDataset(IterableDataset):
         cursor = self.cursors.get(role, 0)
         while True:
             rows, touched = [], []
+            step = self.step_of_batch(cursor, role)
             for _ in range(self.plan.batch_size):
                 shard = mine[cursor % len(mine)]
                 try:
-                    rows.append(pipelines[shard].next_row())
+                    rows.append(pipelines[shard].next_row(step))
                 except SourceExhausted as exhausted:
                     logger.info(f"dataset {exhausted} ran out (--training.source_exhausted stop)")
                     return
@@ -106,6 +108,20 @@ class PackedDataset(IterableDataset):
                            for name in ROW_COUNTERS},
             }
             yield (*collate_rows(rows), progress)
+
+
+    def step_of_batch(self, cursor: int, role: int) -> int | None:
+        """The step that trains role ``role``'s next batch, its rows made so far ``cursor`` (None without a curriculum).
+
+        Role r makes this rank's batches r, r + workers, ... (counted since the cursors started), and every rank's
+        k-th batch holds the global rows after k x ranks x batch_size of them.
+        """
+        plan = self.plan
+        if not plan.curriculum:
+            return None
+        batch = cursor // plan.batch_size * self.workers + role
+        return plan.curriculum.step_of_row(self.rows_before + batch * self.dp_world_size * plan.batch_size,
+                                           plan.global_rows)
 
 
 def _end_with_rank(rank_pid: int, worker_id: int) -> None:
@@ -181,6 +197,7 @@ class FlameDataLoader(BaseDataLoader):
             "sources": [spec.path for spec in dataset.plan.specs],
             "shards": dataset.shards,
             "layout": [dataset.dp_world_size, dataset.workers],
+            "rows_before": dataset.rows_before,
             "shard_states": shard_states,
             "ranks": {rank: {k: v for k, v in s.items() if k != "shard_states"} for rank, s in ranks.items()},
         }
@@ -217,6 +234,7 @@ class FlameDataLoader(BaseDataLoader):
             )
         dataset.shards = state["shards"]
         dataset.shard_states = state["shard_states"]
+        dataset.rows_before = state.get("rows_before", 0)
         ranks = state["ranks"]
         if state["layout"] == [dataset.dp_world_size, dataset.workers]:
             mine = ranks[self.dp_rank]
@@ -225,7 +243,8 @@ class FlameDataLoader(BaseDataLoader):
             self._load_counts([mine])
             return
         saved_ranks, saved_workers = state["layout"]
-        continued = self._continue_in_this_layout(sum(sum(rank["cursors"].values()) for rank in ranks.values()))
+        rows_read = dataset.rows_before + sum(sum(rank["cursors"].values()) for rank in ranks.values())
+        continued = self._continue_in_this_layout(rows_read)
         logger.info(
             f"data: resuming {dataset.shards} data shards saved by {saved_ranks} ranks x {saved_workers} workers "
             f"on {dataset.dp_world_size} ranks x {dataset.workers} workers (same stream, "
@@ -245,8 +264,9 @@ class FlameDataLoader(BaseDataLoader):
         dataset, rows = self.dataset, self.dataset.plan.batch_size
         per_step = dataset.dp_world_size * rows
         if rows_read % per_step or dataset.shards % dataset.readers:
-            dataset.cursors, dataset.role_offset, self.batches = {}, 0, 0
+            dataset.cursors, dataset.role_offset, self.batches, dataset.rows_before = {}, 0, 0, rows_read
             return False
+        dataset.rows_before = 0
         self.batches = rows_read // per_step  # batches each rank would have delivered
         dataset.cursors = {role: (self.batches - role + dataset.workers - 1) // dataset.workers * rows
                            for role in range(dataset.workers)}

@@ -34,6 +34,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from flame.base.errors import DataError, gist, preview
+from flame.config.curriculum import Curriculum
 from flame.data.tokenizer import Delimiters, id_outside_vocabulary
 
 DOCUMENTS_PER_READ = 64  # documents read and tokenized together (batched tokenization is much faster)
@@ -160,20 +161,27 @@ class DocumentMixer:
     (deterministic; token fractions stay within one document of the target).
     """
 
-    def __init__(self, sources: Sequence[TokenizedSource], probabilities: Sequence[float], seed: int, unit: str):
+    def __init__(self, sources: Sequence[TokenizedSource], probabilities: Sequence[float], seed: int, unit: str,
+                 phases: Sequence[Sequence[float]] = ()):
         self.sources, self.unit = list(sources), unit
-        weights = np.asarray(probabilities, dtype=np.float64)
-        self.probabilities = weights / weights.sum()
+        # the mixture of each data phase (flame.config.curriculum), the run's own first
+        self.mixtures = [np.asarray(p, dtype=np.float64) / np.sum(p) for p in (probabilities, *phases)]
+        self.phase = 0
+        self.probabilities = self.mixtures[0]
         self.rng = np.random.Generator(np.random.PCG64(seed))
-        self.tokens = [0] * len(self.sources)
+        self.tokens = [0] * len(self.sources)  # of this phase: its shares count from its start
+
+    def set_phase(self, phase: int) -> None:
+        if phase != self.phase:
+            self.phase, self.probabilities, self.tokens = phase, self.mixtures[phase], [0] * len(self.sources)
 
     def next_document(self) -> tuple[int, np.ndarray]:
         """(source index, tokens) of the next document."""
         if len(self.sources) == 1:
             index = 0
         elif self.unit == "tokens":
-            total = sum(self.tokens)
-            index = int(np.argmax(self.probabilities * total - np.asarray(self.tokens)))
+            below = self.probabilities * sum(self.tokens) - np.asarray(self.tokens)
+            index = int(np.argmax(np.where(self.probabilities > 0, below, -np.inf)))  # a source left out stays out
         else:
             index = int(self.rng.choice(len(self.sources), p=self.probabilities))
         document = self.sources[index].next_document()
@@ -185,6 +193,7 @@ class DocumentMixer:
             "rng": copy.deepcopy(self.rng.bit_generator.state),
             "sources": [source.state_dict() for source in self.sources],
             "tokens": list(self.tokens),
+            "phase": self.phase,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -193,6 +202,8 @@ class DocumentMixer:
         self.rng.bit_generator.state = state["rng"]
         for source, source_state in zip(self.sources, state["sources"]):
             source.load_state_dict(source_state)
+        self.phase = state.get("phase", 0)  # a state saved before data phases existed is in the run's mixture
+        self.probabilities = self.mixtures[self.phase]
         self.tokens = list(state["tokens"])
 
 
@@ -219,13 +230,20 @@ def balanced_pieces(length: int, context_len: int) -> list[int]:
 
 
 class Packer:
-    """Cuts the document stream into rows of ``seq_len`` tokens (see the module docstring)."""
+    """Cuts the document stream into rows of ``seq_len`` tokens (see the module docstring).
+
+    With a ``curriculum`` (flame.config.curriculum), each row is made for the step that will train it: its context
+    length and data phase are that step's. A document keeps the pieces it was cut into when it was drawn.
+    """
 
     def __init__(
-        self, documents: DocumentMixer, seq_len: int, context_len: int, document_mask: bool = True, pad_id: int = 0
+        self, documents: DocumentMixer, seq_len: int, context_len: int, document_mask: bool = True, pad_id: int = 0,
+        curriculum: Curriculum = Curriculum(),
     ):
         self.documents, self.seq_len, self.context_len = documents, seq_len, context_len
-        self.document_mask, self.pad_id = document_mask, pad_id
+        self.document_mask, self.pad_id, self.curriculum = document_mask, pad_id, curriculum
+        self._context = context_len  # of the row being made
+        self._document_context = context_len  # the current document's pieces were cut for this context
         self.sources = len(documents.sources)
         self._document_start = documents.state_dict()  # mixer position before the current document
         self._document: np.ndarray | None = None
@@ -242,10 +260,15 @@ class Packer:
         self._offset = 0
         # Python ints: the segment lengths come from them, and a batch's longest one must stay on the host (a
         # numpy int becomes a tensor in the DataLoader, goes to the GPU, and every attention call reads it back)
-        self._piece_ends = np.cumsum(balanced_pieces(len(self._document), self.context_len)).tolist()
+        self._document_context = self._context
+        self._piece_ends = np.cumsum(balanced_pieces(len(self._document), self._context)).tolist()
         return document
 
-    def next_row(self) -> Row:
+    def next_row(self, step: int | None = None) -> Row:
+        """The next row; ``step``: the step it is for (read only with a curriculum)."""
+        if self.curriculum and step is not None:
+            self._context = self.curriculum.context_len(step, self.context_len)
+            self.documents.set_phase(self.curriculum.phase(step))
         inputs, labels, segments = [], [], []
         counts = {name: np.zeros(self.sources, dtype=np.int64) for name in ROW_COUNTERS}
         filled = 0
@@ -279,17 +302,19 @@ class Packer:
             filled += end - start
             self._offset = end
         if not self.document_mask:  # plain concatenation: the row in near-equal context_len segments
-            segments = balanced_pieces(self.seq_len, self.context_len) if self.context_len < self.seq_len else [self.seq_len]
+            segments = balanced_pieces(self.seq_len, self._context) if self._context < self.seq_len else [self.seq_len]
         positions = np.concatenate([np.arange(length) for length in segments])
         return Row(np.concatenate(inputs), np.concatenate(labels), positions, segments,
                    **{f"source_{name}": count for name, count in counts.items()})
 
     def state_dict(self) -> dict:
-        return {"document_start": self._document_start, "offset": self._offset, "started": self._document is not None}
+        return {"document_start": self._document_start, "offset": self._offset, "started": self._document is not None,
+                "context": self._document_context}
 
     def load_state_dict(self, state: dict) -> None:
         self.documents.load_state_dict(state["document_start"])
         self._document, self._labels, self._offset = None, None, 0
+        self._context = state.get("context", self.context_len)  # the pieces of the document it was inside
         if state["started"]:
             self._next_document()
             self._offset = state["offset"]
@@ -302,15 +327,17 @@ class RowShuffler:
         self.packer, self.window, self.seed = packer, window, seed
         self._window_start = packer.state_dict()
         self._windows = 0
+        self._window_step: int | None = None  # the step the current window's rows were made for
         self._rows: list[Row] = []
         self._used = 0
 
-    def next_row(self) -> Row:
+    def next_row(self, step: int | None = None) -> Row:
+        """The next row of the window; a new window is made for ``step`` (the curriculum's step, if any)."""
         if self._used == len(self._rows):
             if self._rows:
                 self._windows += 1
-            self._window_start = self.packer.state_dict()
-            rows = [self.packer.next_row() for _ in range(self.window)]
+            self._window_start, self._window_step = self.packer.state_dict(), step
+            rows = [self.packer.next_row(step) for _ in range(self.window)]
             self._rows = [rows[i] for i in _permutation(self.window, *self.seed, self._windows)]
             self._used = 0
         row = self._rows[self._used]
@@ -318,13 +345,14 @@ class RowShuffler:
         return row
 
     def state_dict(self) -> dict:
-        return {"window_start": self._window_start, "windows": self._windows, "used": self._used}
+        return {"window_start": self._window_start, "windows": self._windows, "used": self._used,
+                "window_step": self._window_step}
 
     def load_state_dict(self, state: dict) -> None:
         self.packer.load_state_dict(state["window_start"])
         self._window_start, self._windows, self._rows, self._used = state["window_start"], state["windows"], [], 0
         if state["used"]:
-            self.next_row()  # re-produce the window, then skip what was used
+            self.next_row(state.get("window_step"))  # re-produce the window as it was made, then skip what was used
             self._used = state["used"]
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from datasets import IterableDataset
 from torchtitan.tools.logging import logger
 
+from flame.config.curriculum import Curriculum
 from flame.config.manager import split_list
 from flame.data.formats import DataFormat, SourceEncoder, data_format
 from flame.data.packing import (
@@ -57,6 +58,8 @@ class DataPlan:
     shards: int  # 0: decided at the first start (default_shards) or taken from the checkpoint
     pad_id: int  # pads a row where the next conversation does not fit
     holdout: int = 0  # the first documents of every source: the validation set, never trained on
+    curriculum: Curriculum = Curriculum()  # what changes with the step: context length, data phase, global batch
+    global_rows: int = 0  # rows a step over all ranks, without a batch ramp (finds the step of a row)
 
     @classmethod
     def from_config(cls, job_config, tokenizer) -> "DataPlan":
@@ -99,6 +102,8 @@ class DataPlan:
             shards=training.data_shards,
             pad_id=padding_token(tokenizer, delimiters),
             holdout=holdout,
+            curriculum=Curriculum.of(training),
+            global_rows=training.global_batch_size,
         )
 
     def default_shards(self, readers: int) -> int:
@@ -126,16 +131,18 @@ class DataShard:
 
     def __init__(self, plan: DataPlan, shard: int, shards: int):
         sources = [document_source(plan, index, shard, shards) for index in range(len(plan.specs))]
-        mixer = DocumentMixer(sources, plan.probabilities, np.random.SeedSequence([plan.seed, shard]), plan.mix_unit)
-        self.packer = Packer(mixer, plan.seq_len, plan.context_len, plan.document_mask, plan.pad_id)
+        mixer = DocumentMixer(sources, plan.probabilities, np.random.SeedSequence([plan.seed, shard]), plan.mix_unit,
+                              [phase.probabilities for phase in plan.curriculum.phases])
+        self.packer = Packer(mixer, plan.seq_len, plan.context_len, plan.document_mask, plan.pad_id, plan.curriculum)
         self.rows = (
             RowShuffler(self.packer, plan.row_shuffle_buffer, (plan.seed, shard))
             if plan.row_shuffle_buffer > 0
             else self.packer
         )
 
-    def next_row(self) -> Row:
-        return self.rows.next_row()
+    def next_row(self, step: int | None = None) -> Row:
+        """The next row, made for ``step`` (what the curriculum sets for it; None: the run's settings)."""
+        return self.rows.next_row(step)
 
     def state_dict(self) -> dict:
         return self.rows.state_dict()

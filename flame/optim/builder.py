@@ -84,7 +84,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _set_lr(group: dict, lr: float) -> None:
+def set_lr(group: dict, lr: float) -> None:
     if torch.is_tensor(group["lr"]):  # a tensor lr (capturable optimizers) keeps its tensor
         group["lr"].fill_(lr)
     else:
@@ -124,7 +124,7 @@ class ConfiguredSettings:
             lrs = [base * factor(scheduler.last_epoch) for factor, base in zip(scheduler.lr_lambdas, base_lrs)]
             for group, base, lr in zip(optimizer.param_groups, base_lrs, lrs):
                 group["initial_lr"] = base
-                _set_lr(group, lr)
+                set_lr(group, lr)
             if [float(lr) for lr in scheduler.get_last_lr()] != lrs:
                 changed.setdefault("next lr", f"lr of step {scheduler.last_epoch + 1} {scheduler.get_last_lr()[0]:g} -> {lrs[0]:g}")
             scheduler._last_lr = lrs  # what the trainer logs as the step's lr

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torchtitan.components.metrics import (
     LoggerContainer,
@@ -194,3 +195,19 @@ class ZLossWindow:
         mean, self.window = reduce(self.window / steps)[1].item(), None
         return {"loss_metrics/z_loss": mean}
 
+
+
+def data_metrics(loader, parallel_dims, on: torch.device) -> dict[str, float]:
+    """The counters each source's format logs (flame.data.formats), over all ranks, since the run started:
+    documents and tokens trained on; for SFT sources also the conversations dropped or truncated as too
+    long and the padding before them."""
+    counts = torch.tensor(np.stack(list(loader.counts.values())), device=on)
+    if parallel_dims.dp_enabled:
+        torch.distributed.all_reduce(counts, group=parallel_dims.get_mesh("batch").get_group())
+    metrics = {}
+    plan = loader.dataset.plan
+    for name, record, source_counts in zip(plan.source_names(), plan.formats, counts.T.tolist()):
+        for counter, count in zip(loader.counts, source_counts):
+            if counter in record.counters:
+                metrics[f"data/{name}/{counter}"] = count
+    return metrics

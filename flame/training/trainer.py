@@ -16,7 +16,8 @@ which torchtitan's loop calls after each step's checkpoint). flame overrides:
 - ``should_continue_training``: first asked once the checkpoint is loaded, when the run is known
   to start: numbers the attempt and records its job config (flame.base.dump_folder); no further
   step after a stop signal;
-- ``train_step``: per-step RNG, ranks agreeing on running out of data, the update taken or
+- ``train_step``: the micro-batches of the step and a data phase's optimizer reset (flame.training.curriculum),
+  per-step RNG, ranks agreeing on running out of data, the update taken or
   skipped (flame.training.update_guard: non-finite gradients, loss spikes), richer metrics
   (per-source data counts among them); the Nsight Systems window and NVTX ranges
   (flame.training.nsys); under LoRA, the first step checks that every adapter got a
@@ -31,7 +32,6 @@ import contextlib
 import os
 from typing import Any
 
-import numpy as np
 import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
@@ -45,6 +45,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchtitanTrainer
 
 from flame.base import batch_context, device, progress
+from flame.training.curriculum import StepCurriculum
 from flame.training.ema import WeightAverage
 
 from flame import compat, memory
@@ -55,7 +56,7 @@ from flame.checkpoint.steps import EMA_STATE
 from flame.checkpoint.steps import complete_steps
 from flame.training import evaluation
 from flame.models.loss import build_loss
-from flame.training.metrics import ZLossWindow, build_metrics_processor
+from flame.training.metrics import ZLossWindow, build_metrics_processor, data_metrics
 from flame.training.nsys import NsysWindow
 from flame.training import side_outputs, stop
 from flame.optim.builder import build_lr_schedulers, build_optimizers
@@ -110,6 +111,7 @@ class Trainer(TorchtitanTrainer):
         self.data_exhausted = False
         self.adapters_unchecked = job_config.lora.rank is not None  # until the first backward (lora.check_gradients)
         self._loss_window: torch.Tensor | None = None
+        self.curriculum = StepCurriculum(job_config)  # batch ramp, data phases' optimizer resets and lr restarts
         self.z_window = ZLossWindow() if job_config.training.z_loss else None  # its part of the logged loss
         self._window_steps = 0
         self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
@@ -131,6 +133,7 @@ class Trainer(TorchtitanTrainer):
             self.checkpointer.states[EMA_STATE] = self.ema
             if getattr(self, "validator", None) is not None:
                 self.validator.ema = self.ema
+        self.curriculum.shape_lr(self.lr_schedulers)  # before a checkpoint loads: its lrs are computed with it
         self.context_parallel = ContextParallel.build(self.model_parts[0], self.parallel_dims, job_config)
         logger.info(compat.describe())  # all of them applied by now: the model (and fla) exists
         self.metrics_processor.model_flops = self.model_args.flops
@@ -275,6 +278,8 @@ class Trainer(TorchtitanTrainer):
         if self.metrics_processor.step_last_log is None:  # first step of this process (maybe resumed)
             self.metrics_processor.step_last_log = self.step - 1
         self.optimizers.zero_grad()
+        self.gradient_accumulation_steps = self.curriculum.accumulation(self.step)
+        self.curriculum.before_step(self.step, self.optimizers)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         # Randomness (e.g. dropout) is a function of (seed, step): a resumed run draws the same.
         torch.manual_seed((self.job_config.debug.seed or 0) * 1_000_003 + self.step)
@@ -338,7 +343,7 @@ class Trainer(TorchtitanTrainer):
             grad_norm.item(),
             extra_metrics={
                 "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.updates.skipped_steps, **spikes, **z_terms,
-                **self._data_metrics(),
+                **data_metrics(self.dataloader, self.parallel_dims, self.device),
             },
         )
 
@@ -365,22 +370,6 @@ class Trainer(TorchtitanTrainer):
             self.checkpointer.recorder.wait()
         steps = complete_steps(os.path.join(self.job_config.job.dump_folder, self.job_config.checkpoint.folder))
         return f"step-{steps[-1]}, the last checkpoint, is intact" if self.checkpointer.enable and steps else "no checkpoint was saved"
-
-    def _data_metrics(self) -> dict[str, float]:
-        """The counters each source's format logs (flame.data.formats), over all ranks, since the run started:
-        documents and tokens trained on; for SFT sources also the conversations dropped or truncated as too
-        long and the padding before them."""
-        loader = self.dataloader
-        counts = torch.tensor(np.stack(list(loader.counts.values())), device=self.device)
-        if self.parallel_dims.dp_enabled:
-            torch.distributed.all_reduce(counts, group=self.parallel_dims.get_mesh("batch").get_group())
-        metrics = {}
-        plan = loader.dataset.plan
-        for name, record, source_counts in zip(plan.source_names(), plan.formats, counts.T.tolist()):
-            for counter, count in zip(loader.counts, source_counts):
-                if counter in record.counters:
-                    metrics[f"data/{name}/{counter}"] = count
-        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         # ntokens_seen as the run's total (torchtitan saves rank 0's own count), so that another layout resumes it

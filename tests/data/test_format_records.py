@@ -22,7 +22,7 @@ from flame.data.sft import ChatEncoder
 from flame.data.sources import SourceSpec, load_source
 from flame.data.shards import DataPlan
 from flame.prepare.settings import check_data_formats
-from flame.training.trainer import Trainer
+from flame.training.metrics import data_metrics
 from tests.data.conftest import SHARDS_4, assert_same_batches, batches, make_loader, random_texts, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,9 +207,8 @@ def test_options_need_a_source_of_their_format():
 def test_counters_decide_what_each_source_logs():
     counts = {name: np.array([index + 1, 10 * (index + 1)]) for index, name in enumerate(ROW_COUNTERS)}
     plan = SimpleNamespace(source_names=lambda: ["chat", "web"], formats=[SFT, TEXT])
-    trainer = SimpleNamespace(dataloader=SimpleNamespace(counts=counts, dataset=SimpleNamespace(plan=plan)),
-                              device=torch.device("cpu"), parallel_dims=SimpleNamespace(dp_enabled=False))
-    metrics = Trainer._data_metrics(trainer)
+    loader = SimpleNamespace(counts=counts, dataset=SimpleNamespace(plan=plan))
+    metrics = data_metrics(loader, SimpleNamespace(dp_enabled=False), torch.device("cpu"))
     assert sorted(key for key in metrics if key.startswith("data/chat/")) == sorted(
         f"data/chat/{name}" for name in ROW_COUNTERS)
     assert metrics == {**{f"data/chat/{name}": index + 1 for index, name in enumerate(ROW_COUNTERS)},

@@ -6,7 +6,7 @@ entry is the default, text. Every consumer reads the record, none compares a for
 - how its records become token documents: ``encoder`` (the planner, flame.data.shards.DataPlan),
 - whether its documents must be masked from each other: ``document_mask`` (flame.prepare.settings),
 - the --training fields only it reads: ``options`` (flame.prepare.settings refuses them without one of its sources),
-- the loader counters logged per source: ``counters`` (flame.training.trainer),
+- the loader counters logged per source: ``counters`` (flame.training.metrics.data_metrics),
 - what validation scores of it: ``validation``, and every field's line of docs/data.md's table (``markdown_table``),
 - how its sources are opened as datasets: ``opener`` (the planner; Hugging Face datasets unless the record says),
 - whether a path is of it by its files alone: ``detect`` (``data_format``: an entry of the default format, text,
