@@ -1,13 +1,15 @@
 """Average a run's last checkpoints into one Hugging Face model, and score each beside the average.
 
     flame average exp/run [--last 4 | --steps 3000,3500,4000] [--weights uniform|linear|1,2,3] [--out exp/run/hf-avg]
+                          [--checkpoint exp/anneal/checkpoint/step-0]
 
 Weight averaging of the last steps of a constant-lr (WSD stable) phase approximates the decay phase it saves,
 and beats the last step alone on held-out loss (Megatron, OLMo and others report it). Each step is read as the
 export reads it (its files checked against its manifest, fp32 on the CPU, one step in memory at a time beside
 the running sum), weighted (``uniform``, ``linear``: the newest weighs most, or given numbers), and the average
 is exported like ``flame export`` (safetensors, config, tokenizer, model card; written beside the destination
-and swapped in). Then every averaged step and the average are scored on the same documents: the first
+and swapped in); with ``--checkpoint`` it is also written as a model-only checkpoint step, from which a run
+whose dump folder holds it starts (like convert_hf_to_dcp's). Then every averaged step and the average are scored on the same documents: the first
 ``--documents`` of the run's validation dataset (or its first training dataset, whose first documents a run with
 --validation.holdout_documents never trained on), as mean loss per target token, in one table.
 """
@@ -26,6 +28,7 @@ from flame.checkpoint.export import (
     load_hf_model_from_dcp,
     run_settings,
 )
+from flame.checkpoint.import_hf import write_model_step
 from flame.checkpoint.manifest import complete_steps
 from flame.data.sources import SourceSpec, document_column, load_source
 from flame.data.tokenizer import load_tokenizer
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="uniform",
                         help="uniform (default), linear (the newest weighs most), or one number per step, oldest first")
     parser.add_argument("--out", path=True, help="the HF export of the average (default: <folder>/hf-avg)")
+    parser.add_argument("--checkpoint", path=True,
+                        help="also write the average as a model-only checkpoint step here (e.g. <new dump>/checkpoint/step-0)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's checkpoint.export_dtype)")
     parser.add_argument("--documents", type=int, default=32,
                         help="documents each step and the average are scored on (default 32; 0: no scores)")
@@ -132,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = chosen_steps(checkpoint_folder, args.last, args.steps)
         weights = step_weights(args.weights, len(steps))
         target = destination.check(out, f"--out {out}" if args.out else f"the average's folder {out}")
+        if args.checkpoint and os.path.exists(args.checkpoint) and os.listdir(args.checkpoint):
+            raise ConfigError(f"--checkpoint {args.checkpoint} exists and is not empty; give a new step folder "
+                              "(e.g. <new dump folder>/checkpoint/step-0)")
         config = load_model_config(run["model"]["config"])
         tokenizer = load_tokenizer(run["model"]["tokenizer_path"])
         checkpoints = [os.path.join(checkpoint_folder, f"step-{step}") for step in steps]
@@ -146,13 +154,16 @@ def main(argv: list[str] | None = None) -> int:
                       for step, weight, checkpoint in zip(steps, weights, checkpoints)]
             scores.append(("average", mean_loss(model, documents)))
         export(model, tokenizer, target, dtype, "5GB", card)
+        if args.checkpoint:
+            write_model_step(model, args.checkpoint)  # fp32: the weights a run starts from
     except ConfigError as error:
         print(f"flame average: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
         print(f"flame average: error: {gist(error)}; nothing of the average was kept", file=sys.stderr)
         return 1
-    print(f"averaged steps {', '.join(map(str, steps))} of {args.folder} ({args.weights}) into {out}")
+    also = f" and the checkpoint step {args.checkpoint}" if args.checkpoint else ""
+    print(f"averaged steps {', '.join(map(str, steps))} of {args.folder} ({args.weights}) into {out}{also}")
     if scores:
         print(f"mean loss per target token on the first {args.documents} documents of {source}:")
         for name, loss in scores:

@@ -40,11 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         print(f"convert_hf_to_dcp: error: cannot load {args.model}: {error}", file=sys.stderr)
         return 2
-    state_dict = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
-    dcp.save(state_dict, checkpoint_id=args.checkpoint)
-    manifest.record(args.checkpoint)  # last: it marks the step complete
-    print(f"wrote {len(state_dict)} tensors of {args.model} to {args.checkpoint}")
+    count = write_model_step(model, args.checkpoint)
+    print(f"wrote {count} tensors of {args.model} to {args.checkpoint}")
     return 0
+
+
+def write_model_step(model: torch.nn.Module, checkpoint: str) -> int:
+    """``model``'s weights as a model-only checkpoint step at ``checkpoint`` (a run whose dump folder holds it
+    starts from them), its manifest written last; the number of tensors."""
+    state_dict = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
+    dcp.save(state_dict, checkpoint_id=checkpoint)
+    manifest.record(checkpoint)  # last: it marks the step complete
+    return len(state_dict)
 
 
 if __name__ == "__main__":
