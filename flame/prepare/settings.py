@@ -294,9 +294,10 @@ def _check_training(config: Any) -> None:
             values = [float(p) for p in probs]
         except ValueError:
             raise ConfigError(f"--training.data_probs must be numbers, got {t.data_probs!r}") from None
-        if not all(math.isfinite(v) and v > 0 for v in values):  # NaN compares false: caught here too
-            raise ConfigError(f"--training.data_probs must all be positive finite numbers (weights, normalized to sum "
-                              f"to 1), got {t.data_probs!r}")
+        # NaN compares false: caught here too. A 0 leaves a source out until a data phase brings it in.
+        if not all(math.isfinite(v) and v >= 0 for v in values) or not sum(values) > 0:
+            raise ConfigError(f"--training.data_probs must all be finite numbers >= 0 with a positive sum (weights, "
+                              f"normalized to sum to 1; 0 leaves a source out), got {t.data_probs!r}")
     if config.checkpoint.keep_latest_k == 1:
         raise ConfigError(
             "--checkpoint.keep_latest_k 1 could delete the only loadable checkpoint during a save: use 0 (keep all) or >= 2"
