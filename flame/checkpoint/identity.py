@@ -143,9 +143,11 @@ NAMES = [field.name for field in FIELDS]
 
 def identity(job_config, tokenizer) -> dict:
     """What defines the run of a prepared ``job_config`` (flame.prepare), as JSON: field -> {setting: value}, and
-    ``steps``, recorded (for the schedule's note) but not compared."""
+    recorded but not compared: ``steps`` (for the schedule's note) and, when the step holds an average of the
+    weights, ``ema_decay`` (a resume may turn it on or off: flame.checkpoint.manager)."""
     fields = {field.name: field.value(job_config, tokenizer) for field in FIELDS}
-    return json.loads(json.dumps({**fields, "steps": job_config.training.steps}, default=str))
+    ema = {"ema_decay": job_config.training.ema_decay} if job_config.training.ema_decay else {}
+    return json.loads(json.dumps({**fields, "steps": job_config.training.steps, **ema}, default=str))
 
 
 def _shown(value: Any) -> str:

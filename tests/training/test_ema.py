@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from flame.checkpoint import export
+from flame.checkpoint import export, manifest
 from flame.training.ema import WeightAverage
 from tests.conftest import check, metrics, train_job
 
@@ -61,6 +61,7 @@ def test_the_average_is_saved_resumed_exactly_validated_and_exported(background_
     want = averages(whole.dump / "checkpoint" / "step-6")
     got = averages(resumed / "checkpoint" / "step-6")
     assert want and all(torch.equal(got[name], want[name]) for name in want)
+    assert manifest.read_identity(str(resumed / "checkpoint" / "step-6"))["ema_decay"] == 0.9  # its manifest says so
 
     check(without.result)  # a checkpoint without an average: it starts at the loaded weights
     later = tmp_path / "later"
