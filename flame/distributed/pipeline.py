@@ -42,6 +42,7 @@ from torchtitan.tools.logging import logger
 
 from flame.base import batch_context, device
 from flame.base.batch_context import BatchContext
+from flame.models import moe
 from flame.models.loss import LossHead
 from flame.base.errors import ConfigError
 from flame.models.inputs import document_kwargs, flattens_rows, segments_from_positions
@@ -134,6 +135,10 @@ def check_pipeline_parallel(config, job_config) -> None:
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
         return
+    if moe.routes(config):
+        raise ConfigError(f"--parallelism.pipeline_parallel_degree {pp}: {config.model_type} is a mixture of experts, "
+                          "whose load-balancing loss sums the routers of every layer, which pipeline stages hold apart; "
+                          "train it with FSDP (and expert parallelism) instead")
     schedule = parallelism.pipeline_parallel_schedule
     try:
         per_rank = stages_per_rank(job_config)

@@ -5,7 +5,9 @@
           + 3 x (state FLOPs per token) x tokens              linear attention / SSM token mixing
 
 - Matmul parameters: weights of Linear and Conv1d modules (and HF's Conv1D); embedding
-  lookups are not matmuls; a tied lm_head is one parameter, counted once.
+  lookups are not matmuls; a tied lm_head is one parameter, counted once. A MoE layer's stacked
+  experts count top_k / num_experts of their weights (the active ones), its router in full
+  (flame.models.moe).
 - Frozen weights (LoRA's base model, flame.models.lora) get no weight gradient: 4 x instead
   of 6 x (forward and the gradient passed on to the adapters below). Leading blocks below
   every trained parameter (adapters on later blocks only) run no backward at all: their
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from flame.models import moe
 from flame.models.inputs import is_fla_config
 from flame.models.registry import decoder_layers
 from flame.models.support import softmax_attention_layers
@@ -106,6 +109,7 @@ def model_flops(model: nn.Module) -> ModelFlops:
     # the weights of blocks no gradient reaches: forward only
     below = {id(p) for block in list(blocks)[:prefix] for p in block.parameters()}
     matmul = sum((2 if key in below else 6 if w.requires_grad else 4) * w.numel() for key, w in weights.items())
+    matmul += round(6 * moe.active_matmul_weights(model))  # a MoE layer's experts: the ones a token goes through
     flops = ModelFlops(
         dense_per_token=matmul, matmul_params=sum(w.numel() for w in weights.values()),
         frozen_matmul_params=sum(w.numel() for w in weights.values() if not w.requires_grad), matmul_flops=matmul,

@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Partial
 from torchtitan.components.loss import IGNORE_INDEX
 
 from flame.base import batch_context
+from flame.models import moe
+from flame.models.model_config import load_model_config
 
 # tokens per chunk: 8192 x 32K vocab x 4 bytes = 1 GiB of fp32 logits at a time
 CHUNK_TOKENS = 8192
@@ -287,9 +289,19 @@ def use_fused_cross_entropy(model: nn.Module) -> LossHead:
     return loss_head
 
 
+def with_router_term(loss: torch.Tensor, routing: "moe.Routing | None", output, labels: torch.Tensor) -> torch.Tensor:
+    """``loss`` (summed over the targets) with a MoE model's load-balancing term, when its output has one."""
+    term = routing.loss_term(output, labels) if routing is not None else None
+    return loss if term is None else loss + term
+
+
 def build_loss(job_config, **kwargs):
-    """torchtitan TrainSpec hook: loss(model output or logits, labels); sets the job's z-loss and softcap."""
+    """torchtitan TrainSpec hook: loss(model output or logits, labels); sets the job's z-loss and softcap. A MoE
+    model's load-balancing loss is added to it in training (flame.models.moe)."""
     set_logit_terms(LogitTerms(job_config.training.z_loss, job_config.training.logit_softcap))
+    parallel_dims = kwargs.get("parallel_dims")
+    balanced = parallel_dims.get_optional_mesh("loss") if parallel_dims is not None else None  # data x context ranks
+    routing = moe.Routing.of(load_model_config(job_config.model.config), balanced and balanced.get_group())
     cross_entropy = cross_entropy_sum
     if job_config.compile.enable and "loss" in job_config.compile.components:
         compiled = torch.compile(_cross_entropy_and_z, backend=job_config.compile.backend)
@@ -298,10 +310,11 @@ def build_loss(job_config, **kwargs):
     def loss(output, labels: torch.Tensor) -> torch.Tensor:
         logits = getattr(output, "logits", output)
         if logits.ndim == 0:  # a LossHead already computed the summed loss
-            return logits
+            return with_router_term(logits, routing, output, labels)
         loss = cross_entropy(logits, labels)
         # logits sharded over the vocabulary (tensor parallel, under loss_parallel): every rank
         # holds the whole sum
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        return with_router_term(loss, routing, output, labels)
 
     return loss

@@ -161,6 +161,9 @@ def _rows_whole(why: str) -> dict:
 SOFTMAX, SPARSE, LINEAR, SSM, HYBRID = "softmax attention", "sparse attention", "linear attention", "state space", "hybrid"
 _ATTENTION_CP = {"context_parallel": ContextParallelism.ATTENTION}
 _HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
+# transformers' MoE types: flame.models.moe (any transformers type whose config has router_aux_loss_coef is treated so)
+_MOE = {"notes": "mixture of experts: the experts as one grouped GEMM (transformers' grouped_mm), "
+        "the router's load-balancing loss in the loss, expert-load metrics; no tensor, context or pipeline parallelism"}
 _MEASURED = "packed and separate documents differ (measured, docs/models-verified.md)"
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (3rdparty/install.sh installs it on GPU machines; pip install flame[gpu])"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
@@ -187,6 +190,10 @@ _RECORDS = (
     ModelSupport("mistral", "transformers", SOFTMAX, **_HF_DECODER),
     ModelSupport("qwen2", "transformers", SOFTMAX, **_HF_DECODER),
     ModelSupport("qwen3", "transformers", SOFTMAX, **_HF_DECODER),
+    ModelSupport("qwen3_moe", "transformers", SOFTMAX, **_MOE),
+    ModelSupport("qwen2_moe", "transformers", SOFTMAX, **_MOE),
+    ModelSupport("olmoe", "transformers", SOFTMAX, **_MOE),
+    ModelSupport("mixtral", "transformers", SOFTMAX, **_MOE),
     ModelSupport("gpt2", "transformers", SOFTMAX,
                  notes="learned position table: documents of at most max_position_embeddings tokens"),
     ModelSupport("flame_example_lm", "custom_models", SOFTMAX, tensor_parallel_plan="example_lm", **_ATTENTION_CP,

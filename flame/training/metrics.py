@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torchtitan.components.metrics import (
     LoggerContainer,
     MetricsProcessor,
@@ -27,7 +28,7 @@ from torchtitan.tools.logging import logger
 
 
 from flame.base import device, run_record
-from flame.models import loss
+from flame.models import loss, moe
 from flame.training import side_outputs
 
 
@@ -146,6 +147,8 @@ class FlameMetricsProcessor(MetricsProcessor):
         mix = ""
         if len(source_tokens) > 1 and total:
             mix = "  mix " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in source_tokens.items())
+        if "moe/load_max" in extra:  # the most and least loaded expert of any MoE layer, as multiples of an even share
+            mix += f"  experts x{extra['moe/load_max']:.2f}/x{extra['moe/load_min']:.2f}"
         logger.info(
             f"{c.red}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
             f"{c.green}loss {global_avg_loss:7.4f}  "
@@ -176,25 +179,44 @@ def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str
     return FlameMetricsProcessor(job_config, parallel_dims, tag)
 
 
-class ZLossWindow:
-    """The z-loss part of the steps since the last log line (--training.z_loss), kept on the device: no sync a step."""
+class LossTermsWindow:
+    """The parts of the loss beside the cross entropy, over the steps since the last log line, kept on the device (no
+    sync a step): the z-loss (--training.z_loss, flame.models.loss) and a MoE model's load-balancing loss with its
+    routers' load (flame.models.moe)."""
 
-    def __init__(self) -> None:
-        self.window: torch.Tensor | None = None
+    def __init__(self, z_loss: bool) -> None:
+        self.z_loss = z_loss
+        self.z: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
 
     def add(self, global_valid_tokens: torch.Tensor, on: torch.device) -> None:
-        """The step's z terms (flame.models.loss), per target like its loss; a pipeline stage without the head has none."""
+        """The step's terms, per target like its loss; a pipeline stage without the head has none."""
         z_sum = loss.take_z_sum()
-        step = z_sum / global_valid_tokens if z_sum is not None else torch.zeros((), device=on)
-        self.window = step if self.window is None else self.window + step
+        counts, aux_sum = moe.take_router_load()
+        if self.z_loss:
+            self.z = _summed(self.z, z_sum / global_valid_tokens if z_sum is not None else torch.zeros((), device=on))
+        if counts is not None:
+            self.aux, self.counts = _summed(self.aux, aux_sum / global_valid_tokens), _summed(self.counts, counts)
 
-    def metrics(self, reduce, steps: int) -> dict[str, float]:
-        """{loss_metrics/z_loss: the mean over the window}, reduced as the loss is (``reduce``: the trainer's)."""
-        if self.window is None:
-            return {}
-        mean, self.window = reduce(self.window / steps)[1].item(), None
-        return {"loss_metrics/z_loss": mean}
+    def metrics(self, reduce, steps: int, batch_group) -> dict[str, float]:
+        """``loss_metrics/z_loss`` and ``loss_metrics/router_aux_loss`` (means over the window, reduced as the loss is:
+        ``reduce``, the trainer's) and the routers' load (flame.models.moe.load_metrics) over the data-parallel ranks
+        (``batch_group``; None: one)."""
+        found = {}
+        if self.z is not None:
+            found["loss_metrics/z_loss"] = reduce(self.z / steps)[1].item()
+        if self.counts is not None:
+            found["loss_metrics/router_aux_loss"] = reduce(self.aux / steps)[1].item()
+            if batch_group is not None:
+                dist.all_reduce(self.counts, group=batch_group)
+            found |= moe.load_metrics(self.counts)
+        self.z = self.aux = self.counts = None
+        return found
 
+
+def _summed(total: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if total is None else total + more
 
 
 def data_metrics(loader, parallel_dims, on: torch.device) -> dict[str, float]:

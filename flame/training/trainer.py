@@ -56,7 +56,7 @@ from flame.checkpoint.steps import EMA_STATE
 from flame.checkpoint.steps import complete_steps
 from flame.training import evaluation
 from flame.models.loss import build_loss
-from flame.training.metrics import ZLossWindow, build_metrics_processor, data_metrics
+from flame.training.metrics import LossTermsWindow, build_metrics_processor, data_metrics
 from flame.training.nsys import NsysWindow
 from flame.training import side_outputs, stop
 from flame.optim.builder import build_lr_schedulers, build_optimizers
@@ -112,7 +112,7 @@ class Trainer(TorchtitanTrainer):
         self.adapters_unchecked = job_config.lora.rank is not None  # until the first backward (lora.check_gradients)
         self._loss_window: torch.Tensor | None = None
         self.curriculum = StepCurriculum(job_config)  # batch ramp, data phases' optimizer resets and lr restarts
-        self.z_window = ZLossWindow() if job_config.training.z_loss else None  # its part of the logged loss
+        self.loss_terms = LossTermsWindow(job_config.training.z_loss > 0)  # z-loss, a MoE's router loss and load
         self._window_steps = 0
         self.nsys = NsysWindow(job_config.profiling.nsys_start_step, job_config.profiling.nsys_stop_step)
         super().__init__(job_config)
@@ -323,16 +323,15 @@ class Trainer(TorchtitanTrainer):
         # The logged loss is the mean over the steps since the last log line (a smooth curve
         # even when logging every N steps); accumulated on device, so no sync per step.
         self._loss_window = step_loss if self._loss_window is None else self._loss_window + step_loss
-        if self.z_window is not None:
-            self.z_window.add(global_valid_tokens, self.device)
+        self.loss_terms.add(global_valid_tokens, self.device)
         self._window_steps += 1
         if not self.metrics_processor.should_log(self.step):
             return
         self.updates.settle()
         loss, global_avg_loss = self._reduce_loss(self._loss_window / self._window_steps)
-        z_terms = self.z_window.metrics(self._reduce_loss, self._window_steps) if self.z_window is not None else {}
-        self._loss_window, self._window_steps = None, 0
         batch_mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
+        terms = self.loss_terms.metrics(self._reduce_loss, self._window_steps, batch_mesh and batch_mesh.get_group())
+        self._loss_window, self._window_steps = None, 0
         global_max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, batch_mesh)
         tokens_seen = int(dist_utils.dist_sum(torch.tensor(self.ntokens_seen, device=self.device), batch_mesh))
         spikes = self.updates.spikes.metrics() if self.updates.spikes.enabled else {}
@@ -342,7 +341,7 @@ class Trainer(TorchtitanTrainer):
             global_max_loss,
             grad_norm.item(),
             extra_metrics={
-                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.updates.skipped_steps, **spikes, **z_terms,
+                "lr": lr, "n_tokens_seen": tokens_seen, "skipped_steps": self.updates.skipped_steps, **spikes, **terms,
                 **data_metrics(self.dataloader, self.parallel_dims, self.device),
             },
         )
