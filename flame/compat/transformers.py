@@ -1,5 +1,5 @@
 """transformers' seam: flame's attention in transformers' attention registry, fused rotary embeddings,
-scikit-learn imported only where assisted generation uses it.
+MoE experts' grouped GEMM in the autocast dtype, scikit-learn imported only where assisted generation uses it.
 
 Written for transformers 5.17.0 (3rdparty/requirements.txt).
 """
@@ -9,6 +9,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
+import torch
 from transformers import AttentionInterface
 
 from flame.compat.guard import Library, Patch, Target, patch
@@ -60,6 +61,36 @@ def fused_rotary(module_name: str) -> Patch:
     change.__name__ = f"fused_rotary({module_name.rpartition('.')[2].removeprefix('modeling_')})"
     change.__doc__ = _fused_rotary.__doc__
     return Patch(TRANSFORMERS, change, (rotary_target(module_name),))
+
+
+GROUPED_EXPERTS = "transformers.integrations.moe"  # the experts of MoE layers as one grouped GEMM
+
+
+@patch(TRANSFORMERS, Target(TRANSFORMERS, GROUPED_EXPERTS, "_grouped_mm", ("input", "weight", "offs")))
+def experts_in_the_autocast_dtype() -> None:
+    """Run a MoE layer's grouped GEMM in the autocast dtype, as autocast runs an nn.Linear.
+
+    Upstream: the experts of a MoE layer (``experts_implementation`` "grouped_mm", the default) multiply
+    through ``_grouped_mm``, which torch does not autocast: it casts the tokens to the weights' dtype.
+    Under autocast with float32 weights (flame's one-GPU runs and the memory plan's layouts) that is a
+    float32 grouped GEMM, which torch's CUDA kernel does not take, so transformers falls back to its
+    loop over the experts in float32: slower than its own loop of bf16 matmuls. flame: under autocast,
+    the tokens and the experts' weights are cast to the autocast dtype first (the gradient reaches the
+    float32 weights through the cast, as for an nn.Linear). Without autocast (bf16 weights under FSDP,
+    CPU runs) nothing changes. Applied when flame builds a MoE model (flame.models.builder).
+    """
+    module = importlib.import_module(GROUPED_EXPERTS)
+    original = module._grouped_mm
+
+    @functools.wraps(original)
+    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        kind = input.device.type
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            input, weight = input.to(dtype), weight.to(dtype)
+        return original(input, weight, offs)
+
+    module._grouped_mm = grouped_mm
 
 
 CANDIDATE_GENERATOR = "transformers.generation.candidate_generator"

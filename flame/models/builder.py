@@ -27,7 +27,8 @@ from flame.base import device
 from flame.models.loss import use_fused_cross_entropy
 from flame.base.errors import ConfigError
 from flame.models.kernels import attention
-from flame.models import lora
+from flame import compat
+from flame.models import lora, moe
 from flame.models.flops import model_flops
 from flame.models.kernels.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
@@ -146,6 +147,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     --lora.rank, PEFT's LoRA adapters go on last, and everything else is frozen (flame.models.lora).
     """
     config = model_args.config
+    if moe.routes(config):  # its experts' grouped GEMM in bf16 under autocast, not transformers' float32 fallback
+        compat.transformers.experts_in_the_autocast_dtype()
     try:
         model = _from_config(config, model_args)
     except ValueError as error:

@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+import transformers.integrations.moe as grouped_experts
 from transformers import AutoModelForCausalLM
 
 from flame.base.errors import ConfigError
@@ -110,3 +111,15 @@ def test_fsdp_on_two_ranks_trains_the_curve_of_one_with_the_load_in_the_log(back
                                                                          rel=1e-4)
         assert got[step]["moe/layer1/load_max"] == expected[step]["moe/layer1/load_max"]  # the same routing
         assert 1 <= got[step]["moe/load_max"] <= 8 and 0 <= got[step]["moe/load_min"] <= 1
+
+
+def test_under_autocast_the_experts_multiply_in_its_dtype_and_their_float32_weights_get_gradients():
+    _flame_model("qwen3_moe")  # building a MoE model applies flame.compat.transformers.experts_in_the_autocast_dtype
+    weights = torch.randn(4, 8, 16, requires_grad=True)
+    tokens, offsets = torch.randn(10, 8), torch.tensor([3, 5, 8, 10], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_experts._grouped_mm(tokens, weights, offsets)  # what the experts' forward calls
+    assert out.dtype == torch.bfloat16  # upstream: a float32 product (transformers' loop over experts on CUDA)
+    out.float().sum().backward()
+    assert weights.grad is not None and weights.grad.dtype == torch.float32
+    torch.testing.assert_close(out.float(), grouped_experts._grouped_mm(tokens, weights, offsets), rtol=2e-2, atol=2e-2)

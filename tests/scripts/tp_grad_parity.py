@@ -115,6 +115,7 @@ def parity(path: str, fused: bool, mesh, cuda: bool = False, attn_mode: str | No
         parallelism=types.SimpleNamespace(disable_loss_parallel=False, enable_async_tensor_parallel=False),
         compile=types.SimpleNamespace(enable=False, components=[]),
         training=types.SimpleNamespace(z_loss=0.0, logit_softcap=0.0),
+        model=types.SimpleNamespace(config=path),
     )
     apply_tensor_parallel(sharded, mesh, job)
     sharded.to_empty(device=device)
