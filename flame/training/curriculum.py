@@ -19,6 +19,9 @@ POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}  # --training.lr_follows_batc
 
 
 class StepCurriculum:
+    """The curriculum of a prepared job as the trainer applies it: ``accumulation(step)``, ``before_step`` (the log
+    lines of a change, a phase's optimizer reset) and ``shape_lr`` (once, before a checkpoint loads)."""
+
     def __init__(self, job_config):
         t = job_config.training
         self.curriculum = Curriculum.of(t)
