@@ -17,6 +17,7 @@ from flame.compat.guard import Library, Target, patch
 TORCH = Library("torch", "torch", "2.13.0")
 _HANDLER = Target(TORCH, "torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler",
                   ("signum", "frame"))
+_POLL = Target(TORCH, "torch.distributed.elastic.multiprocessing.api", "MultiprocessContext._poll", ("self",))
 
 
 @patch(TORCH, _HANDLER)
@@ -68,3 +69,33 @@ def failures_without_tracebacks() -> None:
     """
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_WithoutTraceback())
+
+
+@patch(TORCH, _POLL)
+def every_ended_rank_reported() -> None:
+    """Report every rank that had ended with an error when the agent noticed the first, not only one of them.
+
+    Upstream: the agent's poll reports one failed rank, the first its wait lists among those that had
+    ended, then terminates the rest. When a rank is killed (the out-of-memory killer), its peers fail a
+    moment later on the broken connection, and one poll may find both ended: which of them it reports
+    is then a matter of order. flame: the ranks that had already ended with an error when the poll
+    began are added to the report (the one upstream names stays), so the launcher can name the rank
+    that went first (flame.launch.summary.failed); ranks the agent terminates afterwards are not
+    failures of their own and stay out.
+    """
+    api = importlib.import_module(_POLL.module)
+    upstream = api.MultiprocessContext._poll
+
+    def poll(self):
+        processes = list(self._pc.processes) if self._pc is not None else []
+        ended = {rank: (process.pid, process.exitcode) for rank, process in enumerate(processes)
+                 if process.exitcode not in (None, 0)}  # exitcode polls without waiting
+        result = upstream(self)
+        if result is not None and result.failures:
+            for rank, (pid, exitcode) in ended.items():
+                if rank not in result.failures:
+                    result.failures[rank] = api.ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode,
+                                                               error_file=self.error_files[rank])
+        return result
+
+    api.MultiprocessContext._poll = poll

@@ -92,8 +92,12 @@ def already_complete(step: int) -> str:
 
 def failed(failures: dict, logs: str) -> str:
     """The line of a run whose ranks failed (``failures``: torchrun's rank -> ProcessFailure): the first rank to fail,
-    how, its own error line where its log has one, and where the logs are."""
-    rank, first = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    how, its own error line where its log has one, and where the logs are.
+
+    A rank killed by a signal goes first: it noticed nothing, and its peers failed because it went (their
+    connection to it broke), even when the agent saw them end within the same second.
+    """
+    rank, first = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0]))
     if first.exitcode < 0:
         how = f"was killed by {signal.Signals(-first.exitcode).name}"
         if -first.exitcode == signal.SIGKILL:

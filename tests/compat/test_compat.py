@@ -183,3 +183,36 @@ def test_install_sh_installs_mamba_ssm_as_the_hint_says():
     install_sh = (ROOT / "3rdparty" / "install.sh").read_text()
     environment, command = compat.mamba_ssm.INSTALL.split(" pip install ")
     assert f'{environment} "${{pip[@]}}" {command}' in install_sh
+
+
+RANKS_ENDING_TOGETHER = """
+import os, signal, sys, tempfile, time
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from flame.compat import torchrun
+from flame.launch import summary
+
+def rank(index):
+    if index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # the out-of-memory killer
+    time.sleep(0.5)  # its peer fails on the broken connection a moment later
+    sys.exit(1)
+
+if sys.argv[1] == "flame":
+    torchrun.every_ended_rank_reported()
+ranks = start_processes("ranks", rank, args={0: (0,), 1: (1,)}, envs={0: {}, 1: {}}, start_method="fork",
+                        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp()))
+time.sleep(2)  # both have ended before the agent's next poll
+result = ranks.wait(0)
+print(sorted(result.failures), summary.failed(result.failures, "logs"))
+"""
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_a_killed_rank_is_named_even_when_its_peer_ended_in_the_same_poll(changed):
+    result = check(subprocess.run([sys.executable, "-c", RANKS_ENDING_TOGETHER, "flame" if changed else "upstream"],
+                                  cwd=ROOT, env=flame_env(), capture_output=True, text=True, timeout=300))
+    ranks, line = result.stdout.strip().splitlines()[-1].split("] ", 1)
+    if changed:
+        assert ranks == "[0, 1" and line.startswith("training failed: rank 1 was killed by SIGKILL"), result.stdout
+    else:  # upstream reports the one its wait listed first: the peer (why flame adds the rest)
+        assert ranks == "[0", result.stdout
