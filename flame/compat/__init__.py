@@ -2,7 +2,8 @@
 
     torchtitan.py    CPU runs without an accelerator; checkpoint manifests; no sleep after training; traces that
                      cannot be written warn; the private names flame uses
-    transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings
+    transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings;
+                     hybrids' sequence kernels: PyTorch code on CPU tensors, packed documents kept apart
     fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks
     fla_mamba.py     fla's Mamba and Mamba2 layers on flame's kernels: fast, packed documents kept apart
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
@@ -23,7 +24,9 @@ changes nothing; the changes apply where flame calls them:
 - ``fla.kernels_take_cp_context``/``fla.gsa_norm_gathers_heads``: by context and tensor
   parallelism, for the fla models they run;
 - ``transformers.fused_rotary(module)``: by flame.models.kernels.fused, once per modeling module of an HF
-  model flame builds with fused kernels (--model.fused_kernels).
+  model flame builds with fused kernels (--model.fused_kernels);
+- ``transformers.reference_kernels_on_cpu(module, names)``, and on GPUs ``transformers.kernels_take_documents``:
+  by flame.models.hybrid, once per modeling module of a transformers hybrid flame builds.
 ``describe()`` is the startup log's line of the changes applied. The guard refuses to start when
 a change's target is missing or changed, and only warns about another version (guard.py says why).
 Each seam is imported when first used (``compat.fla``, ``from flame.compat import fla``): importing

@@ -1,5 +1,6 @@
 """transformers' seam: flame's attention in transformers' attention registry, fused rotary embeddings,
-MoE experts' grouped GEMM in the autocast dtype, scikit-learn imported only where assisted generation uses it.
+scikit-learn imported only where assisted generation uses it,
+hybrid models' sequence kernels: their PyTorch references on CPU tensors, flame's varlen kernels in packed batches.
 
 Written for transformers 5.17.0 (3rdparty/requirements.txt).
 """
@@ -63,36 +64,6 @@ def fused_rotary(module_name: str) -> Patch:
     return Patch(TRANSFORMERS, change, (rotary_target(module_name),))
 
 
-GROUPED_EXPERTS = "transformers.integrations.moe"  # the experts of MoE layers as one grouped GEMM
-
-
-@patch(TRANSFORMERS, Target(TRANSFORMERS, GROUPED_EXPERTS, "_grouped_mm", ("input", "weight", "offs")))
-def experts_in_the_autocast_dtype() -> None:
-    """Run a MoE layer's grouped GEMM in the autocast dtype, as autocast runs an nn.Linear.
-
-    Upstream: the experts of a MoE layer (``experts_implementation`` "grouped_mm", the default) multiply
-    through ``_grouped_mm``, which torch does not autocast: it casts the tokens to the weights' dtype.
-    Under autocast with float32 weights (flame's one-GPU runs and the memory plan's layouts) that is a
-    float32 grouped GEMM, which torch's CUDA kernel does not take, so transformers falls back to its
-    loop over the experts in float32: slower than its own loop of bf16 matmuls. flame: under autocast,
-    the tokens and the experts' weights are cast to the autocast dtype first (the gradient reaches the
-    float32 weights through the cast, as for an nn.Linear). Without autocast (bf16 weights under FSDP,
-    CPU runs) nothing changes. Applied when flame builds a MoE model (flame.models.builder).
-    """
-    module = importlib.import_module(GROUPED_EXPERTS)
-    original = module._grouped_mm
-
-    @functools.wraps(original)
-    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        kind = input.device.type
-        if torch.is_autocast_enabled(kind):
-            dtype = torch.get_autocast_dtype(kind)
-            input, weight = input.to(dtype), weight.to(dtype)
-        return original(input, weight, offs)
-
-    module._grouped_mm = grouped_mm
-
-
 CANDIDATE_GENERATOR = "transformers.generation.candidate_generator"
 
 
@@ -128,3 +99,72 @@ def scikit_learn_imported_when_used() -> None:
         return roc_curve(*args, **kwargs)
 
     module.roc_curve = roc_curve
+
+
+def _module_kernels(module_name: str, names: tuple[str, ...], change: Callable, label: str) -> Patch:
+    """The change of ``module_name``'s kernel functions ``names`` (one per module, each applied once)."""
+    targets = tuple(Target(TRANSFORMERS, module_name, name, holds=lambda kernel: hasattr(kernel, "__wrapped__"),
+                           shape="a kernel picked by use_kernel_func_from_hub_with_fallback") for name in names)
+    applied = functools.partial(change, module_name, names)
+    applied.__name__ = f"{label}({module_name.rpartition('.')[2].removeprefix('modeling_')})"
+    applied.__doc__ = change.__doc__
+    return Patch(TRANSFORMERS, applied, targets)
+
+
+def _reference_kernels_on_cpu(module_name: str, names: tuple[str, ...]) -> None:
+    """Run a hybrid model's sequence kernels on CPU tensors as the PyTorch code of its modeling module.
+
+    Upstream: a hybrid's modeling module (qwen3_5, bamba, ...) defines its gated delta rule, causal
+    conv and Mamba scans in PyTorch and decorates each with ``use_kernel_func_from_hub_with_fallback``,
+    which at import picks another package's kernel wherever that package imports: fla's Triton
+    kernels wherever fla is installed, GPU or not. The PyTorch code stays only as the wrapper's
+    ``__wrapped__``, and on a CPU the Triton kernel fails ("0 active drivers").
+    flame: each named kernel runs its PyTorch code on CPU tensors, and the picked kernel on any
+    other device. Applied when flame builds a model of the module (flame.models.hybrid).
+    """
+    module = importlib.import_module(module_name)
+    for name in names:
+        picked = getattr(module, name)
+        setattr(module, name, _by_device(picked, picked.__wrapped__))
+
+
+def _by_device(picked: Callable, reference: Callable) -> Callable:
+    @functools.wraps(picked)
+    def kernel(*args, **kwargs):
+        tensor = next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+        return (reference if tensor.device.type == "cpu" else picked)(*args, **kwargs)
+
+    return kernel
+
+
+@functools.cache
+def reference_kernels_on_cpu(module_name: str, names: tuple[str, ...]) -> Patch:
+    """The change running ``names`` of ``module_name`` as PyTorch code on CPU tensors (``_reference_kernels_on_cpu``)."""
+    return _module_kernels(module_name, names, _reference_kernels_on_cpu, "reference_kernels_on_cpu")
+
+
+def _kernels_take_documents(module_name: str, names: tuple[str, ...],
+                            replacements: dict[str, Callable[[Callable], Callable]]) -> None:
+    """Give a hybrid model's sequence kernels the documents of a packed batch.
+
+    Upstream: the layers of a hybrid that carry state along the sequence (gated delta rules, Mamba
+    scans, short convolutions) call their modeling module's kernels with no document boundaries:
+    each document of a packed row starts from the state the previous one left. (The gated delta
+    rule gets the attention's ``cu_seq_lens_q`` keyword, which describes the rows of a batch the
+    kernel takes only as one row; its conv gets nothing.)
+    flame: each named kernel becomes ``replacements[name](the kernel)`` (flame.models.kernels.varlen):
+    inside a batch with documents (flame.base.batch_context) it passes them to a kernel that restarts
+    at each (fla's varlen kernels, mamba_ssm's SSD scan, flame's selective scan); elsewhere it calls
+    the kernel it replaced. Applied on GPUs when
+    flame builds a model of the module (flame.models.hybrid), whose layers then run over the batch
+    flattened into one row.
+    """
+    module = importlib.import_module(module_name)
+    for name in names:
+        setattr(module, name, replacements[name](getattr(module, name)))
+
+
+@functools.cache
+def kernels_take_documents(module_name: str, names: tuple[str, ...]) -> Patch:
+    """The change giving ``names`` of ``module_name`` the batch's documents (``_kernels_take_documents``)."""
+    return _module_kernels(module_name, names, _kernels_take_documents, "kernels_take_documents")

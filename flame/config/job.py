@@ -90,6 +90,8 @@ class Training:
     """Coefficient of the z-loss, z_loss x log(Z)^2 per target (Z: the softmax's normalizer; PaLM used 1e-4), added inside the cross entropy (fused or not) and logged as loss_metrics/z_loss; 0 = off"""
     logit_softcap: float = 0.0
     """Cap the logits at +-c by c x tanh(logit / c) before the cross entropy (Gemma 2 used 30); 0 = off"""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free load balancing of a MoE model whose routers carry a selection bias (e_score_correction_bias: deepseek_v3, glm4_moe, ...): after every step each expert's bias moves by this much toward an even load over all ranks' tokens (DeepSeek-V3 used 1e-3); the bias is the model's own, kept by the checkpoint and the HF export; 0 = off"""
     global_batch_tokens: int | None = None
     """Tokens a step, whatever the GPU count: a multiple of seq_len; the gradient accumulation is derived for the data-parallel ranks (or give training.global_batch_size in rows)"""
     batch_ramp: str = ""

@@ -128,8 +128,9 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "parallelism.module_fqns_per_model_part": "use --parallelism.pipeline_parallel_split_points",
     "parallelism.pipeline_parallel_layers_per_stage": "use --parallelism.pipeline_parallel_split_points",
     "parallelism.pipeline_parallel_schedule_csv": "flame builds the schedule from --parallelism.pipeline_parallel_schedule",
-    "parallelism.pipeline_parallel_expert_parallel_overlap": "flame does not provide expert parallelism",
-    "parallelism.expert_parallel_comm_backend": "flame does not provide expert parallelism",
+    "parallelism.pipeline_parallel_expert_parallel_overlap": "flame refuses pipeline parallelism for MoE models",
+    "parallelism.expert_parallel_comm_backend": "flame's expert parallelism exchanges tokens with torch's all-to-all "
+                                                "(flame.models.experts); DeepEP is not part of its stack",
     "debug.moe_force_load_balance": "it balances the experts of torchtitan's own MoE models, which flame does not build",
 }
 

@@ -49,13 +49,18 @@ def data_parallel_degree(config: JobConfig, world_size: int) -> int:
 
 
 def _check_available_parallelism(p, shard: int) -> None:
-    """flame runs FSDP2, HSDP, DDP, tensor, context and pipeline parallelism; other layouts are refused rather than run wrong."""
-    for name in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
-        if getattr(p, name) > 1:
-            raise ConfigError(
-                f"--parallelism.{name} {getattr(p, name)}: flame does not provide this parallelism yet; "
-                "use data parallelism (FSDP: data_parallel_shard_degree)"
-            )
+    """flame runs FSDP2, HSDP, DDP, tensor, context, pipeline and expert parallelism; other layouts are refused rather
+    than run wrong (the model-dependent checks of expert parallelism: flame.distributed.expert_parallel)."""
+    if p.expert_tensor_parallel_degree > 1:
+        raise ConfigError(f"--parallelism.expert_tensor_parallel_degree {p.expert_tensor_parallel_degree}: flame does "
+                          "not split single experts over ranks; leave it at 1 (expert_parallel_degree splits the "
+                          "experts among ranks)")
+    ep = p.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"--parallelism.expert_parallel_degree must be >= 1, got {ep}")
+    if ep > 1 and shard % ep:
+        raise ConfigError(f"--parallelism.expert_parallel_degree {ep} does not divide the {shard} data-parallel shard "
+                          f"ranks it splits the experts over: give a divisor of {shard}")
     # DDP replicates plain tensors (no DTensor shards), and its reducer runs wrong when a pipeline
     # schedule takes several forwards before their backwards (measured: replicas drift apart)
     replicas = p.data_parallel_replicate_degree

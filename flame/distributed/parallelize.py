@@ -26,8 +26,10 @@ from flame import compat
 
 from flame.base import device
 from flame.distributed import degrees
+from flame.distributed.expert_parallel import apply_expert_parallel, expert_shard_placement
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.base.errors import ConfigError
+from flame.models.experts import experts_modules
 from flame.models.registry import decoder_layers
 from flame.models.support import support_for
 
@@ -57,6 +59,8 @@ def checkpoint_blocks(layers: nn.ModuleList, ac_config, model_compile_enabled: b
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     if parallel_dims.tp_enabled:  # first, on the unwrapped blocks (flame.distributed.tensor_parallel)
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"), job_config)
+    if parallel_dims.ep_enabled:  # likewise (flame.distributed.expert_parallel)
+        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
     support = support_for(model.config)
@@ -82,8 +86,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
             logger.info(f"Compiling each of the {len(layers)} decoder blocks with torch.compile")
 
     if parallel_dims.fsdp_enabled:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        apply_fsdp(model, layers, parallel_dims.get_mesh(names), job_config)
+        replicas = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
+        experts_mesh = parallel_dims.get_mesh([*replicas, "efsdp"]) if parallel_dims.ep_enabled else None
+        apply_fsdp(model, layers, parallel_dims.get_mesh([*replicas, "fsdp"]), job_config, experts_mesh)
     elif parallel_dims.dp_replicate_enabled:  # replicate only (config_manager refuses it with TP/PP)
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
     elif degrees.fsdp_alone(job_config, parallel_dims.world_size):
@@ -94,8 +99,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     return model
 
 
-def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobConfig) -> None:
-    """Shard each decoder block, the untied embeddings, and the rest (norm, lm_head) at the root."""
+def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobConfig, experts_mesh=None) -> None:
+    """Shard each decoder block, the untied embeddings, and the rest (norm, lm_head) at the root; under expert
+    parallelism each MoE layer's experts first, over ``experts_mesh`` (the ranks holding the same experts)."""
     training = job_config.training
     policy = MixedPrecisionPolicy(
         param_dtype=device.compute_dtype(job_config),
@@ -109,6 +115,11 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobCon
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
     reshard = {"default": not pipelined, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
 
+    if experts_mesh is not None:
+        ranks = experts_mesh.size()
+        for module in experts_modules(model):
+            fully_shard(module, **{**options, "mesh": experts_mesh}, reshard_after_forward=reshard,
+                        shard_placement_fn=lambda param: expert_shard_placement(param, ranks))
     for block in layers:
         fully_shard(block, **options, reshard_after_forward=reshard)
     embeddings = model.get_input_embeddings()  # None on pipeline stages after the first

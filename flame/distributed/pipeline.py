@@ -135,7 +135,7 @@ def check_pipeline_parallel(config, job_config) -> None:
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
         return
-    if moe.routes(config):
+    if moe.is_moe(config):
         raise ConfigError(f"--parallelism.pipeline_parallel_degree {pp}: {config.model_type} is a mixture of experts, "
                           "whose load-balancing loss sums the routers of every layer, which pipeline stages hold apart; "
                           "train it with FSDP (and expert parallelism) instead")

@@ -27,8 +27,7 @@ from flame.base import device
 from flame.models.loss import use_fused_cross_entropy
 from flame.base.errors import ConfigError
 from flame.models.kernels import attention
-from flame import compat
-from flame.models import lora, moe
+from flame.models import experts, hybrid, lora, moe
 from flame.models.flops import model_flops
 from flame.models.kernels.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
@@ -142,13 +141,12 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     """The causal LM for ``model_args`` (on whatever device/dtype context is active).
 
     HF models get flame's document-masked attention; a model that cannot take a registered
-    attention function keeps its own (with a warning: documents may see each other). Their RMS
+    attention function keeps its own (with a warning: documents may see each other). A hybrid's
+    recurrent and convolutional layers keep documents apart too (flame.models.hybrid). Their RMS
     norms, SiLU-gated MLPs and rotary embeddings get fused kernels (flame.models.kernels.fused). With
     --lora.rank, PEFT's LoRA adapters go on last, and everything else is frozen (flame.models.lora).
     """
     config = model_args.config
-    if moe.routes(config):  # its experts' grouped GEMM in bf16 under autocast, not transformers' float32 fallback
-        compat.transformers.experts_in_the_autocast_dtype()
     try:
         model = _from_config(config, model_args)
     except ValueError as error:
@@ -156,6 +154,14 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
     # torchtitan's init_weights(buffer_device) on HF's model: a subclass of the model's own class
     # (same name, so exports say e.g. LlamaForCausalLM), swapped in on the built instance
     model.__class__ = _trainable_class(type(model), model_args.seed, model_args.lora)
+    # a hybrid's recurrent and conv layers: on GPUs over the flattened batch on varlen kernels, else once per document
+    if not is_fla_config(config) and (kept := hybrid.keep_documents_apart(model, kernels=device.CUDA)):
+        logger.info(kept)
+    if moe.is_moe(model.config):
+        moe.tap.attach(model)  # the routers' choices, for the load-balancing loss and the load metrics
+        # transformers' default, not its loop; a hybrid's config may name experts its layers do not have
+        if getattr(model.config, "_experts_implementation", None) == "grouped_mm" and (layers := experts.use_flame_experts(model)):
+            logger.info(f"Experts of {layers} MoE layers: flame's grouped GEMM (flame.models.experts)")
     if model_args.fused_kernels and not is_fla_config(config):  # fla's models have theirs
         logger.info(use_fused_kernels(model).describe())
     if model_args.fused_cross_entropy:

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from flame.base.batch_context import BatchContext
-from flame.models import moe
 from flame.models.kernels import attention
 from flame.models.support import Documents, support_for
 
@@ -59,8 +58,6 @@ def document_kwargs(model: nn.Module, batch: dict) -> dict:
     kwargs = {"position_ids": batch["position_ids"], "use_cache": False}
     if uses_flame_attention(model):
         kwargs["cu_seq_lens_q"] = cu_seqlens
-    if model.training and moe.routes(model.config):  # the model computes its load-balancing loss (flame.models.moe)
-        kwargs["output_router_logits"] = True
     return kwargs
 
 

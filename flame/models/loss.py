@@ -289,9 +289,9 @@ def use_fused_cross_entropy(model: nn.Module) -> LossHead:
     return loss_head
 
 
-def with_router_term(loss: torch.Tensor, routing: "moe.Routing | None", output, labels: torch.Tensor) -> torch.Tensor:
-    """``loss`` (summed over the targets) with a MoE model's load-balancing term, when its output has one."""
-    term = routing.loss_term(output, labels) if routing is not None else None
+def with_router_term(loss: torch.Tensor, routing: "moe.Routing | None", labels: torch.Tensor) -> torch.Tensor:
+    """``loss`` (summed over the targets) with a MoE model's load-balancing term, in training."""
+    term = routing.loss_term(labels) if routing is not None else None
     return loss if term is None else loss + term
 
 
@@ -310,11 +310,11 @@ def build_loss(job_config, **kwargs):
     def loss(output, labels: torch.Tensor) -> torch.Tensor:
         logits = getattr(output, "logits", output)
         if logits.ndim == 0:  # a LossHead already computed the summed loss
-            return with_router_term(logits, routing, output, labels)
+            return with_router_term(logits, routing, labels)
         loss = cross_entropy(logits, labels)
         # logits sharded over the vocabulary (tensor parallel, under loss_parallel): every rank
         # holds the whole sum
         loss = loss.to_local() if isinstance(loss, DTensor) else loss
-        return with_router_term(loss, routing, output, labels)
+        return with_router_term(loss, routing, labels)
 
     return loss

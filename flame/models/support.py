@@ -161,9 +161,29 @@ def _rows_whole(why: str) -> dict:
 SOFTMAX, SPARSE, LINEAR, SSM, HYBRID = "softmax attention", "sparse attention", "linear attention", "state space", "hybrid"
 _ATTENTION_CP = {"context_parallel": ContextParallelism.ATTENTION}
 _HF_DECODER = {"tensor_parallel_plan": "hf_decoder", **_ATTENTION_CP}
-# transformers' MoE types: flame.models.moe (any transformers type whose config has router_aux_loss_coef is treated so)
-_MOE = {"notes": "mixture of experts: the experts as one grouped GEMM (transformers' grouped_mm), "
+# transformers' MoE types: flame.models.moe (any transformers type whose config names experts and top_k is treated so)
+_MOE = {"notes": "mixture of experts: the experts as one grouped GEMM (flame.models.experts), expert parallelism, "
         "the router's load-balancing loss in the loss, expert-load metrics; no tensor, context or pipeline parallelism"}
+# DeepSeek-V3-style routers: a selection bias instead of a load-balancing loss (--training.router_bias_rate)
+_BIASED_MOE = {"notes": "mixture of experts with shared experts: the experts as one grouped GEMM (flame.models.experts), "
+               "expert parallelism, balanced by the routers' selection bias (--training.router_bias_rate), expert-load "
+               "metrics; no tensor, context or pipeline parallelism"}
+
+
+def _hf_hybrid(model_type: str, layers: str, kernels: str, moe: bool = False, **fields) -> ModelSupport:
+    """A transformers hybrid: flame's attention, and its ``layers`` keep documents apart (flame.models.hybrid)."""
+    notes = [f"its {layers} layers keep packed documents apart (flame.models.hybrid): on GPUs over the flattened "
+             f"batch on {kernels}, elsewhere once per document"]
+    if moe:
+        notes.append(_MOE["notes"])
+    if fields.get("tilelang_on_hopper"):
+        notes.append(_TILELANG_ON_HOPPER)
+    return ModelSupport(model_type, "transformers", HYBRID, notes="; ".join(notes), **fields)
+
+
+_CONV_KERNEL = "fla's varlen causal_conv1d"
+_GATED_DELTA_NET = ("Gated DeltaNet", f"{_CONV_KERNEL} and chunk_gated_delta_rule")
+_MAMBA2_KERNELS = f"{_CONV_KERNEL} and mamba_ssm's SSD scan (fla's simple GLA without mamba_ssm)"
 _MEASURED = "packed and separate documents differ (measured, docs/models-verified.md)"
 _TILELANG_ON_HOPPER = "on Hopper GPUs fla runs its backward only with TileLang (3rdparty/install.sh installs it on GPU machines; pip install flame[gpu])"
 # flame.compat.fla_mamba: its Mamba layers take flame's selective scan, which restarts at every document
@@ -194,6 +214,19 @@ _RECORDS = (
     ModelSupport("qwen2_moe", "transformers", SOFTMAX, **_MOE),
     ModelSupport("olmoe", "transformers", SOFTMAX, **_MOE),
     ModelSupport("mixtral", "transformers", SOFTMAX, **_MOE),
+    ModelSupport("glm4_moe", "transformers", SOFTMAX, **_BIASED_MOE),
+    # its text model (qwen3_5_text) is what AutoModelForCausalLM builds from a qwen3_5 config
+    _hf_hybrid("qwen3_5", *_GATED_DELTA_NET, tilelang_on_hopper=True),
+    _hf_hybrid("qwen3_5_text", *_GATED_DELTA_NET, tilelang_on_hopper=True),
+    _hf_hybrid("qwen3_next", *_GATED_DELTA_NET, moe=True, tilelang_on_hopper=True),
+    _hf_hybrid("olmo_hybrid", *_GATED_DELTA_NET, tilelang_on_hopper=True),
+    _hf_hybrid("kimi_linear", "Kimi Delta Attention", f"{_CONV_KERNEL} and chunk_kda", moe=True),
+    _hf_hybrid("nemotron_h", "Mamba-2", _MAMBA2_KERNELS),
+    _hf_hybrid("falcon_h1", "Mamba-2", _MAMBA2_KERNELS),
+    _hf_hybrid("granitemoehybrid", "Mamba-2", _MAMBA2_KERNELS, moe=True),
+    _hf_hybrid("bamba", "Mamba-2", _MAMBA2_KERNELS),
+    _hf_hybrid("jamba", "Mamba", f"{_CONV_KERNEL} and flame's selective scan", moe=True),
+    _hf_hybrid("lfm2", "short convolution", _CONV_KERNEL),
     ModelSupport("gpt2", "transformers", SOFTMAX,
                  notes="learned position table: documents of at most max_position_embeddings tokens"),
     ModelSupport("flame_example_lm", "custom_models", SOFTMAX, tensor_parallel_plan="example_lm", **_ATTENTION_CP,

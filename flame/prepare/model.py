@@ -23,8 +23,9 @@ from flame.data.tokenizer import load_tokenizer
 from flame.distributed.context_parallel import check_context_parallel
 from flame.distributed.degrees import fsdp_enabled
 from flame.distributed.pipeline import check_pipeline_parallel
+from flame.distributed.expert_parallel import check_expert_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
-from flame.models import init_from, lora
+from flame.models import init_from, lora, moe
 from flame.models.inputs import keeps_rows_whole
 from flame.models.model_config import load_model_config
 from flame.models.registry import meta_model
@@ -132,6 +133,9 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
     check_tensor_parallel(config, job_config, lambda: model.meta)
     check_context_parallel(config, job_config)
     check_pipeline_parallel(config, job_config)
+    check_expert_parallel(config, job_config)
+    if job_config.training.router_bias_rate:
+        moe.check_selection_bias(model.meta, job_config.training.router_bias_rate)
     if job_config.compile.enable and support.compile_fails:
         raise ConfigError(
             f"--training.compile: {support.name} does not compile ({support.compile_fails}); train it without compile"

@@ -190,14 +190,18 @@ class LossTermsWindow:
         self.aux: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
 
-    def add(self, global_valid_tokens: torch.Tensor, on: torch.device) -> None:
-        """The step's terms, per target like its loss; a pipeline stage without the head has none."""
+    def add(self, global_valid_tokens: torch.Tensor, on: torch.device) -> torch.Tensor | None:
+        """The step's terms, per target like its loss (a pipeline stage without the head has none); returns the step's
+        routers' load on this rank, (MoE layers, experts), if any."""
         z_sum = loss.take_z_sum()
         counts, aux_sum = moe.take_router_load()
         if self.z_loss:
             self.z = _summed(self.z, z_sum / global_valid_tokens if z_sum is not None else torch.zeros((), device=on))
         if counts is not None:
-            self.aux, self.counts = _summed(self.aux, aux_sum / global_valid_tokens), _summed(self.counts, counts)
+            self.counts = _summed(self.counts, counts)
+        if aux_sum is not None:
+            self.aux = _summed(self.aux, aux_sum / global_valid_tokens)
+        return counts
 
     def metrics(self, reduce, steps: int, batch_group) -> dict[str, float]:
         """``loss_metrics/z_loss`` and ``loss_metrics/router_aux_loss`` (means over the window, reduced as the loss is:
@@ -206,8 +210,9 @@ class LossTermsWindow:
         found = {}
         if self.z is not None:
             found["loss_metrics/z_loss"] = reduce(self.z / steps)[1].item()
-        if self.counts is not None:
+        if self.aux is not None:
             found["loss_metrics/router_aux_loss"] = reduce(self.aux / steps)[1].item()
+        if self.counts is not None:
             if batch_group is not None:
                 dist.all_reduce(self.counts, group=batch_group)
             found |= moe.load_metrics(self.counts)

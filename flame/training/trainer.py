@@ -69,7 +69,7 @@ from flame.distributed.context_parallel import ContextParallel
 from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.base.dump_folder import ATTEMPTS, next_attempt, record_attempt
-from flame.models import lora
+from flame.models import lora, moe
 from flame.models.builder import AnyFlavor, build_model
 from flame.models.inputs import batch_inputs
 
@@ -129,6 +129,9 @@ class Trainer(TorchtitanTrainer):
         self.checkpointer.start_from(job_config.model.init_from)  # applied by checkpointer.load, when no step loads
         self.checkpointer.set_identity(job_config, self.tokenizer)  # recorded with every step, for a resume's check
         self.ema = WeightAverage(self.model_parts, job_config.training.ema_decay) if job_config.training.ema_decay else None
+        balanced = self.parallel_dims.get_optional_mesh("loss")  # the data x context ranks, whose loads add up
+        self.selection_bias = moe.SelectionBias(self.model_parts[0], job_config.training.router_bias_rate,
+                                                balanced and balanced.get_group()) if job_config.training.router_bias_rate else None
         if self.ema is not None:  # saved and loaded with the step; validated beside the live weights
             self.checkpointer.states[EMA_STATE] = self.ema
             if getattr(self, "validator", None) is not None:
@@ -311,6 +314,7 @@ class Trainer(TorchtitanTrainer):
             self.job_config.training.max_norm,
             foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=self.parallel_dims.ep_enabled,  # the experts' norm over their own ranks
         )
         step_loss = torch.stack(losses).sum()
         self.updates.step(self.step, grad_norm, global_loss=lambda: self._reduce_loss(step_loss)[1],
@@ -323,7 +327,9 @@ class Trainer(TorchtitanTrainer):
         # The logged loss is the mean over the steps since the last log line (a smooth curve
         # even when logging every N steps); accumulated on device, so no sync per step.
         self._loss_window = step_loss if self._loss_window is None else self._loss_window + step_loss
-        self.loss_terms.add(global_valid_tokens, self.device)
+        counts = self.loss_terms.add(global_valid_tokens, self.device)
+        if self.selection_bias is not None and counts is not None:  # after the update: the next step routes by it
+            self.selection_bias.update(counts)
         self._window_steps += 1
         if not self.metrics_processor.should_log(self.step):
             return

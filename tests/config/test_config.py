@@ -141,8 +141,8 @@ def test_inconsistent_settings_fail_with_the_fix(job_toml, monkeypatch, args, me
 @pytest.mark.parametrize(("flag", "world_size", "message"), [
     ("--parallelism.data_parallel_shard_degree=2", 4, "multiply to 2 .* but there are 4 processes"),
     ("--parallelism.data_parallel_replicate_degree=2", 3, "data_parallel_replicate_degree 2 does not divide the 3 processes"),
-    ("--parallelism.expert_parallel_degree=2", 2, "expert_parallel_degree 2: flame does not provide"),
-    ("--parallelism.expert_tensor_parallel_degree=2", 2, "expert_tensor_parallel_degree 2: flame does not provide"),
+    ("--parallelism.expert_parallel_degree=4", 2, "expert_parallel_degree 4 does not divide the 2 data-parallel shard"),
+    ("--parallelism.expert_tensor_parallel_degree=2", 2, "expert_tensor_parallel_degree 2: flame does not split"),
 ])
 def test_impossible_parallel_layouts_are_refused(job_toml, monkeypatch, flag, world_size, message):
     with pytest.raises(ConfigError, match=message):

@@ -151,7 +151,11 @@ def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if grouped:
         options["enable_gqa"] = True
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
-    return varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
+    width = value.shape[-1]
+    if width < query.shape[-1]:  # the flash kernel takes one head size: narrower values (latent attention) padded
+        value = F.pad(value, (0, query.shape[-1] - width))
+    out = varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
+    return out[..., :width]
 
 
 def _varlen_keys(query, key, value):
@@ -219,9 +223,10 @@ def kept_as_flash_kernels(backend: str):
 
 
 def _flattened(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
-    """``[B, H, L, D]`` -> ``[B * L, H, D]``: the kernels' token-major layout (a copy unless already laid out so)."""
-    rows, _, length, head_dim = query.shape
-    return [t.transpose(1, 2).reshape(rows * length, t.shape[1], head_dim) for t in (query, key, value)]
+    """``[B, H, L, D]`` -> ``[B * L, H, D]``: the kernels' token-major layout (a copy unless already laid out so).
+    Each keeps its own head size: multi-head latent attention's values are narrower than its queries and keys."""
+    rows, _, length, _ = query.shape
+    return [t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
 
 
 def hf_document_attention(
@@ -243,14 +248,16 @@ def hf_document_attention(
     """
     if dropout > 0:
         raise ValueError("flame's document attention has no attention dropout; set attention_dropout to 0")
-    rows, heads, length, head_dim = query.shape
+    rows, heads, length, _ = query.shape
+    width = value.shape[-1]  # the output's head size
     if _keeping_as is not None and query.device.type == "meta":
         query, key, value = _flattened(query, key, value)
         if _keeping_as == "varlen":
             key, value, _ = _varlen_keys(query, key, value)
         logsumexp = query.new_empty((heads, query.shape[0]), dtype=torch.float32)
         # the output is kept too, as the o_proj's input (one storage): counted there
-        return Keeps.apply(query, query, key, value, logsumexp).view(rows, length, heads, head_dim), None
+        out = Keeps.apply(query.new_empty(query.shape[0], heads, width), query, key, value, logsumexp)
+        return out.view(rows, length, heads, width), None
     if cu_seq_lens_q is None:
         if attention_mask is not None or key.shape[2] != length and length > 1:
             raise ValueError("the 'flame' attention handles unpadded batches; load the model with attn_implementation='sdpa'")
@@ -260,7 +267,7 @@ def hf_document_attention(
         return out.transpose(1, 2), None
     out = document_attention(*_flattened(query, key, value), cu_seq_lens_q, length, scale=scaling,
                              window=sliding_window, rows=rows, batch=documents_of(cu_seq_lens_q))
-    return out.view(rows, length, heads, head_dim), None
+    return out.view(rows, length, heads, width), None
 
 
 # fla: flash-attn's two entry points, as fla's attention layers call them

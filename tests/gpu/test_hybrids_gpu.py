@@ -1,0 +1,46 @@
+"""transformers' hybrids on CUDA (flame.models.hybrid): with their layers over the flattened batch on flame's varlen
+kernels (fla's conv, gated delta rule and KDA; mamba_ssm's SSD scan or fla's simple GLA; flame's selective scan),
+a packed batch gives each document the logits and gradients it gets alone through transformers' own kernels.
+tests/models/test_hybrids.py checks the same wiring on CPU with stand-ins. Skipped where there is no CUDA device."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flame.models import hybrid, load_model_config
+from flame.models.builder import FlameModelArgs, build_model
+from tests.conftest import ROOT
+from tests.models.test_hybrids import HYBRIDS, _batch, _packed_logits, _separate_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _results(model, logits_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and every parameter's gradient of the summed cross entropy."""
+    model.zero_grad()
+    batch, labels = _batch()
+    batch = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
+    logits = logits_of(model, batch, labels.cuda())
+    F.cross_entropy(logits.float().flatten(0, 1), labels.cuda().flatten(), reduction="sum").backward()
+    return logits.detach().float(), {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
+
+def _error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference relative to the largest entry."""
+    return float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_packed_documents_get_their_logits_and_gradients_alone_on_varlen_kernels(model_type):
+    path = str(ROOT / "configs" / "tiny" / f"{model_type}.json")
+    args = FlameModelArgs(config_path=path, fused_kernels=False)
+    args._config = load_model_config(path)
+    torch.manual_seed(0)
+    model = build_model(args).cuda().train()
+    layers = [m for m in model.modules() if isinstance(m, hybrid.KeepsDocumentsApart)]
+    assert layers and all(layer.over_flattened_batch for layer in layers)
+    packed_logits, packed_grads = _results(model, _packed_logits)
+    separate_logits, separate_grads = _results(model, lambda model, batch, _: _separate_logits(model, batch))
+    assert _error(packed_logits, separate_logits) < 1e-2
+    worst = max(_error(packed_grads[name], grad) for name, grad in separate_grads.items())
+    assert worst < 2e-2, worst
