@@ -84,8 +84,6 @@ def check_supported(job_config) -> None:
             "--profiling.enable_profiling needs a GPU (torchtitan 0.2.2's profiler asks for a GPU activity); "
             "profile CPU runs with py-spy instead"
         )
-    if job_config.training.enable_cpu_offload:
-        raise ConfigError("--training.enable_cpu_offload offloads GPU memory; on a CPU machine leave it off")
     if job_config.parallelism.enable_async_tensor_parallel:
         raise ConfigError("--parallelism.enable_async_tensor_parallel needs CUDA (inductor's symmetric-memory kernels); leave it off on CPU")
     if job_config.model.attention in ("varlen", "flex"):

@@ -40,6 +40,8 @@ _MAYBE_ENABLE_AMP = Target(
     TORCHTITAN, "torchtitan.distributed.utils", "maybe_enable_amp", ("parallel_dims", "mixed_precision_param", "device_type")
 )
 _GET_PEAK_FLOPS = Target(TORCHTITAN, "torchtitan.tools.utils", "get_peak_flops", ("device_name",))
+_INIT_DISTRIBUTED = Target(TORCHTITAN, "torchtitan.distributed.utils", "init_distributed",
+                           ("comm_config", "enable_cpu_backend"))
 
 
 @patch(
@@ -47,6 +49,7 @@ _GET_PEAK_FLOPS = Target(TORCHTITAN, "torchtitan.tools.utils", "get_peak_flops",
     *(Target(TORCHTITAN, module, name) for module, names in _DEVICE_GLOBALS.items() for name in names),
     _MAYBE_ENABLE_AMP,
     _GET_PEAK_FLOPS,
+    _INIT_DISTRIBUTED,
 )
 def cpu_without_accelerator() -> None:
     """Run torchtitan on the CPU with gloo when the machine has no CUDA device.
@@ -55,11 +58,14 @@ def cpu_without_accelerator() -> None:
     "cuda"/``torch.cuda`` without an accelerator; four more modules import those two names, so
     process groups, meshes, memory monitors and the profiler would all ask for CUDA.
     ``maybe_enable_amp`` autocasts the forward in --training.mixed_precision_param, and
-    ``get_peak_flops`` guesses an A100 for an unknown device.
+    ``get_peak_flops`` guesses an A100 for an unknown device. Under --training.enable_cpu_offload
+    ``init_distributed`` adds a gloo backend for CPU tensors to the device's, which on the CPU names gloo
+    twice, an error.
     flame: points each module's ``device_type``/``device_module`` at "cpu" and
     ``flame.base.device.CpuDeviceModule`` (those modules read the globals at call time), runs the
-    forward without autocast (CPU runs compute in fp32), and reports no peak FLOPS (NaN: a CPU
-    has no MFU). flame.base.device decides everything else that differs on the CPU.
+    forward without autocast (CPU runs compute in fp32), reports no peak FLOPS (NaN: a CPU
+    has no MFU), and starts the process group without the second backend (gloo serves the CPU
+    already). flame.base.device decides everything else that differs on the CPU.
     """
     for module_name, names in _DEVICE_GLOBALS.items():
         module = importlib.import_module(module_name)
@@ -67,6 +73,10 @@ def cpu_without_accelerator() -> None:
             setattr(module, name, "cpu" if name == "device_type" else CpuDeviceModule)
     importlib.import_module(_MAYBE_ENABLE_AMP.module).maybe_enable_amp = lambda *args, **kwargs: contextlib.nullcontext()
     importlib.import_module(_GET_PEAK_FLOPS.module).get_peak_flops = lambda device_name: float("nan")
+    module = importlib.import_module(_INIT_DISTRIBUTED.module)
+    upstream = module.init_distributed
+    module.init_distributed = functools.wraps(upstream)(
+        lambda comm_config, enable_cpu_backend=False, **kwargs: upstream(comm_config, False, **kwargs))
 
 
 _TRAINER_CHECKPOINT_MANAGER = Target(

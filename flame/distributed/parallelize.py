@@ -109,7 +109,7 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobCon
     )
     options = {"mesh": mesh, "mp_policy": policy}
     if training.enable_cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.CUDA)  # pinned for asynchronous copies to a GPU
     # default: reshard after forward, except under pipeline parallelism, whose microbatches would
     # all-gather the same weights again for every forward (torchtitan's policy)
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
@@ -122,6 +122,9 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobCon
                         shard_placement_fn=lambda param: expert_shard_placement(param, ranks))
     for block in layers:
         fully_shard(block, **options, reshard_after_forward=reshard)
+    if training.enable_cpu_offload:  # each block's weights come over the host link: copy the next one's meanwhile
+        for block, following in zip(layers, list(layers)[1:]):
+            block.set_modules_to_forward_prefetch([following])
     embeddings = model.get_input_embeddings()  # None on pipeline stages after the first
     output_weight = getattr(model.get_output_embeddings(), "weight", None)
     if embeddings is not None and output_weight is not embeddings.weight:

@@ -36,6 +36,7 @@ from flame.memory.layout import (
     first_blocks,
 )
 from flame.memory.plan import choose, table
+from flame.models import moe
 from flame.models.inputs import is_fla_config
 from flame.models.model_config import load_model_config
 from flame.models.registry import decoder_layers, meta_model
@@ -127,6 +128,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         expandable_segments=expandable_segments(config), dense_attention=attention == "sdpa",
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined, ema=t.ema_decay > 0,
         activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
+        active_params=moe.active_params(model) if moe.is_moe(model_config) else None,
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)

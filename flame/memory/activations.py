@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
 from flame import compat
+from flame.models import experts
 from flame.models.kernels import attention as attention_kernels
 from flame.models.kernels.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.inputs import flattens_rows
@@ -244,6 +245,7 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
     from flame.memory import probe  # it builds on this module's hooks and fit
     model = meta_model(config).to(dtype)
     model.train()
+    experts.use_flame_experts(model)  # a MoE model's experts as flame trains them (flame.models.builder)
     if fused:
         use_fused_kernels(model)
     flash = attention in ("varlen", "flex") and _takes_flame_attention(model)

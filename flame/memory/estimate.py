@@ -62,8 +62,9 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         if on_gpu:
             parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
                                                                   "(--optimizer.gpu_blocks)"))
-        parts.append(Part("host step buffers", 8 * (weights - job.gpu_state_params / job.weight_shards),
-                          "host (pinned)", "fp32 copies of the weights and gradients"))
+        if not layout.offload:  # streamed (with offload), the host steps the offloaded weights in place
+            parts.append(Part("host step buffers", 8 * (weights - job.gpu_state_params / job.weight_shards),
+                              "host (pinned)", "fp32 copies of the weights and gradients"))
     else:
         parts.append(Part("optimizer state", state, kept, state_note))
     if job.fsdp or layout.offload:

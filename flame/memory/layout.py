@@ -87,6 +87,13 @@ class Job:
     # a one-rank mesh (flame.distributed.degrees.fsdp_alone), its activations measured again without autocast;
     # built when a layout asks for it
     wrapped: Callable[[], Job] | None = field(default=None, repr=False, compare=False)
+    # the parameters a token's forward multiplies, where fewer than ``params``: a mixture of experts' active ones
+    active_params: int | None = None
+
+    @property
+    def computed_params(self) -> int:
+        """The parameters whose matmuls a token's forward runs (all of them, but a MoE's experts: top_k of them)."""
+        return self.active_params if self.active_params is not None else self.params
 
 
 def as_run(job: Job, layout: Layout) -> Job:

@@ -61,8 +61,9 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
 
     Activation checkpointing only recomputes more than ``start`` does (``ac_options``). Offload
     needs a GPU job that FSDP can wrap, an optimizer that runs offloaded (its record says), and room in
-    the host budget; so does the optimizer on the host, which a pipeline cannot take and which
-    FSDP2's offload already is. Micro-batches divide the rows evenly.
+    the host budget; so does the optimizer on the host, which a pipeline cannot take. Both together
+    stream the weights: FSDP2 keeps them on the host and the host steps them in place while the next
+    forward runs (flame.optim.host). Micro-batches divide the rows evenly.
     """
     acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
     reshards = [start.reshard] + ([True] if job.fsdp and "reshard" not in fixed and not start.reshard else [])
@@ -81,8 +82,7 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
     counts = [start.micro_batches] + ([] if "micro_batches" in fixed else [
         count for count in range(start.micro_batches + 1, job.rows + 1) if job.rows % count == 0])
     return [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count, host_optimizer=host)
-            for ac in acs for reshard in reshards for offload in offloads for count in counts for host in on_host
-            if not (offload and host)]
+            for ac in acs for reshard in reshards for offload in offloads for count in counts for host in on_host]
 
 
 def ac_options(job: Job, current: str) -> list[str]:

@@ -44,7 +44,8 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
     """The time a layout costs, from this machine's measured rates.
 
     A pass (one micro-batch's forward and backward) takes its GPU time plus its host time. The
-    GPU runs the forward's matmuls (``2 x parameters x tokens`` FLOPs per tensor-parallel shard),
+    GPU runs the forward's matmuls (``2 x parameters x tokens`` FLOPs per tensor-parallel shard; a mixture of
+    experts' active parameters),
     the backward's (twice that), and the rest of the step (``MATMUL_SHARE``), at the matmul rate
     of one micro-batch's tokens. The host dispatches ``LAUNCHES_PER_BLOCK_PASS`` ops per block,
     whatever the tokens, and measured not to hide behind the GPU's work (HF llama 340M on an
@@ -57,7 +58,7 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
     job = as_run(job, layout)
     passes = layout.micro_batches
     tokens = job.rows * job.tokens_per_row / passes
-    forward = 2 * job.params / job.tensor_parallel * tokens / (hardware.tflops(tokens) * 1e12) / MATMUL_SHARE
+    forward = 2 * job.computed_params / job.tensor_parallel * tokens / (hardware.tflops(tokens) * 1e12) / MATMUL_SHARE
     launches = len(job.activations.blocks) * LAUNCHES_PER_BLOCK_PASS * hardware.launch_seconds / 3  # a forward's
     one_pass = 3 * (forward + launches)  # the backward launches and computes about twice the forward
     share = recompute_share(layout.ac, len(job.activations.blocks))
@@ -71,27 +72,32 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
         weights = job.params / job.weight_shards
         moved = passes * ((2 if layout.reshard else 1) * 4 * weights + 4 * weights)  # fp32 weights up, gradients down
         link = hardware.host_link_gbps
-        offload = (moved / (link * 1e9) if link else math.inf) + weights / hardware.host_adam_params_per_s
+        offload = moved / (link * 1e9) if link else math.inf
+        if layout.host_optimizer:  # streamed: the host steps the offloaded weights in place beside the next forward
+            offload += host_step(job, hardware, hidden_by=forward + launches, copies=False)
+        else:  # FSDP2's own offload: torch's AdamW on the host between the steps
+            offload += weights / hardware.host_adam_params_per_s
     elif layout.host_optimizer:
         offload = host_step(job, hardware, hidden_by=forward + launches)
     return Price(compute=passes * one_pass, recompute=passes * share * (forward + launches), gathers=gathers,
                  offload=offload)
 
 
-def host_step(job: Job, hardware: Hardware, hidden_by: float) -> float:
+def host_step(job: Job, hardware: Hardware, hidden_by: float, copies: bool = True) -> float:
     """The seconds of ``--optimizer.on_host``'s step the next forward (``hidden_by`` seconds) does not hide.
 
     Unit by unit (the embeddings, each block, the head), the gradients go down, the host steps
     and the weights go up (flame.optim.host): a pipeline as slow as its slowest
     stage, the host's AdamW, and filled by one unit's three stages, which the forward's start
-    waits for. Calibrated on an H100 (fla transformer 1B, one row of 32K; docs/perf-log.md,
+    waits for (``copies``: False when the weights and gradients are on the host already, FSDP2's offload,
+    whose transfers the caller counts). Calibrated on an H100 (fla transformer 1B, one row of 32K; docs/perf-log.md,
     2026-11-27): AdamW ran ``HOST_STEP_SLOWDOWN`` times slower beside the training loop than the
     probe measured it alone, and the forward hid ``FORWARD_HIDES`` of its time from it (the
     launching thread waits for each block's weights, so the GPU cannot run ahead).
     """
     weights = (job.params - job.gpu_state_params) / job.weight_shards  # --optimizer.gpu_blocks' step on the GPU
     link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
-    copy = 4 * weights / link if link else math.inf
+    copy = 0.0 if not copies else 4 * weights / link if link else math.inf
     stages = (copy, HOST_STEP_SLOWDOWN * weights / hardware.host_adam_params_per_s, copy)
     filled = sum(stages) / (len(job.activations.blocks) + 2)
     return max(filled, max(stages) + filled - FORWARD_HIDES * hidden_by)

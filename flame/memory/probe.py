@@ -49,6 +49,7 @@ from flame.memory.activations import (
     fitted_profile,
 )
 from flame.base.measured_once import measured_once
+from flame.models import experts
 from flame.models.kernels.fused import use_fused_kernels
 from flame.models.builder import reinitialize
 from flame.models.registry import meta_model
@@ -144,6 +145,7 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
         model.to_empty(device=where)
         reinitialize(model)
         model.train()
+        experts.use_flame_experts(model)  # a MoE model's experts as flame trains them
         if fused:
             use_fused_kernels(model)
         precision = f"float32 weights under {dtype_name(dtype)} autocast" if autocast else f"{dtype_name(dtype)} weights"

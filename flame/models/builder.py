@@ -159,8 +159,7 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
         logger.info(kept)
     if moe.is_moe(model.config):
         moe.tap.attach(model)  # the routers' choices, for the load-balancing loss and the load metrics
-        # transformers' default, not its loop; a hybrid's config may name experts its layers do not have
-        if getattr(model.config, "_experts_implementation", None) == "grouped_mm" and (layers := experts.use_flame_experts(model)):
+        if layers := experts.use_flame_experts(model):  # (a hybrid's config may name experts its layers lack)
             logger.info(f"Experts of {layers} MoE layers: flame's grouped GEMM (flame.models.experts)")
     if model_args.fused_kernels and not is_fla_config(config):  # fla's models have theirs
         logger.info(use_fused_kernels(model).describe())

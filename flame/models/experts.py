@@ -34,11 +34,13 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def use_flame_experts(model: nn.Module) -> int:
-    """Run ``model``'s MoE layers on flame's experts forward; the number of MoE layers. A model whose experts modules
-    do not dispatch on ``_experts_implementation`` (not transformers' stacked layout) keeps its own forward."""
+    """Run ``model``'s MoE layers on flame's experts forward where they would run transformers' grouped GEMM (its
+    default); the number of MoE layers switched. Another implementation named in the model config (``eager``, its
+    loop over the experts) is kept, and so is a module that does not dispatch on one (not transformers' layout)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    modules = [module for module in experts_modules(model) if hasattr(module, "has_gate")]
+    modules = [module for module in experts_modules(model)
+               if hasattr(module, "has_gate") and getattr(module.config, "_experts_implementation", None) == "grouped_mm"]
     if modules:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, forward)
         for config in {id(module.config): module.config for module in modules}.values():

@@ -66,6 +66,13 @@ def active_matmul_weights(model: nn.Module) -> float:
     return experts + sum(router.weight.numel() for router in routers(model))
 
 
+def active_params(model: nn.Module) -> int:
+    """The parameters a token's forward multiplies: all but the experts it is not routed to."""
+    experts = sum(w.numel() for w in expert_weights(model))
+    return round(sum(p.numel() for p in model.parameters()) - experts * (1 - model.config.num_experts_per_tok /
+                                                                          expert_count(model.config)))
+
+
 class RouterTap:
     """What each router chose in the model's last training forward: (router logits, expert ids) per MoE layer.
 

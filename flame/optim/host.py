@@ -21,6 +21,11 @@ a second: fla transformer 1B's forward waited 0.12-0.15 s a step; docs/perf-log.
 block on the GPU, stepped there by the same fused AdamW right after the backward: the host starts
 on the blocks the forward reaches later, with the first K blocks' forward as its head start.
 
+With --training.enable_cpu_offload as well (weight streaming), FSDP2 keeps the float32 weights and their
+gradients on the host and copies each block's weights up as it gathers them: the host step then updates those
+weights in place (no copy of its own, nothing copied back), each unit on the thread while the next forward runs,
+and the forward's wait before each unit keeps FSDP from gathering weights the host has not finished.
+
 The moments are AdamW's own state (``step``, ``exp_avg``, ``exp_avg_sq``, placed like the
 parameter when it is a DTensor), so checkpoints are AdamW's: a run may resume with the flag on or
 off, on any layout. Saving or loading a checkpoint waits for the step in flight
@@ -88,7 +93,7 @@ class Unit:
     params: list[torch.Tensor]
     after: bool = False
     host_params: list[torch.Tensor] = field(default_factory=list)  # pinned fp32 copies of the weights (local parts)
-    host_grads: list[torch.Tensor] = field(default_factory=list)  # pinned: where the gradients land
+    host_grads: list[torch.Tensor] = field(default_factory=list)  # pinned: where the gradients land (offloaded: them)
     buffers: tuple = ()  # the two flat buffers the views above belong to
     on_host: object = None  # CUDA event: the gradients have reached the host
     updated: object = None  # CUDA event: the new weights have reached the GPU
@@ -155,7 +160,9 @@ class HostAdamW(Optimizer):
                                                weight_decay=weight_decay, fused=True)
         super().__init__(param_groups or params, like.defaults)  # the groups' own lr and weight decay (flame.optim.groups)
         self.decoupled = decoupled
-        self.cuda = params[0].is_cuda
+        # FSDP's CPU offload keeps the weights and their gradients on the host already: step them where they are
+        self.in_place = any(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in params)
+        self.cuda = not self.in_place and params[0].is_cuda
         if self.cuda:
             self.device = params[0].device
             self.to_host, self.to_device = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
@@ -166,13 +173,19 @@ class HostAdamW(Optimizer):
         self.waited = 0.0  # seconds the forward has waited for the host, all steps together
         self.stepping = 0.0  # seconds the host thread spent in AdamW, all steps together
         self.copying = 0.0  # seconds it waited for gradients to reach the host, all steps together
-        self.hooks = [self._hook(unit) for unit in self.units]
+        self.hooks = [self._hook(unit, self.units[index + 1:index + 2]) for index, unit in enumerate(self.units)]
 
-    def _hook(self, unit: Unit):
+    def _hook(self, unit: Unit, following: list[Unit]):
         if unit.after:
             return unit.module.register_forward_hook(lambda module, args, output: self._wait(unit))
-        # ahead of FSDP's own pre-forward hook, which gathers the weights
-        return unit.module.register_forward_pre_hook(lambda module, args: self._wait(unit), prepend=True)
+        # streamed, FSDP gathers the next block's offloaded weights while this one computes: both must be stepped
+        waited = [unit, *following] if self.in_place else [unit]
+
+        def wait(module, args) -> None:
+            for each in waited:
+                self._wait(each)
+
+        return unit.module.register_forward_pre_hook(wait, prepend=True)  # ahead of FSDP's, which gathers the weights
 
     def _wait(self, unit: Unit) -> None:
         """Before a unit computes: its new weights are on the GPU (or the GPU's stream will wait for them)."""
@@ -223,6 +236,13 @@ class HostAdamW(Optimizer):
             self._step_on_device(unit, settings)
         work = []
         for unit in self.units[self.on_device :]:
+            if self.in_place:  # the gradients as of now: zero_grad drops the parameters' references before the thread runs
+                live = self._live(unit, [local_part(p) for p in unit.params])
+                unit.host_grads = [local_part(p.grad) if p.grad is not None else None for p in unit.params]
+                unit.ready.clear()
+                unit.pending = True
+                work.append((unit, _by_hyperparameters(unit, live, settings)))
+                continue
             if not unit.buffers:
                 self._host_copies(unit)
             live = self._live(unit, unit.host_params)
@@ -286,7 +306,9 @@ class HostAdamW(Optimizer):
                 self.copying += copied - start
                 self.stepping += time.perf_counter() - copied
                 indices = [i for group in groups.values() for i in group]
-                if self.cuda:
+                if self.in_place:
+                    pass
+                elif self.cuda:
                     with torch.cuda.stream(self.to_device):
                         for i in indices:
                             local_part(unit.params[i]).copy_(unit.host_params[i], non_blocking=True)
@@ -301,8 +323,9 @@ class HostAdamW(Optimizer):
                 unit.ready.set()
 
     def _update(self, unit: Unit, hyper: tuple, indices: list[int]) -> None:
-        self._adam(hyper, [unit.host_params[i] for i in indices], [unit.host_grads[i] for i in indices],
-                   [self.state[unit.params[i]] for i in indices])
+        # in place: the offloaded weights themselves, which FSDP copies up when it gathers them
+        params = [local_part(unit.params[i]) for i in indices] if self.in_place else [unit.host_params[i] for i in indices]
+        self._adam(hyper, params, [unit.host_grads[i] for i in indices], [self.state[unit.params[i]] for i in indices])
 
     def state_dict(self):
         self.settle()

@@ -87,9 +87,6 @@ def _check_host_optimizer(config: Any) -> None:
         hosted = [other.name for other in OPTIMIZERS.values() if other.steps_on_host]
         raise ConfigError(f"--optimizer.on_host steps {' or '.join(hosted)} on the host; {record.on_gpu_only}: use "
                           f"--optimizer.name {hosted[0]}, or leave on_host off")
-    if config.training.enable_cpu_offload:
-        raise ConfigError("--optimizer.on_host and --training.enable_cpu_offload both move the optimizer state to the "
-                          "host (the second with the weights and gradients): give one of them")
     if config.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError("--optimizer.on_host waits for each decoder block's weights in its forward, which pipeline "
                           "stages run out of order: leave it off under --parallelism.pipeline_parallel_degree > 1")

@@ -33,7 +33,7 @@ from flame.memory.layout import Layout
 from flame.memory.plan import PRICE_TOLERANCE, candidates, choose, table
 from flame.memory.price import price
 from flame.models.kernels import attention
-from flame.models import builder, load_model_config
+from flame.models import builder, load_model_config, moe
 from flame.models.registry import decoder_layers, meta_model, register_all
 from flame.optim.adamw import ADAMW
 from flame.optim.muon import MUON
@@ -484,6 +484,16 @@ def test_the_weights_average_is_counted_like_the_weights(long_model, monkeypatch
     assert job.ema and parts["weights' average"].bytes == parts["parameters"].bytes == 4 * job.params
     without = {part.name for part in estimate(dataclasses.replace(job, ema=False), Layout())}
     assert "weights' average" not in without
+
+
+def test_a_mixture_of_experts_is_priced_by_its_active_parameters(monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args("configs/tiny/qwen3_moe.json", "--memory.plan=off"))
+    job = memory.job_of(config, 1)
+    model = meta_model(load_model_config("configs/tiny/qwen3_moe.json"))
+    experts = sum(w.numel() for w in moe.expert_weights(model))  # 8 experts a layer, 2 a token
+    assert job.params == sum(p.numel() for p in model.parameters()) and job.computed_params == job.params - experts * 3 // 4
+    dense = dataclasses.replace(job, active_params=None)
+    assert price(job, Layout(), H100).compute < price(dense, Layout(), H100).compute
 
 
 def test_full_ac_keeps_less_than_op_level_which_keeps_less_than_none(long_model, monkeypatch):

@@ -151,11 +151,33 @@ def test_on_host_trains_adamws_curve_alone_and_under_fsdp_and_resumes_without_it
     assert_same_curve(got, metrics(host.dump), rel=0, steps=[3, 4])
 
 
+STREAMED = ("--training.enable_cpu_offload", "--optimizer.on_host")
+
+
+@pytest.mark.background_runs(
+    plain=train_job(4, *SINGLE),
+    streamed=train_job(4, *SINGLE, *STREAMED),
+    streamed_fsdp2=train_job(4, *FSDP2, *STREAMED, nproc=2),
+)
+def test_weights_streamed_from_the_host_train_adamws_curve_and_resume_exactly(background_runs, tiny_model, corpus):
+    """FSDP's CPU offload with the host optimizer: the host steps the offloaded weights in place, unit by unit while
+    the next forward runs (on a CPU host and device are one memory: the same steps, nothing saved)."""
+    plain, streamed, fsdp2 = (background_runs[name] for name in ("plain", "streamed", "streamed_fsdp2"))
+    for run in (plain, streamed, fsdp2):
+        check(run.result)
+    expected = metrics(plain.dump)
+    assert_same_curve(metrics(streamed.dump), expected, rel=0)
+    assert_same_curve(metrics(fsdp2.dump), expected, rel=FSDP_SUMS)
+    resumed = streamed.dump.parent / "streamed-resumed"  # its step 2, streamed again: steps 3-4 bit for bit
+    check(train_job(4, *SINGLE, *STREAMED, f"--checkpoint.initial_load_path={streamed.dump / 'checkpoint' / 'step-2'}",
+                    "--checkpoint.no-initial_load_model_only")(resumed, tiny_model, corpus))
+    assert_same_curve(metrics(resumed), metrics(streamed.dump), rel=0, steps=[3, 4])
+
+
 def test_flags_that_cannot_combine_with_them_are_refused(tiny_model, corpus, tmp_path, monkeypatch):
     args = base_args(tiny_model, corpus, tmp_path / "x")
     refused = [
         (["--optimizer.on_host", "--optimizer.name=Muon"], "--optimizer.on_host steps AdamW or Adam on the host"),
-        (["--optimizer.on_host", "--training.enable_cpu_offload"], "both move the optimizer state to the host"),
         (["--optimizer.gpu_blocks=2"], "add --optimizer.on_host, or drop gpu_blocks"),
         (["--optimizer.on_host", "--optimizer.gpu_blocks=-1"], "a count of decoder blocks, 0 or more"),
         (["--activation_checkpoint.blocks=1"], "add --activation_checkpoint.mode full"),
@@ -179,10 +201,16 @@ def test_the_plan_steps_the_optimizer_on_the_host_where_that_fits_and_costs_leas
     assert parts["optimizer state"].where == "host (stepped there)" and parts["parameters"].where == "GPU"
     assert parts["host step buffers"].bytes == 8 * job.params  # pinned fp32 copies of the weights and gradients
     assert gpu_bytes(estimate(job, Layout())) - gpu_bytes(estimate(job, on_host)) == pytest.approx(1.1 * 8 * job.params)
-    # FSDP2's offload already steps the state on the host: never both
-    assert not any(layout.offload and layout.host_optimizer for layout in candidates(job, start, set(), None))
-    # the host's step hides behind the next forward as far as it can: less than offload's transfers
+    # both: the weights streamed, the offloaded weights stepped in place beside the next forward, no buffers of its own
+    streamed = Layout(offload=True, host_optimizer=True)
+    assert streamed in candidates(job, start, set(), None)
+    parts = {part.name: part for part in estimate(job, streamed)}
+    assert parts["parameters"].where == "host (CPU offload)" and "host step buffers" not in parts
+    assert gpu_bytes(estimate(job, streamed)) == gpu_bytes(estimate(job, Layout(offload=True)))
+    # the host's step hides behind the next forward as far as it can: less than offload's transfers, and less
+    # than FSDP2's offload stepping torch's AdamW on the host between the steps
     assert 0 < price(job, on_host, H100).offload < price(job, Layout(offload=True), H100).offload
+    assert price(job, streamed, H100).offload < price(job, Layout(offload=True), H100).offload
     # a budget the state's 8 bytes a parameter decide: the host step, at less than recomputing a block
     budget = gpu_bytes(estimate(job, on_host))
     plan = choose(job, start, set(), budget, None, rates=lambda: H100)
