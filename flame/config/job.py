@@ -252,6 +252,8 @@ class ActivationCheckpoint:
     """Activation checkpointing of decoder blocks: none, full, or selective (see selective_ac_option)"""
     blocks: int | None = None
     """With mode full: checkpoint only the first N decoder blocks and keep the others' activations (less recomputed, more memory; the memory plan picks N to fit a budget). Unset = every block"""
+    offload: bool = False
+    """With mode full: the checkpointed blocks' inputs wait in host memory between the forward and the backward, copied on a side stream as each block ends and back one block ahead of its backward (the model's last block keeps its own)"""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from flame import compat
 
 from flame.base import device
 from flame.distributed import degrees
+from flame.distributed.activation_offload import offload_inputs
 from flame.distributed.expert_parallel import apply_expert_parallel, expert_shard_placement
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.base.errors import ConfigError
@@ -85,6 +86,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
             _wrap_blocks(layers, lambda index, block: torch.compile(block, backend=backend))
             logger.info(f"Compiling each of the {len(layers)} decoder blocks with torch.compile")
 
+    if ac_config.offload:  # the checkpointed blocks' inputs (flame.distributed.activation_offload)
+        offload_inputs(layers, len(layers) if ac_config.blocks is None else ac_config.blocks)
     if parallel_dims.fsdp_enabled:
         replicas = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
         experts_mesh = parallel_dims.get_mesh([*replicas, "efsdp"]) if parallel_dims.ep_enabled else None

@@ -129,6 +129,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined, ema=t.ema_decay > 0,
         activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
         active_params=moe.active_params(model) if moe.is_moe(model_config) else None,
+        can_park_inputs=device.CUDA and not pipelined,
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
@@ -158,7 +159,7 @@ def layout_of(config) -> Layout:
     pipelined = config.parallelism.pipeline_parallel_degree > 1
     reshard = {"default": not pipelined, "always": True, "never": False}[config.parallelism.fsdp_reshard_after_forward]
     return Layout(ac=mode, reshard=reshard, offload=config.training.enable_cpu_offload,
-                  host_optimizer=config.optimizer.on_host)
+                  host_optimizer=config.optimizer.on_host, park_inputs=ac.offload)
 
 
 def fixed_settings(config, given: dict[str, int]) -> set[str]:
@@ -172,6 +173,8 @@ def fixed_settings(config, given: dict[str, int]) -> set[str]:
         fixed.add("offload")
     if "optimizer.on_host" in given:
         fixed.add("host_optimizer")
+    if "activation_checkpoint.offload" in given:
+        fixed.add("park_inputs")
     # a pipeline schedule splits the batch itself; one varlen row cannot be split without changing the data
     if "training.gradient_accumulation_steps" in given or config.parallelism.pipeline_parallel_degree > 1:
         fixed.add("micro_batches")
@@ -253,6 +256,8 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
         config.training.enable_cpu_offload = True
     if layout.host_optimizer != start.host_optimizer:
         config.optimizer.on_host = True
+    if layout.park_inputs != start.park_inputs:
+        config.activation_checkpoint.offload = True
     if layout.micro_batches > 1:
         config.training.local_batch_size //= layout.micro_batches
         config.training.gradient_accumulation_steps *= layout.micro_batches

@@ -84,10 +84,10 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         per_block = 4 * job.block_params / job.weight_shards
         held = [min(on_gpu, per_block * (blocks - index)) for index in range(blocks)]
     end_copies, copies = autocast_copies(job, layout)
-    end_activations = scale * forward_end_bytes(job, layout.ac)
+    end_activations = scale * forward_end_bytes(job, layout.ac, layout.park_inputs)
     at_end = end_activations + logits + end_copies + (on_gpu if accumulating else 0.0)
     during = [scale * activations + grads + held_copies
-              for activations, grads, held_copies in zip(backward_bytes(job, layout.ac), held, copies)]
+              for activations, grads, held_copies in zip(backward_bytes(job, layout.ac, layout.park_inputs), held, copies)]
     peak = max(range(blocks), key=during.__getitem__)
     if at_end >= max(during[peak], on_gpu):
         if not accumulating and on_gpu:
@@ -111,6 +111,9 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
                   Part("loss", loss_kept, "GPU", "the head's gradients, kept for the backward (the logits are freed)")]
     else:  # the backward's end: every gradient, the activations freed
         parts.append(Part("gradients", on_gpu, kept, "fp32, all of them: the backward's end, the activations freed"))
+    if layout.park_inputs:
+        parts.append(Part("parked block inputs", scale * parked_input_bytes(job, layout), "host (pinned)",
+                          "the checkpointed blocks' inputs, from the forward to the backward"))
     streams = ONE_GPU if not (job.fsdp or layout.offload) else FSDP_ALONE if job.alone else FSDP
     margin = MARGINS[(job.expandable_segments, streams)]
     allocator = "expandable segments" if job.expandable_segments else "the allocator's default segments"
@@ -143,9 +146,10 @@ def activation_moments(job: Job, ac: str) -> tuple[float, float]:
     return forward_end_bytes(job, ac), max(backward_bytes(job, ac))
 
 
-def forward_end_bytes(job: Job, ac: str) -> float:
-    """Bytes one row's activations take at the forward's end, under ``ac``: what every block kept."""
-    return job.activations.rest.at(job.tokens_per_row, job.dense_attention) + sum(_kept(job, ac)[0])
+def forward_end_bytes(job: Job, ac: str, parked: bool = False) -> float:
+    """Bytes one row's activations take at the forward's end, under ``ac``: what every block kept (``parked``: the
+    checkpointed blocks' inputs on the host)."""
+    return job.activations.rest.at(job.tokens_per_row, job.dense_attention) + sum(_kept(job, ac, parked)[0])
 
 
 def autocast_copies(job: Job, layout: Layout) -> tuple[float, list[float]]:
@@ -169,20 +173,24 @@ def autocast_copies(job: Job, layout: Layout) -> tuple[float, list[float]]:
     return job.params * job.compute_bytes, during
 
 
-def backward_bytes(job: Job, ac: str) -> list[float]:
+def backward_bytes(job: Job, ac: str, parked: bool = False) -> list[float]:
     """Bytes one row's activations take during each block's backward, under ``ac`` (block order).
 
     Each block keeps something through the forward (everything; its input under full AC; its
     input and the matmul outputs under op-level AC); its backward then needs all of its
     activations (recomputed when checkpointed) and its backward's own buffers, while the blocks
-    before it still hold what they kept, and the blocks after it have freed theirs.
+    before it still hold what they kept, and the blocks after it have freed theirs. With ``parked`` inputs
+    (flame.distributed.activation_offload) a checkpointed block keeps nothing on the GPU, and a backward holds
+    beside its own (recomputed) activations the input of the block before it, back from the host ahead of time.
     """
-    kept, blocks = _kept(job, ac)
+    kept, blocks = _kept(job, ac, parked)
     rest = job.activations.rest.at(job.tokens_per_row, job.dense_attention)
     workspace = job.activations.backward.at(job.tokens_per_row, job.dense_attention)
+    ahead = job.activations.block_input * job.tokens_per_row
     before, during = 0.0, []
-    for kept_here, whole in zip(kept, blocks):
-        during.append(rest + before + whole + workspace)
+    for index, (kept_here, whole) in enumerate(zip(kept, blocks)):
+        fetched = ahead if index > 0 and _parked(ac, index - 1, len(blocks), parked) else 0.0
+        during.append(rest + before + whole + workspace + fetched)
         before += kept_here
     return during
 
@@ -198,7 +206,19 @@ def _checkpointed(ac: str, index: int) -> bool:
     return (index + 1) % int(ac) == 0
 
 
-def _kept(job: Job, ac: str) -> tuple[list[float], list[float]]:
+def _parked(ac: str, index: int, blocks: int, parked: bool) -> bool:
+    """Whether block ``index``'s input waits on the host (checkpointed, and not the model's last block)."""
+    return parked and index < blocks - 1 and _checkpointed(ac, index)
+
+
+def parked_input_bytes(job: Job, layout: Layout) -> float:
+    """Bytes of one row's checkpointed block inputs on the host under ``layout`` (0 without parking)."""
+    blocks = len(job.activations.blocks)
+    count = sum(_parked(layout.ac, index, blocks, layout.park_inputs) for index in range(blocks))
+    return count * job.activations.block_input * job.tokens_per_row
+
+
+def _kept(job: Job, ac: str, parked: bool = False) -> tuple[list[float], list[float]]:
     """(what each block keeps through the forward under ``ac``, everything each block saves), for one row."""
     profile, tokens = job.activations, job.tokens_per_row
     square = job.dense_attention
@@ -213,6 +233,8 @@ def _kept(job: Job, ac: str) -> tuple[list[float], list[float]]:
     else:  # the first K blocks (the last ones, whose backward comes first, kept whole), or torchtitan's every
         # N-th block (the N-th, 2N-th, ...) checkpointed
         kept = [inputs if _checkpointed(ac, index) else block for index, block in enumerate(blocks)]
+    if parked:
+        kept = [0.0 if _parked(ac, index, len(blocks), parked) else here for index, here in enumerate(kept)]
     return kept, blocks
 
 

@@ -40,6 +40,7 @@ class Layout:
     offload: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host
     micro_batches: int = 1  # the rows of training.batch_size split over this many accumulation steps
     host_optimizer: bool = False  # --optimizer.on_host: the optimizer state on the host, stepped there
+    park_inputs: bool = False  # --activation_checkpoint.offload: the checkpointed blocks' inputs on the host
 
     def describe(self) -> str:
         parts = [describe_ac(self.ac)]
@@ -49,6 +50,8 @@ class Layout:
             parts.append("CPU offload")
         if self.host_optimizer:
             parts.append("optimizer on the host")
+        if self.park_inputs:
+            parts.append("checkpointed inputs on the host")
         if self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         return ", ".join(parts)
@@ -89,6 +92,7 @@ class Job:
     wrapped: Callable[[], Job] | None = field(default=None, repr=False, compare=False)
     # the parameters a token's forward multiplies, where fewer than ``params``: a mixture of experts' active ones
     active_params: int | None = None
+    can_park_inputs: bool = False  # a GPU job, not pipelined: checkpointed inputs may wait on the host
 
     @property
     def computed_params(self) -> int:

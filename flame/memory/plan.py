@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flame.memory.estimate import GIB, Part, estimate, gpu_bytes, host_bytes
-from flame.memory.layout import FIRST, Job, Layout
+from flame.memory.layout import FIRST, Job, Layout, first_blocks
 from flame.memory.price import Price, price, recompute_share
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
     needs a GPU job that FSDP can wrap, an optimizer that runs offloaded (its record says), and room in
     the host budget; so does the optimizer on the host, which a pipeline cannot take. Both together
     stream the weights: FSDP2 keeps them on the host and the host steps them in place while the next
-    forward runs (flame.optim.host). Micro-batches divide the rows evenly.
+    forward runs (flame.optim.host). Micro-batches divide the rows evenly. The inputs full AC keeps may wait on the
+    host (flame.distributed.activation_offload), on a GPU job that is not pipelined.
     """
     acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
     reshards = [start.reshard] + ([True] if job.fsdp and "reshard" not in fixed and not start.reshard else [])
@@ -81,8 +82,15 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
         on_host.append(True)
     counts = [start.micro_batches] + ([] if "micro_batches" in fixed else [
         count for count in range(start.micro_batches + 1, job.rows + 1) if job.rows % count == 0])
-    return [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count, host_optimizer=host)
-            for ac in acs for reshard in reshards for offload in offloads for count in counts for host in on_host]
+    parks = [start.park_inputs] + ([True] if job.can_park_inputs and "park_inputs" not in fixed and not start.park_inputs
+                                   else [])
+    layouts = [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count, host_optimizer=host, park_inputs=park)
+               for ac in acs for reshard in reshards for offload in offloads for count in counts for host in on_host
+               for park in parks]
+    # inputs park only where full AC keeps them, and only where the host has room for them
+    return [layout for layout in layouts
+            if not layout.park_inputs or ((layout.ac == "full" or first_blocks(layout.ac) is not None)
+                                          and (layout == start or fits_host(**dataclasses.asdict(layout))))]
 
 
 def ac_options(job: Job, current: str) -> list[str]:
@@ -107,10 +115,11 @@ def ac_options(job: Job, current: str) -> list[str]:
 
 def _changes(start: Layout, layout: Layout, blocks: int) -> tuple:
     """How far a layout strays from ``start``, for choosing between layouts priced alike: offload, then the
-    optimizer on the host, then micro-batches, then resharding, then recomputation, the changes a user
-    notices most first."""
-    return (layout.offload != start.offload, layout.host_optimizer != start.host_optimizer, layout.micro_batches,
-            layout.reshard != start.reshard, recompute_share(layout.ac, blocks))
+    optimizer on the host, then parked inputs, then micro-batches, then resharding, then recomputation, the
+    changes a user notices most first."""
+    return (layout.offload != start.offload, layout.host_optimizer != start.host_optimizer,
+            layout.park_inputs != start.park_inputs, layout.micro_batches, layout.reshard != start.reshard,
+            recompute_share(layout.ac, blocks))
 
 
 def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, host_budget: float | None,

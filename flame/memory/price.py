@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flame.memory.layout import Job, Layout, as_run, first_blocks
+from flame.memory.estimate import parked_input_bytes
 
 if TYPE_CHECKING:
     from flame.memory.hardware import Hardware
@@ -79,6 +80,10 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
             offload += weights / hardware.host_adam_params_per_s
     elif layout.host_optimizer:
         offload = host_step(job, hardware, hidden_by=forward + launches)
+    if layout.park_inputs:  # each checkpointed input down and up a pass, on a side stream beside the blocks' compute
+        moved = 2 * parked_input_bytes(job, layout) * job.rows / passes
+        link = hardware.host_link_gbps
+        offload += passes * max(0.0, (moved / (link * 1e9) if link else math.inf) - one_pass)
     return Price(compute=passes * one_pass, recompute=passes * share * (forward + launches), gathers=gathers,
                  offload=offload)
 

@@ -58,8 +58,15 @@ def check(config: Any, given: dict[str, int], world_size: int) -> None:
 
 
 def _check_checkpointed_blocks(config: Any) -> None:
-    """--activation_checkpoint.blocks N: full AC of the first N blocks of the model."""
+    """--activation_checkpoint.blocks N: full AC of the first N blocks of the model; --activation_checkpoint.offload:
+    their inputs on the host."""
     ac = config.activation_checkpoint
+    if ac.offload and ac.mode != "full":
+        raise ConfigError(f"--activation_checkpoint.offload moves the inputs full AC keeps to the host, and "
+                          f"--activation_checkpoint.mode is {ac.mode}: add --activation_checkpoint.mode full")
+    if ac.offload and config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("--activation_checkpoint.offload follows the model's blocks from the forward to the backward, "
+                          "which pipeline schedules interleave: leave it off under pipeline parallelism")
     if ac.blocks is None:
         return
     if ac.mode != "full":

@@ -24,6 +24,7 @@ from flame.memory.estimate import (
     ONE_GPU,
     activation_bytes,
     activation_moments,
+    backward_bytes,
     autocast_copies,
     estimate,
     gpu_bytes,
@@ -484,6 +485,31 @@ def test_the_weights_average_is_counted_like_the_weights(long_model, monkeypatch
     assert job.ema and parts["weights' average"].bytes == parts["parameters"].bytes == 4 * job.params
     without = {part.name for part in estimate(dataclasses.replace(job, ema=False), Layout())}
     assert "weights' average" not in without
+
+
+def test_checkpointed_inputs_parked_on_the_host_free_their_memory_and_the_plan_takes_them_last(long_model, monkeypatch):
+    config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
+    formula = activations._formula(load_model_config(long_model), torch.float32, 8, "reached Triton kernel k")
+    job = dataclasses.replace(memory.job_of(config, 1), can_park_inputs=True, activations=formula)  # 8 blocks, a GPU's
+    start = memory.layout_of(config)
+    full, parked = Layout(ac="full"), Layout(ac="full", park_inputs=True)
+    blocks = len(job.activations.blocks)
+    inputs = job.activations.block_input * job.tokens_per_row * job.rows  # one block's input, every row
+    host = {part.name: part for part in estimate(job, parked)}["parked block inputs"]
+    assert host.bytes == pytest.approx((blocks - 1) * inputs) and host.where == "host (pinned)"  # the last keeps its own
+    # every input but the last two (the last block's own; the one fetched back ahead of the backward)
+    assert activation_bytes(job, "full") - max(backward_bytes(job, "full", True)) == pytest.approx(6 * inputs / job.rows)
+    assert gpu_bytes(estimate(job, parked)) < gpu_bytes(estimate(job, full))
+    # only where full AC keeps inputs; given, the setting is kept; on a CPU job never offered
+    layouts = candidates(job, start, set(), None)
+    assert parked in layouts and Layout(park_inputs=True) not in layouts
+    assert not any(layout.park_inputs for layout in candidates(memory.job_of(config, 1), start, set(), None))
+    # a budget full AC alone misses by less than the inputs: parked inputs, at the price of their copies
+    budget = gpu_bytes(estimate(job, parked))
+    plan = choose(job, start, {"micro_batches"}, budget, None, rates=lambda: H100)
+    assert plan.layout.park_inputs and gpu_bytes(plan.parts) <= budget
+    memory.set_layout(config, start, plan.layout)
+    assert config.activation_checkpoint.offload and memory.layout_of(config).park_inputs
 
 
 def test_a_mixture_of_experts_is_priced_by_its_active_parameters(monkeypatch):
