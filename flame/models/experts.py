@@ -85,36 +85,47 @@ class _Reorder(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+def _spread(tokens: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The token of each token-expert pair, the pairs in ``order``: ``tokens[order // k]``."""
+    return tokens.index_select(0, order // top_k)
+
+
+def _summed(pairs: torch.Tensor, back: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's sum over its k pairs (``pairs`` in the order whose inverse is ``back``): gathered and summed in
+    order, no atomic adds."""
+    return pairs.index_select(0, back).view(-1, top_k, pairs.shape[-1]).sum(dim=1)
+
+
 class _TokensOfPairs(torch.autograd.Function):
-    """The token of each token-expert pair, pairs in ``order`` (``back``: its inverse): ``tokens[order // k]``. A
-    token's gradient is the sum of its k pairs' (gathered by ``back`` and summed: no atomic adds)."""
+    """``_spread``, whose gradient is ``_summed``: a token's gradient is the sum of its k pairs'."""
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, order: torch.Tensor, back: torch.Tensor, top_k: int) -> torch.Tensor:
-        ctx.save_for_backward(order, back)
+        ctx.save_for_backward(back)
         ctx.top_k = top_k
-        return tokens.index_select(0, order // top_k)
+        return _spread(tokens, order, top_k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _PairsToTokens.forward(ctx, grad, *ctx.saved_tensors, ctx.top_k), None, None, None
+        (back,) = ctx.saved_tensors
+        return _summed(grad, back, ctx.top_k), None, None, None
 
 
 class _PairsToTokens(torch.autograd.Function):
-    """The adjoint of ``_TokensOfPairs``: each token's sum over its k pairs (pairs in ``order``); a pair's gradient is
-    its token's. Nothing is kept for the backward but the indices (weighting the pairs before the sum would keep
-    every pair's result for the routing weights' gradient: the weights are applied inside, ``_experts_mlp``)."""
+    """``_summed``, whose gradient is ``_spread``: a pair's gradient is its token's. Nothing is kept for the backward
+    but the indices (weighting the pairs before the sum would keep every pair's result for the routing weights'
+    gradient: the weights are applied inside, ``_experts_mlp``)."""
 
     @staticmethod
     def forward(ctx, pairs: torch.Tensor, order: torch.Tensor, back: torch.Tensor, top_k: int) -> torch.Tensor:
-        ctx.save_for_backward(order, back)
+        ctx.save_for_backward(order)
         ctx.top_k = top_k
-        return pairs.index_select(0, back).view(-1, top_k, pairs.shape[-1]).sum(dim=1)
+        return _summed(pairs, back, top_k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        order, _ = ctx.saved_tensors
-        return grad.index_select(0, order // ctx.top_k), None, None, None
+        (order,) = ctx.saved_tensors
+        return _spread(grad, order, ctx.top_k), None, None, None
 
 
 def _exchanged(self: nn.Module, rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
@@ -202,13 +213,13 @@ class _GatheredProduct(torch.autograd.Function):
     def forward(ctx, tokens, order, back, top_k, weight, offsets):
         ctx.save_for_backward(tokens, order, back, weight, offsets)
         ctx.top_k = top_k
-        return _product(tokens.index_select(0, order // top_k), weight, offsets)
+        return _product(_spread(tokens, order, top_k), weight, offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         tokens, order, back, weight, offsets = ctx.saved_tensors
-        rows = tokens.index_select(0, order // ctx.top_k).to(weight.dtype)
+        rows = _spread(tokens, order, ctx.top_k).to(weight.dtype)
         grad = grad.to(weight.dtype)
         grad_rows = _product(grad, weight.transpose(-2, -1), offsets)
-        grad_tokens = _PairsToTokens.forward(ctx, grad_rows, order, back, ctx.top_k).to(tokens.dtype)
+        grad_tokens = _summed(grad_rows, back, ctx.top_k).to(tokens.dtype)
         return grad_tokens, None, None, None, _weight_gradient(rows, grad, offsets), None
