@@ -62,15 +62,8 @@ class InputOffload:
             if index == self.count:  # the first block kept whole: its backward starts the last parked input back
                 out.register_hook(lambda grad, index=index: self._backward_reaches(index))
             return
-        host = torch.empty(parked.tensor.shape, dtype=parked.tensor.dtype, pin_memory=self.cuda)
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())  # the block has read its input for the last time
-            with torch.cuda.stream(self.stream):
-                host.copy_(parked.tensor, non_blocking=True)
-                parked.copied = self.stream.record_event()
-        else:
-            host.copy_(parked.tensor)
-        parked.host = host
+        parked.host = torch.empty(parked.tensor.shape, dtype=parked.tensor.dtype, pin_memory=self.cuda)
+        parked.copied = self._copy(parked.host, parked.tensor)
         # the gradient of the block's output comes just before its backward, which recomputes it from its input
         out.register_hook(lambda grad, index=index: self._backward_reaches(index))
 
@@ -98,18 +91,24 @@ class InputOffload:
             storage = tensor.untyped_storage()
             storage.resize_(tensor.numel() * tensor.element_size())
             into = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, tensor.shape, tensor.stride())
-            if self.cuda:
-                self.stream.wait_stream(torch.cuda.current_stream())  # the storage is this stream's to write now
-                with torch.cuda.stream(self.stream):
-                    into.copy_(parked.host, non_blocking=True)
-                    parked.back = self.stream.record_event()
-            else:
-                into.copy_(parked.host)
+            parked.back = self._copy(into, parked.host)
             parked.released = False
         if wait:
             if parked.back is not None:
                 torch.cuda.current_stream().wait_event(parked.back)
             self.parked[index] = None  # its host copy goes with it
+
+
+    def _copy(self, into: torch.Tensor, source: torch.Tensor):
+        """``source`` into ``into``: on a GPU on the copy stream, after what the compute stream has queued (the
+        block's last read of its input, or the storage's allocation), with the event of its end; else at once."""
+        if not self.cuda:
+            into.copy_(source)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            into.copy_(source, non_blocking=True)
+            return self.stream.record_event()
 
 
 def _owns_storage(tensor) -> bool:
