@@ -325,6 +325,12 @@ SUITES = {
             Run("alone", 1, ("--training.no-varlen", "--training.batch_size", "8", "--training.steps", "8",
                              "--metrics.log_freq", "1", "--optimizer.lr", "3e-5"),
                 only=("transformer_7B",)),
+            # issue 56's budgets: the plan's choice at 32 and 24 GiB (weight streaming and parked inputs offered),
+            # against FSDP2's own CPU offload given
+            Run("budget32", 1, ("--memory.gpu_budget_gib", "32"), only=("transformer_7B",)),
+            Run("budget24_7B", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_7B",)),
+            Run("offload32", 1, ("--memory.gpu_budget_gib", "32", "--training.enable_cpu_offload",
+                                 "--optimizer.no-on_host"), only=("transformer_7B",)),
         ),
         flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
                "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4",
