@@ -57,7 +57,7 @@ def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Ten
     compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden_states.dtype
     choices = top_k_index.reshape(-1)
     order = torch.argsort(choices, stable=True)  # the token-expert pairs grouped by expert
-    back = torch.argsort(order)
+    back = _inverse(order)
     counts = torch.bincount(choices, minlength=self.num_experts)
     tokens = hidden_states.to(compute)
     weights = top_k_weights.reshape(-1)[order].to(compute)
@@ -68,6 +68,13 @@ def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Ten
     else:
         out = _exchanged(self, _TokensOfPairs.apply(tokens, order, back, top_k), weights, counts, group)
     return _PairsToTokens.apply(out, order, back, top_k).to(hidden_states.dtype)
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation, by one scatter (not a second sort)."""
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
 
 
 class _Reorder(torch.autograd.Function):
@@ -146,7 +153,7 @@ def _exchanged(self: nn.Module, rows: torch.Tensor, weights: torch.Tensor, count
     # what arrived is ordered by (source rank, expert): group it by expert for the grouped GEMM
     expert_of_row = torch.repeat_interleave(torch.arange(held, device=counts.device).repeat(ranks), received.flatten())
     by_expert = torch.argsort(expert_of_row, stable=True)
-    from_expert = torch.argsort(by_expert)
+    from_expert = _inverse(by_expert)
     rows = _Reorder.apply(incoming, by_expert, from_expert)
     out = _experts_mlp(self, lambda weight, offsets: _product(rows, weight, offsets),
                        _Reorder.apply(incoming_weights, by_expert, from_expert), received.sum(dim=0),
@@ -176,12 +183,13 @@ def _experts_mlp(self: nn.Module, first: Callable, weights: torch.Tensor, counts
 def _in_out(weight: torch.Tensor, transposed: bool, dtype: torch.dtype) -> torch.Tensor:
     """This rank's experts of a projection as (experts, in, out) in ``dtype`` (the compute dtype: autocast's, as
     autocast casts an nn.Linear's weight; its gradient reaches the float32 weight through the cast)."""
-    weight = weight.to_local() if isinstance(weight, DTensor) else weight  # sharded over the expert-parallel ranks
+    weight = _held(weight)
     return (weight if transposed else weight.transpose(-2, -1)).to(dtype)
 
 
-def _held(bias: torch.Tensor) -> torch.Tensor:
-    return bias.to_local() if isinstance(bias, DTensor) else bias
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight or bias: its local part when sharded over the expert-parallel ranks."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _product(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from flame.base.errors import ConfigError
+from flame.models.experts import experts_modules
 
 IGNORE_INDEX = -100  # transformers' and torchtitan's
 
@@ -45,8 +46,7 @@ def expert_count(config) -> int:
 
 def expert_weights(model: nn.Module) -> list[nn.Parameter]:
     """The stacked expert weights (one 3-D tensor per projection, experts first) of ``model``'s MoE layers."""
-    return [param for module in model.modules() for name, param in module.named_parameters(recurse=False)
-            if param.ndim == 3 and name in ("gate_up_proj", "down_proj", "gate_proj", "up_proj")]
+    return [param for module in experts_modules(model) for param in module.parameters(recurse=False) if param.ndim == 3]
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
