@@ -4,6 +4,7 @@ Errors are ``ConfigError``: one line saying what is wrong and what to change."""
 
 from torchtitan.config import JobConfig
 
+from flame.base import device
 from flame.base.errors import ConfigError
 
 
@@ -78,6 +79,19 @@ def fsdp_enabled(config: JobConfig, world_size: int) -> bool:
     shard = data_parallel_degree(config, world_size) // config.parallelism.data_parallel_replicate_degree
     # CP shards over the dp x cp mesh
     return shard > 1 or config.parallelism.context_parallel_degree > 1 or fsdp_alone(config, world_size)
+
+
+def float32_compute(config: JobConfig, world_size: int) -> str | None:
+    """Why this job computes in float32 (a phrase), or None when it runs under bf16/fp16 mixed precision."""
+    if not device.CUDA:
+        return "CPU runs compute in float32"
+    if config.training.mixed_precision_param == "float32":
+        return "--training.mixed_precision_param float32"
+    p = config.parallelism
+    # torchtitan: FSDP casts the weights; without it, only a plain or DDP run gets autocast
+    if not fsdp_enabled(config, world_size) and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
+        return "tensor/pipeline parallelism without FSDP, where torchtitan applies no mixed precision"
+    return None
 
 
 def fsdp_alone(config: JobConfig, world_size: int) -> bool:

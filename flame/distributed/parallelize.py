@@ -30,6 +30,7 @@ from flame.distributed.activation_offload import offload_inputs
 from flame.distributed.expert_parallel import apply_expert_parallel, expert_shard_placement
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.base.errors import ConfigError
+from flame.models import lora
 from flame.models.experts import experts_modules
 from flame.models.registry import decoder_layers
 from flame.models.support import support_for
@@ -62,6 +63,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"), job_config)
     if parallel_dims.ep_enabled:  # likewise (flame.distributed.expert_parallel)
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
+    if lora.LoraSettings.of(job_config.lora) is not None and not degrees.float32_compute(job_config,
+                                                                                        parallel_dims.world_size):
+        lora.hold_base_in(model, device.compute_dtype(job_config))  # frozen: no float32 master weights needed
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
     support = support_for(model.config)

@@ -23,7 +23,7 @@ from torchtitan.tools.logging import logger
 
 from flame.base import device
 from flame.base.errors import ConfigError
-from flame.distributed.degrees import data_parallel_degree, fsdp_enabled
+from flame.distributed.degrees import data_parallel_degree, float32_compute, fsdp_enabled
 from flame.memory import activations
 from flame.memory.estimate import GIB, estimate, gpu_bytes
 from flame.memory.layout import (
@@ -36,7 +36,7 @@ from flame.memory.layout import (
     first_blocks,
 )
 from flame.memory.plan import choose, table
-from flame.models import moe
+from flame.models import lora, moe
 from flame.models.inputs import is_fla_config
 from flame.models.model_config import load_model_config
 from flame.models.registry import decoder_layers, meta_model
@@ -98,6 +98,9 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     model_config = model_config or load_model_config(config.model.config)
     model = meta() if meta is not None else meta_model(model_config)
     params, matrices, block = count_params(model, decoder_layers(model))
+    frozen = 0
+    if (adapters := lora.LoraSettings.of(config.lora)) is not None:  # the model's own weights freeze beside them
+        frozen, params = params, params + lora.adapter_params(model, adapters)
     p, t = config.parallelism, config.training
     fsdp = fsdp_enabled(config, world_size)
     shards = data_parallel_degree(config, world_size) // p.data_parallel_replicate_degree if fsdp else 1
@@ -130,6 +133,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
         active_params=moe.active_params(model) if moe.is_moe(model_config) else None,
         can_park_inputs=device.CUDA and not pipelined,
+        frozen_params=frozen, frozen_bytes=4 if float32_compute(config, world_size) else dtype_bytes(dtype),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)

@@ -47,23 +47,26 @@ class Part:
 def estimate(job: Job, layout: Layout) -> list[Part]:
     """What one rank holds at its peak, part by part (the largest of the moments in the module's doc)."""
     job = as_run(job, layout)
-    weights = job.params / job.weight_shards
-    state = job.optimizer.state_of(job.params, job.matrix_params) / job.weight_shards
+    weights = job.trainable_params / job.weight_shards
+    state = job.optimizer.state_of(job.trainable_params, min(job.matrix_params, job.trainable_params)) / job.weight_shards
     kept = "host (CPU offload)" if layout.offload else "GPU"
     state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
-    parts = [Part("parameters", 4 * weights, kept, f"fp32, 1/{job.weight_shards} per rank")]
+    parts = [Part("parameters", job.weight_bytes() / job.weight_shards, kept, f"fp32, 1/{job.weight_shards} per rank")]
+    if job.frozen_params:
+        parts[0] = Part("parameters", parts[0].bytes, kept, f"LoRA: the frozen base in {job.frozen_bytes}-byte elements, "
+                                                           f"the adapters in fp32, 1/{job.weight_shards} per rank")
     if job.ema:
         parts.append(Part("weights' average", 4 * weights, kept, "fp32, --training.ema_decay"))
     gradients = Part("gradients", 4 * weights, kept, "fp32")
     if layout.host_optimizer:
         # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU
-        on_gpu = job.optimizer.state_bytes * job.gpu_state_params / job.weight_shards
+        on_gpu = job.optimizer.state_bytes * min(job.gpu_state_params, job.trainable_params) / job.weight_shards
         parts.append(Part("optimizer state", state - on_gpu, "host (stepped there)", state_note))
         if on_gpu:
             parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
                                                                   "(--optimizer.gpu_blocks)"))
         if not layout.offload:  # streamed (with offload), the host steps the offloaded weights in place
-            parts.append(Part("host step buffers", 8 * (weights - job.gpu_state_params / job.weight_shards),
+            parts.append(Part("host step buffers", 8 * max(0.0, weights - job.gpu_state_params / job.weight_shards),
                               "host (pinned)", "fp32 copies of the weights and gradients"))
     else:
         parts.append(Part("optimizer state", state, kept, state_note))
@@ -81,7 +84,7 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     if accumulating or not on_gpu:  # every gradient live all step long, or none on the GPU
         held = [on_gpu] * blocks
     else:  # allocated block by block in the backward, the last block's first
-        per_block = 4 * job.block_params / job.weight_shards
+        per_block = 4 * job.block_params * job.trainable_params / job.params / job.weight_shards
         held = [min(on_gpu, per_block * (blocks - index)) for index in range(blocks)]
     end_copies, copies = autocast_copies(job, layout)
     end_activations = scale * forward_end_bytes(job, layout.ac, layout.park_inputs)
@@ -165,12 +168,13 @@ def autocast_copies(job: Job, layout: Layout) -> tuple[float, list[float]]:
     blocks = len(job.activations.blocks)
     if not job.autocast_copies or job.fsdp or layout.offload:
         return 0.0, [0.0] * blocks
-    block_copy = job.block_params * job.compute_bytes
+    share = job.float32_params / job.params  # LoRA's base held in the compute dtype needs no copy
+    block_copy = job.block_params * share * job.compute_bytes
     whole_before, during = 0, []
     for index in range(blocks):
         during.append((whole_before + 1) * block_copy)
         whole_before += not _checkpointed(layout.ac, index)
-    return job.params * job.compute_bytes, during
+    return job.float32_params * job.compute_bytes, during
 
 
 def backward_bytes(job: Job, ac: str, parked: bool = False) -> list[float]:

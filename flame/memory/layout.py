@@ -93,11 +93,29 @@ class Job:
     # the parameters a token's forward multiplies, where fewer than ``params``: a mixture of experts' active ones
     active_params: int | None = None
     can_park_inputs: bool = False  # a GPU job, not pipelined: checkpointed inputs may wait on the host
+    # LoRA (flame.models.lora): the frozen base's parameters, without gradients or optimizer state, and the bytes
+    # each is held in (the compute dtype's under mixed precision: lora.hold_base_in)
+    frozen_params: int = 0
+    frozen_bytes: int = 4
 
     @property
     def computed_params(self) -> int:
         """The parameters whose matmuls a token's forward runs (all of them, but a MoE's experts: top_k of them)."""
         return self.active_params if self.active_params is not None else self.params
+
+    @property
+    def trainable_params(self) -> int:
+        """The parameters with gradients and optimizer state (LoRA: its adapters)."""
+        return self.params - self.frozen_params
+
+    @property
+    def float32_params(self) -> int:
+        """The parameters held in float32: those autocast keeps a cast copy of."""
+        return self.trainable_params + (self.frozen_params if self.frozen_bytes == 4 else 0)
+
+    def weight_bytes(self) -> float:
+        """Every parameter's bytes where it is held: float32 trained weights, the frozen ones in their own dtype."""
+        return 4 * self.trainable_params + self.frozen_bytes * self.frozen_params
 
 
 def as_run(job: Job, layout: Layout) -> Job:

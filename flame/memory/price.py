@@ -70,8 +70,9 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
         gathers = passes * per_pass * (shards - 1) / shards / (INTERCONNECT_GBPS * 1e9)
     offload = 0.0
     if layout.offload:
-        weights = job.params / job.weight_shards
-        moved = passes * ((2 if layout.reshard else 1) * 4 * weights + 4 * weights)  # fp32 weights up, gradients down
+        weights = job.trainable_params / job.weight_shards
+        up = job.weight_bytes() / job.weight_shards  # fp32 weights (LoRA's base: in its own dtype) up, gradients down
+        moved = passes * ((2 if layout.reshard else 1) * up + 4 * weights)
         link = hardware.host_link_gbps
         offload = moved / (link * 1e9) if link else math.inf
         if layout.host_optimizer:  # streamed: the host steps the offloaded weights in place beside the next forward
@@ -100,7 +101,7 @@ def host_step(job: Job, hardware: Hardware, hidden_by: float, copies: bool = Tru
     probe measured it alone, and the forward hid ``FORWARD_HIDES`` of its time from it (the
     launching thread waits for each block's weights, so the GPU cannot run ahead).
     """
-    weights = (job.params - job.gpu_state_params) / job.weight_shards  # --optimizer.gpu_blocks' step on the GPU
+    weights = max(0, job.trainable_params - job.gpu_state_params) / job.weight_shards  # gpu_blocks' step on the GPU
     link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
     copy = 0.0 if not copies else 4 * weights / link if link else math.inf
     stages = (copy, HOST_STEP_SLOWDOWN * weights / hardware.host_adam_params_per_s, copy)

@@ -160,6 +160,37 @@ def reset_adapters(model: nn.Module) -> None:
         module.reset_lora_parameters(ADAPTER, True)
 
 
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold the frozen base model's floating-point weights in ``dtype``, the compute dtype; returns how many.
+
+    They get no gradient and no optimizer state, and every matmul reads them in the compute dtype
+    anyway (FSDP's mixed precision casts each block's as it gathers it, autocast keeps a cast copy
+    of each): held in it, they take half of float32's memory, and neither cast runs. Called on the
+    model before it is sharded (on the meta device, so float32 copies never exist); tied weights stay
+    one parameter. Checkpoints then hold the base in ``dtype``; loads cast to the weights' dtype.
+    """
+    cast: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # the old parameter kept alive: its id stays unique
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = (param, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            module._parameters[name] = cast[id(param)][1]
+    return sum(new.numel() for _, new in cast.values())
+
+
+def adapter_params(model: nn.Module, settings: LoraSettings) -> int:
+    """The parameters the adapters of ``settings`` add to ``model`` (A: rank x in, B: out x rank per layer),
+    counted without adding them."""
+    modules = dict(model.named_modules())
+    total = 0
+    for name in resolve_targets(model, settings):
+        weight = modules[name].weight  # Linear: out x in; HF's Conv1D: in x out
+        total += settings.rank * sum(weight.shape)
+    return total
+
+
 def describe(model: nn.Module, settings: LoraSettings) -> str:
     """One line for the log: trainable and total parameters, and what got adapters."""
     params = {id(p): p for p in model.parameters()}.values()
@@ -170,8 +201,13 @@ def describe(model: nn.Module, settings: LoraSettings) -> str:
     return (
         f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%): rank "
         f"{settings.rank} adapters (alpha {settings.alpha:g}, dropout {settings.dropout:g}) on {len(layers)} layers ({kinds}); "
-        "every other weight is frozen"
+        f"every other weight is frozen{_held_in(params)}"
     )
+
+
+def _held_in(params) -> str:
+    frozen = {p.dtype for p in params if not p.requires_grad and p.is_floating_point()}
+    return f", held in {str(next(iter(frozen))).removeprefix('torch.')}" if len(frozen) == 1 else ""
 
 
 def check_gradients(model_parts: list[nn.Module], device: torch.device) -> None:

@@ -21,7 +21,7 @@ from flame.base.errors import ConfigError
 from flame.checkpoint import llama_export
 from flame.data.tokenizer import load_tokenizer
 from flame.distributed.context_parallel import check_context_parallel
-from flame.distributed.degrees import fsdp_enabled
+from flame.distributed.degrees import float32_compute
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.expert_parallel import check_expert_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
@@ -71,20 +71,6 @@ def check_vocabulary(config: PretrainedConfig, tokenizer_path: str) -> None:
             f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
             f"({tokenizer_path}): set vocab_size >= {len(tokenizer)} (a multiple of 64) in the model config"
         )
-
-
-def float32_compute(job_config) -> str | None:
-    """Why this job computes in float32 (a phrase), or None when it runs under bf16/fp16 mixed precision."""
-    if not device.CUDA:
-        return "CPU runs compute in float32"
-    if job_config.training.mixed_precision_param == "float32":
-        return "--training.mixed_precision_param float32"
-    p = job_config.parallelism
-    # torchtitan: FSDP casts the weights; without it, only a plain or DDP run gets autocast
-    fsdp = fsdp_enabled(job_config, int(os.environ.get("WORLD_SIZE", "1")))
-    if not fsdp and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
-        return "tensor/pipeline parallelism without FSDP, where torchtitan applies no mixed precision"
-    return None
 
 
 def _has_learned_position_table(config: PretrainedConfig, model: nn.Module) -> bool:
@@ -140,7 +126,8 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
         raise ConfigError(
             f"--training.compile: {support.name} does not compile ({support.compile_fails}); train it without compile"
         )
-    if support.float32_refused_by and (reason := float32_compute(job_config)):
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if support.float32_refused_by and (reason := float32_compute(job_config, world_size)):
         raise ConfigError(
             f"{support.name} kernel ({support.float32_refused_by}) refuses float32, but this job computes "
             f"in float32 ({reason}): train it on GPUs in bf16, with FSDP (--parallelism.data_parallel_shard_degree > 1) "

@@ -3,6 +3,8 @@ kernels (fla's conv, gated delta rule and KDA; mamba_ssm's SSD scan or fla's sim
 a packed batch gives each document the logits and gradients it gets alone through transformers' own kernels.
 tests/models/test_hybrids.py checks the same wiring on CPU with stand-ins. Skipped where there is no CUDA device."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,3 +46,27 @@ def test_packed_documents_get_their_logits_and_gradients_alone_on_varlen_kernels
     assert _error(packed_logits, separate_logits) < 1e-2
     worst = max(_error(packed_grads[name], grad) for name, grad in separate_grads.items())
     assert worst < 2e-2, worst
+
+
+def test_a_qwen3_5_shaped_0_8b_model_in_bf16_gives_packed_documents_their_own_logits():
+    """At the size users train (configs/qwen3_5_0.8B.json, 36 layers, bf16 weights): four documents packed into one
+    8K row get, within bf16 noise, the logits transformers gives each alone; the row read as one document does not."""
+    path = str(ROOT / "configs" / "qwen3_5_0.8B.json")
+    args = FlameModelArgs(config_path=path, fused_kernels=False)
+    args._config = load_model_config(path)
+    torch.manual_seed(0)
+    model = build_model(args).to("cuda", torch.bfloat16).eval()
+    documents = [700, 2300, 1100, 4092]
+    bounds = [0, *itertools.accumulate(documents)]
+    ids = torch.randint(0, 32000, (1, bounds[-1]), device="cuda")
+    batch = {"input": ids, "position_ids": torch.cat([torch.arange(n) for n in documents])[None].cuda(),
+             "cu_seqlens": torch.tensor(bounds, dtype=torch.int32, device="cuda"), "max_seqlen": max(documents)}
+    with torch.no_grad():
+        packed = _packed_logits(model, batch, ids).float()
+        alone = torch.cat([model(ids[:, start:end], use_cache=False).logits.float()
+                           for start, end in zip(bounds, bounds[1:])], dim=1)
+        leaked = model(ids, use_cache=False).logits.float()
+    later = slice(bounds[1], None)  # the first document is the same either way; the others see their own past only
+    print(f"packed vs alone {_error(packed, alone):.2e}, one document vs alone {_error(leaked[:, later], alone[:, later]):.2e}")
+    assert _error(packed, alone) < 3e-2
+    assert _error(leaked[:, later], alone[:, later]) > 10 * _error(packed, alone)

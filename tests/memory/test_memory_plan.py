@@ -487,6 +487,28 @@ def test_the_weights_average_is_counted_like_the_weights(long_model, monkeypatch
     assert "weights' average" not in without
 
 
+def test_lora_holds_its_frozen_base_in_the_compute_dtype_without_gradients_or_optimizer_state(long_model, monkeypatch):
+    """Under LoRA the base model's weights are frozen: on a GPU (bf16 mixed precision) they are held in bf16
+    (flame.models.lora.hold_base_in) with no gradient, no AdamW moments and no autocast copy; only the adapters
+    carry the float32 weight, gradient and state a trained weight does."""
+    lora_flags = ("--memory.plan=off", "--lora.rank=4")
+    full = memory.job_of(parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off")), 1)
+    on_cpu = memory.job_of(parse_job(monkeypatch, 1, *job_args(long_model, *lora_flags)), 1)
+    monkeypatch.setattr(memory.device, "CUDA", True)
+    monkeypatch.setattr(activations, "measure", lambda *args, **kwargs: on_cpu.activations)
+    job = memory.job_of(parse_job(monkeypatch, 1, *job_args(long_model, *lora_flags)), 1)
+    adapters = on_cpu.params - full.params
+    assert adapters > 0 and job.frozen_params == full.params and job.trainable_params == adapters
+    assert (on_cpu.frozen_bytes, job.frozen_bytes) == (4, 2)  # a CPU computes in float32: its base stays float32
+    parts = {part.name: part for part in estimate(job, Layout())}
+    assert parts["parameters"].bytes == 2 * full.params + 4 * adapters
+    assert parts["optimizer state"].bytes == 8 * adapters  # AdamW's two moments
+    assert sum(part.bytes for part in estimate(job, Layout()) if part.name == "gradients") <= 4 * adapters
+    assert autocast_copies(job, Layout())[0] == 2 * adapters  # only the float32 adapters are cast
+    assert gpu_bytes(estimate(job, Layout())) < gpu_bytes(estimate(dataclasses.replace(full, compute_bytes=2,
+                                                                                       autocast_copies=True), Layout()))
+
+
 def test_checkpointed_inputs_parked_on_the_host_free_their_memory_and_the_plan_takes_them_last(long_model, monkeypatch):
     config = parse_job(monkeypatch, 1, *job_args(long_model, "--memory.plan=off"))
     formula = activations._formula(load_model_config(long_model), torch.float32, 8, "reached Triton kernel k")

@@ -183,3 +183,56 @@ def test_bad_lora_settings_are_one_line_errors_before_training(tmp_path, capsys,
     error = capsys.readouterr().err.strip()
     assert error.startswith("flame: error: ") and "\n" not in error
     assert message in error
+
+
+def test_the_frozen_base_held_in_bf16_trains_the_adapters_as_its_float32_copy_does(monkeypatch, tmp_path):
+    """lora.hold_base_in, what a bf16 GPU run does to its LoRA model before sharding it: the base's weights (a
+    tied embedding and head included, still one weight) held in bf16, the adapters in float32; under bf16
+    autocast the adapters get the gradients the float32 base of the same values gives them; a checkpoint of the
+    bf16 base loads back into a float32 model (the export's) unchanged."""
+    from flame.models import load_model_config, lora
+    from flame.models.builder import FlameModelArgs, build_model
+    from flame.prepare import settled
+
+    config = tmp_path / "tied.json"
+    config.write_text(json.dumps({"model_type": "llama", **TINY_DECODER, "max_position_embeddings": 512,
+                                  "vocab_size": 4096, "tie_word_embeddings": True}))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    job = settled([f"--model.config={config}", f"--model.tokenizer_path={TOKENIZER}",
+                   "--training.dataset=builtin:python-stdlib", f"--lora.rank={RANK}", "--lora.targets=all-linear"])
+
+    def model(held_in: torch.dtype | None) -> torch.nn.Module:
+        args = FlameModelArgs()
+        args.update_from_config(job)
+        with torch.device("meta"):
+            built = build_model(args)
+        held = lora.hold_base_in(built, held_in) if held_in else 0
+        built.to_empty(device="cpu")
+        torch.manual_seed(0)
+        built.init_weights()
+        return built, held
+
+    bf16, held = model(torch.bfloat16)
+    f32, _ = model(None)
+    frozen = {id(p): p for p in bf16.parameters() if not p.requires_grad}.values()
+    assert held == sum(p.numel() for p in frozen) > 0 and {p.dtype for p in frozen} == {torch.bfloat16}
+    assert {p.dtype for p in bf16.parameters() if p.requires_grad} == {torch.float32}
+    assert bf16.get_output_embeddings().weight is bf16.get_input_embeddings().weight
+    assert "held in bfloat16" in lora.describe(bf16, lora.LoraSettings.of(job.lora))
+    with torch.no_grad():  # the same values: the float32 model takes the bf16 ones
+        for name, param in f32.named_parameters():
+            param.copy_(bf16.get_parameter(name))
+    ids = torch.randint(0, 4096, (2, 32))
+    grads = []
+    for m in (bf16, f32):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(ids, labels=ids).loss.backward()
+        assert all(p.grad is None for p in m.parameters() if not p.requires_grad)
+        grads.append({name: p.grad.float() for name, p in m.named_parameters() if p.requires_grad})
+    for name, grad in grads[1].items():  # within bf16 noise (the bf16 embedding makes a bf16 residual stream)
+        assert (grads[0][name] - grad).norm() <= 0.02 * grad.norm(), name
+    dcp.save(lora.checkpoint_weights(bf16), checkpoint_id=str(tmp_path / "step"), no_dist=True)
+    restored = lora.checkpoint_weights(f32)
+    dcp.load(restored, checkpoint_id=str(tmp_path / "step"), no_dist=True)
+    for name, tensor in lora.checkpoint_weights(bf16).items():
+        assert restored[name].dtype == torch.float32 and torch.equal(restored[name], tensor.float()), name
