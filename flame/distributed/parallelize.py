@@ -65,7 +65,10 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     if lora.LoraSettings.of(job_config.lora) is not None and not degrees.float32_compute(job_config,
                                                                                         parallel_dims.world_size):
-        lora.hold_base_in(model, device.compute_dtype(job_config))  # frozen: no float32 master weights needed
+        dtype = device.compute_dtype(job_config)
+        held = lora.hold_base_in(model, dtype)
+        logger.info(f"LoRA: the frozen base's {held:,} weights held in {str(dtype).removeprefix('torch.')}, the "
+                    "dtype its matmuls read them in (they have no gradient or optimizer state)")
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
     support = support_for(model.config)

@@ -114,7 +114,11 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     fused = device.CUDA and (config.model.fused_kernels or config.compile.enable) and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1
-    autocast = not fsdp and dtype_bytes(dtype) < 4  # torchtitan's AMP: float32 weights, autocast keeps cast copies
+    frozen_bytes = 4 if float32_compute(config, world_size) else dtype_bytes(dtype)
+    # torchtitan's AMP: float32 weights, autocast keeps cast copies. LoRA's base held in the compute dtype (its
+    # embeddings too, lora.hold_base_in) makes the residual stream that dtype's, and leaves autocast only the
+    # adapters (two small matrices a layer) to cast
+    autocast = not fsdp and dtype_bytes(dtype) < 4 and not (frozen and frozen_bytes < 4)
     optimizer = optimizer_record(config.optimizer.name)
     job = Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
@@ -133,7 +137,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
         active_params=moe.active_params(model) if moe.is_moe(model_config) else None,
         can_park_inputs=device.CUDA and not pipelined,
-        frozen_params=frozen, frozen_bytes=4 if float32_compute(config, world_size) else dtype_bytes(dtype),
+        frozen_params=frozen, frozen_bytes=frozen_bytes,
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)

@@ -168,13 +168,12 @@ def autocast_copies(job: Job, layout: Layout) -> tuple[float, list[float]]:
     blocks = len(job.activations.blocks)
     if not job.autocast_copies or job.fsdp or layout.offload:
         return 0.0, [0.0] * blocks
-    share = job.float32_params / job.params  # LoRA's base held in the compute dtype needs no copy
-    block_copy = job.block_params * share * job.compute_bytes
+    block_copy = job.block_params * job.compute_bytes
     whole_before, during = 0, []
     for index in range(blocks):
         during.append((whole_before + 1) * block_copy)
         whole_before += not _checkpointed(layout.ac, index)
-    return job.float32_params * job.compute_bytes, during
+    return job.params * job.compute_bytes, during
 
 
 def backward_bytes(job: Job, ac: str, parked: bool = False) -> list[float]:

@@ -108,11 +108,6 @@ class Job:
         """The parameters with gradients and optimizer state (LoRA: its adapters)."""
         return self.params - self.frozen_params
 
-    @property
-    def float32_params(self) -> int:
-        """The parameters held in float32: those autocast keeps a cast copy of."""
-        return self.trainable_params + (self.frozen_params if self.frozen_bytes == 4 else 0)
-
     def weight_bytes(self) -> float:
         """Every parameter's bytes where it is held: float32 trained weights, the frozen ones in their own dtype."""
         return 4 * self.trainable_params + self.frozen_bytes * self.frozen_params

@@ -61,7 +61,9 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
     tokens = job.rows * job.tokens_per_row / passes
     forward = 2 * job.computed_params / job.tensor_parallel * tokens / (hardware.tflops(tokens) * 1e12) / MATMUL_SHARE
     launches = len(job.activations.blocks) * LAUNCHES_PER_BLOCK_PASS * hardware.launch_seconds / 3  # a forward's
-    one_pass = 3 * (forward + launches)  # the backward launches and computes about twice the forward
+    # the backward launches and computes about twice the forward: the inputs' gradients, and the weights' where
+    # they train (LoRA's frozen base has none)
+    one_pass = (2 + job.trainable_params / job.params) * (forward + launches)
     share = recompute_share(layout.ac, len(job.activations.blocks))
     shards = job.weight_shards // job.tensor_parallel
     gathers = 0.0

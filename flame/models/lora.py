@@ -201,13 +201,8 @@ def describe(model: nn.Module, settings: LoraSettings) -> str:
     return (
         f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%): rank "
         f"{settings.rank} adapters (alpha {settings.alpha:g}, dropout {settings.dropout:g}) on {len(layers)} layers ({kinds}); "
-        f"every other weight is frozen{_held_in(params)}"
+        "every other weight is frozen"
     )
-
-
-def _held_in(params) -> str:
-    frozen = {p.dtype for p in params if not p.requires_grad and p.is_floating_point()}
-    return f", held in {str(next(iter(frozen))).removeprefix('torch.')}" if len(frozen) == 1 else ""
 
 
 def check_gradients(model_parts: list[nn.Module], device: torch.device) -> None:

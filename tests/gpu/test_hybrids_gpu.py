@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flame.models import hybrid, load_model_config
+from flame.models import hybrid, load_model_config, moe
 from flame.models.builder import FlameModelArgs, build_model
 from tests.conftest import ROOT
 from tests.models.test_hybrids import HYBRIDS, _batch, _packed_logits, _separate_logits
@@ -41,16 +41,26 @@ def test_packed_documents_get_their_logits_and_gradients_alone_on_varlen_kernels
     model = build_model(args).cuda().train()
     layers = [m for m in model.modules() if isinstance(m, hybrid.KeepsDocumentsApart)]
     assert layers and all(layer.over_flattened_batch for layer in layers)
+    with torch.no_grad():  # decisive routers: the two kernels' rounding must not flip a token's top-k experts,
+        for router in moe.routers(model):  # which moves whole tokens' gradients between experts
+            router.weight.mul_(50)
     packed_logits, packed_grads = _results(model, _packed_logits)
     separate_logits, separate_grads = _results(model, lambda model, batch, _: _separate_logits(model, batch))
     assert _error(packed_logits, separate_logits) < 1e-2
-    worst = max(_error(packed_grads[name], grad) for name, grad in separate_grads.items())
-    assert worst < 2e-2, worst
+    errors = {name: _error(packed_grads[name], grad) for name, grad in separate_grads.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 2e-2, (worst, errors[worst])
+
+
+def _norm_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
 
 
 def test_a_qwen3_5_shaped_0_8b_model_in_bf16_gives_packed_documents_their_own_logits():
     """At the size users train (configs/qwen3_5_0.8B.json, 36 layers, bf16 weights): four documents packed into one
-    8K row get, within bf16 noise, the logits transformers gives each alone; the row read as one document does not."""
+    8K row get the logits each gets alone on the same kernels, and differ from transformers' own forward of each
+    alone by no more than flame's forward of it alone does (bf16 noise: other kernels, other rounding); the row read
+    as one document does not."""
     path = str(ROOT / "configs" / "qwen3_5_0.8B.json")
     args = FlameModelArgs(config_path=path, fused_kernels=False)
     args._config = load_model_config(path)
@@ -59,14 +69,25 @@ def test_a_qwen3_5_shaped_0_8b_model_in_bf16_gives_packed_documents_their_own_lo
     documents = [700, 2300, 1100, 4092]
     bounds = [0, *itertools.accumulate(documents)]
     ids = torch.randint(0, 32000, (1, bounds[-1]), device="cuda")
-    batch = {"input": ids, "position_ids": torch.cat([torch.arange(n) for n in documents])[None].cuda(),
-             "cu_seqlens": torch.tensor(bounds, dtype=torch.int32, device="cuda"), "max_seqlen": max(documents)}
+
+    def flame_logits(start: int, end: int) -> torch.Tensor:
+        lengths = [n for n, first in zip(documents, bounds) if start <= first < end]
+        batch = {"input": ids[:, start:end], "position_ids": torch.cat([torch.arange(n) for n in lengths])[None].cuda(),
+                 "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda"),
+                 "max_seqlen": max(lengths)}
+        return _packed_logits(model, batch, ids[:, start:end]).float()
+
     with torch.no_grad():
-        packed = _packed_logits(model, batch, ids).float()
-        alone = torch.cat([model(ids[:, start:end], use_cache=False).logits.float()
-                           for start, end in zip(bounds, bounds[1:])], dim=1)
+        packed = flame_logits(0, bounds[-1])
+        pieces = list(zip(bounds, bounds[1:]))
+        flame_alone = torch.cat([flame_logits(start, end) for start, end in pieces], dim=1)
+        hf_alone = torch.cat([model(ids[:, start:end], use_cache=False).logits.float() for start, end in pieces], dim=1)
         leaked = model(ids, use_cache=False).logits.float()
     later = slice(bounds[1], None)  # the first document is the same either way; the others see their own past only
-    print(f"packed vs alone {_error(packed, alone):.2e}, one document vs alone {_error(leaked[:, later], alone[:, later]):.2e}")
-    assert _error(packed, alone) < 3e-2
-    assert _error(leaked[:, later], alone[:, later]) > 10 * _error(packed, alone)
+    same_kernels, floor = _norm_error(packed, flame_alone), _norm_error(flame_alone, hf_alone)
+    against_hf, leak = _norm_error(packed, hf_alone), _norm_error(leaked[:, later], hf_alone[:, later])
+    print(f"packed vs alone: {same_kernels:.2e} (flame's kernels), {against_hf:.2e} (transformers'); flame vs "
+          f"transformers alone {floor:.2e}; one document vs alone {leak:.2e}")
+    assert same_kernels < 1e-2
+    assert against_hf <= 2 * floor + 1e-3
+    assert leak > 10 * against_hf
