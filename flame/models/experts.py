@@ -58,14 +58,18 @@ def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Ten
     choices = top_k_index.reshape(-1)
     order = torch.argsort(choices, stable=True)  # the token-expert pairs grouped by expert
     back = _inverse(order)
-    counts = torch.bincount(choices, minlength=self.num_experts)
+    sorted_choices = choices[order]
+    # each expert's end in the sorted pairs: found in them, where torch.bincount's output size would depend on the
+    # data (the host waits for it, and torch.compile splits the block's graph there)
+    ends = torch.searchsorted(sorted_choices, torch.arange(1, self.num_experts + 1, device=choices.device))
     tokens = hidden_states.to(compute)
     weights = top_k_weights.reshape(-1)[order].to(compute)
     group = getattr(self, GROUP, None)
     if group is None:  # the first projection gathers its rows itself, and again in the backward rather than keep them
         out = _experts_mlp(self, lambda weight, offsets: _GatheredProduct.apply(tokens, order, back, top_k, weight, offsets),
-                           weights, counts, choices[order])
+                           weights, ends.to(torch.int32), sorted_choices)
     else:
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
         out = _exchanged(self, _TokensOfPairs.apply(tokens, order, back, top_k), weights, counts, group)
     return _PairsToTokens.apply(out, order, back, top_k).to(hidden_states.dtype)
 
@@ -156,18 +160,17 @@ def _exchanged(self: nn.Module, rows: torch.Tensor, weights: torch.Tensor, count
     from_expert = _inverse(by_expert)
     rows = _Reorder.apply(incoming, by_expert, from_expert)
     out = _experts_mlp(self, lambda weight, offsets: _product(rows, weight, offsets),
-                       _Reorder.apply(incoming_weights, by_expert, from_expert), received.sum(dim=0),
-                       expert_of_row[by_expert])
+                       _Reorder.apply(incoming_weights, by_expert, from_expert),
+                       torch.cumsum(received.sum(dim=0), dim=0, dtype=torch.int32), expert_of_row[by_expert])
     return all_to_all_single_autograd(_Reorder.apply(out, from_expert, by_expert), sent, got, group)
 
 
-def _experts_mlp(self: nn.Module, first: Callable, weights: torch.Tensor, counts: torch.Tensor,
+def _experts_mlp(self: nn.Module, first: Callable, weights: torch.Tensor, offsets: torch.Tensor,
                  expert_ids: torch.Tensor) -> torch.Tensor:
     """Each expert's MLP on its rows, times the rows' routing weights (``first(weight, offsets)``: the rows, grouped by
-    expert, through the first projection; ``counts`` per expert held, ``expert_ids`` per row). The weight scales the
-    down projection's input, not its output: the same product (the projection is linear; its bias is scaled on its
-    own), without keeping the output for the weights' gradient."""
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    expert, through the first projection; ``offsets``: int32, each expert held's end in the rows, ``expert_ids`` per
+    row). The weight scales the down projection's input, not its output: the same product (the projection is linear;
+    its bias is scaled on its own), without keeping the output for the weights' gradient."""
     dtype = weights.dtype
     hidden = first(_in_out(self.gate_up_proj if self.has_gate else self.up_proj, self.is_transposed, dtype), offsets)
     if self.has_bias:

@@ -90,6 +90,20 @@ def test_flames_experts_give_transformers_outputs_and_gradients(model_type):
         torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_compiled_blocks_trace_the_experts_routing_without_a_graph_break():
+    """torch.compile traces a MoE block's routing (sort, per-expert ends, gathers) in one graph: no operator whose
+    output size depends on the data (torch.bincount's would split the graph and make the host wait). The only breaks
+    left are the CPU stand-in's loop over the experts, which reads their row counts (a GPU runs one grouped GEMM)."""
+    model, _ = _flame_model("qwen3_moe")
+    layer = model.model.layers[0]
+    hidden = model.model.embed_tokens(torch.randint(0, 4096, (1, 32)))
+    positions = torch.arange(32)[None]
+    explained = torch._dynamo.explain(layer)(hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
+                                            position_ids=positions)
+    where = {frame.name for reason in explained.break_reasons for frame in reason.user_stack[-1:]}
+    assert explained.graph_break_count and where == {"_spans"}, where
+
+
 def test_flops_count_the_active_experts_and_the_routers():
     model, _ = _flame_model("qwen3_moe")
     config = model.config
