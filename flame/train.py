@@ -24,7 +24,7 @@ import sys
 import torch
 from torchtitan.tools.logging import init_logger, logger
 
-from flame.base import autotune
+from flame.base import autotune, triton_kernels
 from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError, failure_line, worker_message
 from flame.base.process import arrange_stack_dumps, die_with_parent
 from flame.config.manager import parse
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     arrange_stack_dumps()
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
+    if recorded := os.environ.get(triton_kernels.RECORD):  # the kernels this run compiles, to ship (its module doc)
+        triton_kernels.record_compiled_kernels(recorded)
     try:
         job = parse(sys.argv[1:] if argv is None else argv)
         from flame.prepare import prepare  # after parsing: `-h` and parsing errors stay fast

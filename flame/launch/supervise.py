@@ -13,6 +13,8 @@ One process per node does the whole launch, so that what every rank imports is i
   has not started CUDA, so nothing imported here may touch the GPU (fla asks it for its name, so
   fla is imported by the check and the ranks, never here); if something did, the ranks are
   spawned (started fresh, as bare torchrun starts them) and the launcher says why;
+- where flame ships a list of fla's Triton kernels for this GPU, it starts their compilation on the
+  spare CPUs first (flame.base.triton_kernels), so that the ranks find them in Triton's cache;
 - the run's processes end with train.sh, however it ends: this process asks the kernel for
   SIGTERM when train.sh (its parent) exits, and torchrun's own handler then stops the ranks;
   every rank asks for SIGKILL when the agent exits (flame.train.run_rank calls
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from flame.base.dump_folder import DumpFolderLock
 from flame.base.run_record import take_stop_record
-from flame.base import progress
+from flame.base import progress, triton_kernels
 from flame.base.process import PARENT_PID, die_with_parent, ranks_of
 from flame.base.errors import ConfigError, gist
 from flame.launch import summary
@@ -229,8 +231,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch(args: argparse.Namespace, torchrun_args: list[str], script: int) -> int:
     """Check the job, run it under the dump folder's lock (node 0), then export it and say how it went."""
-    train_args = torchrun_args[script + 2:]
     import_config()
+    kernels = triton_kernels.start_warm_up()  # fla's kernels compile on the spare CPUs meanwhile (its module doc)
+    try:
+        return _checked_and_run(args, torchrun_args, script)
+    finally:
+        if kernels is not None and kernels.poll() is None:  # the run ended before it: its work is of no more use
+            kernels.terminate()
+
+
+def _checked_and_run(args: argparse.Namespace, torchrun_args: list[str], script: int) -> int:
+    train_args = torchrun_args[script + 2:]
     check = JobCheck(train_args, args.world_size, args.node_rank)
     start_method = warm_up()
     plan = check.outcome()

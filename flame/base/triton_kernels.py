@@ -1,0 +1,203 @@
+"""Triton kernels compiled ahead of step 1, on the machine's spare CPUs, from a shipped list of those runs use.
+
+    python -m flame.base.triton_kernels warm [--jobs N]       compile the kernels shipped for this GPU into Triton's cache
+    python -m flame.base.triton_kernels collect RECORDED... [--gpu NAME]   add recorded kernels to those shipped
+    python -m flame.base.triton_kernels list                   what is shipped, per Triton version and GPU
+
+The rule: fla's Triton kernels compile the first time each runs, one after another, inside the
+training process: a 340M fla model compiles 70-230 of them before its first step ends, 53-100 s
+on an H100 even with every autotune choice shipped (flame.base.autotune; docs/perf-log.md). A
+compile needs no GPU, only the target's name, and most of its time is CPU (MLIR passes, ptxas).
+So the launcher starts ``warm`` beside the job's check (``start_warm_up``): a pool of processes,
+niced below the ranks, compiles every kernel shipped for this GPU and Triton version into
+Triton's cache while the ranks import, build the model and read their first batch; a rank's first
+call of a kernel then loads it from the cache. A kernel the list lacks compiles in the rank as
+before; a listed kernel the run never calls costs background CPU time only. Triton writes each
+cache entry whole (a temporary file renamed), so a rank compiling the same kernel meanwhile is safe.
+
+What is shipped: flame/base/autotune_choices/<triton version>/<gpu>/kernels.jsonl, beside the
+autotune choices, one line a kernel: its module, its name, the GPU target and Triton's own
+specialization record (what ``JITFunction.preload`` reads: signature, constants, options).
+Record them by running the standard jobs once on that GPU with ``FLAME_RECORD_KERNELS=<file>``
+(each rank appends every kernel it compiles: ``record_compiled_kernels``), then ``collect`` the
+file. Like the autotune choices, a list goes stale with a new Triton or fla (the kernels' source
+changes their cache key): ``python -m flame.base.autotune collect --replace`` drops it with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from importlib import metadata
+from pathlib import Path
+
+from flame.base.autotune import SHIPPED, gpu_name, triton_version
+from flame.base.process import die_with_parent
+
+KERNELS = "kernels.jsonl"
+RECORD = "FLAME_RECORD_KERNELS"  # a file: every Triton kernel a rank compiles is appended to it
+
+
+def record_compiled_kernels(path: str) -> None:
+    """Append every Triton kernel this process compiles from now on to ``path`` (JSON lines), as ``collect`` reads it.
+
+    Triton calls ``knobs.runtime.jit_post_compile_hook`` after compiling a kernel or loading it from its cache,
+    with its specialization record; the GPU target is this process's.
+    """
+    import triton
+
+    def hook(*, fn, compile, **_) -> bool:
+        target = _current_target()
+        line = {"module": fn.module, "name": fn.name, "spec": compile["specialization_data"],
+                "target": {"backend": target.backend, "arch": target.arch, "warp_size": target.warp_size}}
+        with open(path, "a") as file:  # one write a line: the ranks of a run may share the file
+            file.write(json.dumps(line) + "\n")
+        return False
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+def _current_target():
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_target()
+
+
+def shipped_folders(root: Path = SHIPPED) -> list[Path]:
+    return sorted(path.parent for path in root.glob(f"*/*/{KERNELS}")) if root.is_dir() else []
+
+
+def read(path: Path) -> list[dict]:
+    with open(path) as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def collect(recorded: list[Path], gpu: str, root: Path = SHIPPED) -> Path:
+    """Add the kernels in the ``recorded`` files to those shipped for ``gpu`` under this Triton version, each once (in
+    the order first seen: the order runs need them), leaving out kernels no process could import again (torch's
+    inductor writes its own to temporary modules). Returns the shipped file."""
+    target = root / triton_version() / gpu / KERNELS
+    kernels = read(target) if target.exists() else []
+    seen = {(k["module"], k["name"], k["spec"]) for k in kernels}
+    for path in recorded:
+        for kernel in read(path):
+            key = (kernel["module"], kernel["name"], kernel["spec"])
+            if key not in seen and not kernel["module"].startswith("torch._inductor"):
+                seen.add(key)
+                kernels.append(kernel)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{KERNELS}.{os.getpid()}.partial")
+    partial.write_text("".join(json.dumps(kernel) + "\n" for kernel in kernels))
+    os.replace(partial, target)
+    return target
+
+
+def compile_kernel(kernel: dict) -> str | None:
+    """Compile one shipped kernel into Triton's cache, as its first call in a rank would (``JITFunction.preload``'s
+    steps, for the named target instead of the current device); None, or why it could not."""
+    try:
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile, make_backend
+        from triton.runtime.jit import JITFunction
+
+        function = importlib.import_module(kernel["module"])
+        for part in kernel["name"].split("."):
+            function = getattr(function, part)
+        while not isinstance(function, JITFunction):  # under its autotuner and heuristics wrappers
+            function = function.fn
+        spec = json.loads(kernel["spec"])
+        target = GPUTarget(**kernel["target"])
+        constants = {
+            tuple(key): tl.dtype(value) if tl.dtype.is_dtype(value) else
+            tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+            for key, value in zip(spec["constant_keys"], spec["constant_vals"])
+        }
+        attrs = {tuple(key): value for key, value in zip(spec["attrs_keys"], spec["attrs_vals"])}
+        signature = {name: tuple(kind) if isinstance(kind, list) else kind for name, kind in spec["signature"].items()}
+        options = make_backend(target).parse_options(
+            {name: tuple(value) if isinstance(value, list) else value for name, value in spec["options"].items()})
+        compile(ASTSource(function, signature, constants, attrs), target=target, options=options.__dict__)
+        return None
+    except Exception as error:  # one kernel that fails only leaves it to the rank
+        return f"{kernel['module']}.{kernel['name']}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def _worker_start(parent: int) -> None:
+    os.nice(10)  # behind the ranks, their data loaders and the job's check
+    die_with_parent(signal.SIGKILL, parent)
+
+
+def warm(kernels: list[dict], jobs: int) -> tuple[int, list[str]]:
+    """Compile ``kernels`` on ``jobs`` processes; (how many compiled, why the others did not)."""
+    with ProcessPoolExecutor(jobs, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
+        failures = [failure for failure in pool.map(compile_kernel, kernels, chunksize=1) if failure]
+    return len(kernels) - len(failures), failures
+
+
+def first_gpu() -> str:
+    """This machine's first GPU as autotune.gpu_name names it, asked of nvidia-smi (no CUDA in this process: the pool
+    forks from it)."""
+    answer = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    return answer.replace(" ", "-").replace("/", "-")
+
+
+def start_warm_up() -> subprocess.Popen | None:
+    """Start ``warm`` in the background (the launcher, before the job's check); None where nothing is shipped for
+    this machine's Triton, or the machine has no NVIDIA GPU. Asks neither torch nor Triton: the launcher imports
+    neither before the ranks fork from it."""
+    try:
+        version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return None
+    if not list((SHIPPED / version).glob(f"*/{KERNELS}")) or not Path("/dev/nvidiactl").exists():
+        return None
+    jobs = max(1, (os.cpu_count() or 2) - 2)
+    return subprocess.Popen([sys.executable, "-m", "flame.base.triton_kernels", "warm", "--jobs", str(jobs),
+                             "--parent", str(os.getpid())], stdin=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flame.base.triton_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=("warm", "collect", "list"))
+    parser.add_argument("recorded", nargs="*", type=Path, help="collect: files written under FLAME_RECORD_KERNELS")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2), help="warm: processes")
+    parser.add_argument("--parent", type=int, help="warm: stop when this process (the launcher) ends")
+    parser.add_argument("--gpu", help="collect: the GPU the files were recorded on, as autotune names it (e.g. "
+                                      "NVIDIA-H100-80GB-HBM3; default: this machine's)")
+    args = parser.parse_args(argv)
+    if args.action == "warm":
+        if args.parent:
+            die_with_parent(signal.SIGTERM, args.parent)
+        try:
+            path = SHIPPED / triton_version() / first_gpu() / KERNELS
+        except (OSError, subprocess.CalledProcessError):  # no nvidia-smi answer: the ranks compile as before
+            return 0
+        if not path.exists():
+            return 0
+        started, kernels = time.monotonic(), read(path)
+        compiled, failures = warm(kernels, args.jobs)
+        print(f"flame: {compiled} of the {len(kernels)} Triton kernels shipped for this GPU are in Triton's cache "
+              f"({time.monotonic() - started:.0f} s on {args.jobs} processes beside the ranks' start)"
+              + (f"; {len(failures)} left to the ranks, e.g. {failures[0]}" if failures else ""), flush=True)
+    elif args.action == "collect":
+        if not args.recorded:
+            parser.error("collect: name the files written under FLAME_RECORD_KERNELS")
+        path = collect(args.recorded, args.gpu or gpu_name())
+        print(f"flame: {len(read(path))} kernels now shipped in {path}")
+    else:
+        for folder in shipped_folders():
+            print(f"triton {folder.parent.name}, {folder.name}: {len(read(folder / KERNELS))} kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""flame.base.triton_kernels: a kernel recorded as a rank compiles it is compiled from its record, on a machine without
+a GPU (the target is named), under the very cache key the rank's own compile of it uses; collect keeps each kernel
+once; warm compiles on a pool of processes; a record that cannot compile is left to the ranks with its reason."""
+
+import json
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile, make_backend
+from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+from flame.base import triton_kernels
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+@triton.jit
+def scaled_sum(x, y, out, n, scale, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = index < n
+    total = tl.load(x + index, mask=mask) * scale + tl.load(y + index, mask=mask)
+    tl.store(out + index, total.to(DTYPE), mask=mask)
+
+
+def _as_a_rank_calls_it(hook, *args, **kwargs):
+    """What JITFunction.run does up to its compile on an H100 (its binder, its arguments packed, then the
+    post-compile hook), without a GPU; returns the compile's (source, options) as the rank builds them."""
+    backend = make_backend(H100)
+    binder = create_function_from_signature(scaled_sum.signature, scaled_sum.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    key = compute_cache_key({}, specialization, options)
+    options, signature, constants, attrs = scaled_sum._pack_args(backend, kwargs, bound, specialization, options)
+    scaled_sum._call_hook(hook, key, signature, 0, constants, options, [attrs], False)
+    return ASTSource(scaled_sum, signature, constants, attrs), options
+
+
+def _cache_entries(cache) -> set[str]:
+    return {path.name for path in cache.iterdir()} if cache.exists() else set()
+
+
+def test_a_recorded_kernel_compiles_ahead_under_the_key_the_rank_looks_up(tmp_path, monkeypatch):
+    cache, recorded = tmp_path / "cache", tmp_path / "kernels.jsonl"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setattr(triton_kernels, "_current_target", lambda: H100)
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    try:
+        triton_kernels.record_compiled_kernels(str(recorded))
+        x, y, out = (torch.zeros(4096) for _ in range(3))
+        source, options = _as_a_rank_calls_it(triton.knobs.runtime.jit_post_compile_hook, x, y, out, 4096, 0.5,
+                                              BLOCK=1024, DTYPE=tl.float32, num_warps=4)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    [kernel] = triton_kernels.read(recorded)
+    assert (kernel["module"], kernel["name"], kernel["target"]) == (__name__, "scaled_sum", {
+        "backend": "cuda", "arch": 90, "warp_size": 32})
+
+    assert triton_kernels.compile_kernel(kernel) is None
+    compiled = _cache_entries(cache)
+    assert any(path.suffix == ".cubin" for path in cache.rglob("*")), "no sm_90 binary in the cache"
+    compile(source, target=H100, options=options.__dict__)  # the rank's own compile finds it: no new entry
+    assert _cache_entries(cache) == compiled
+
+
+def test_collect_keeps_each_kernel_once_in_first_seen_order_and_no_inductor_kernel(tmp_path, monkeypatch):
+    monkeypatch.setattr(triton_kernels, "triton_version", lambda: "3.6.0")
+    first, second = tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"
+    a, b = ({"module": "fla.ops.x", "name": name, "spec": "{}", "target": {}} for name in ("a", "b"))
+    inductor = {"module": "torch._inductor.generated", "name": "triton_poi_0", "spec": "{}", "target": {}}
+    first.write_text("".join(json.dumps(k) + "\n" for k in (a, inductor, b)))
+    second.write_text(json.dumps(b) + "\n" + json.dumps(a) + "\n")
+    shipped = triton_kernels.collect([first, second], "GPU-A", root=tmp_path / "shipped")
+    assert shipped == tmp_path / "shipped" / "3.6.0" / "GPU-A" / "kernels.jsonl"
+    assert triton_kernels.read(shipped) == [a, b]
+    assert triton_kernels.read(triton_kernels.collect([second], "GPU-A", root=tmp_path / "shipped")) == [a, b]
+
+
+def test_warm_compiles_on_a_pool_and_names_what_it_left_to_the_ranks(tmp_path, monkeypatch):
+    cache, recorded = tmp_path / "cache", tmp_path / "kernels.jsonl"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setattr(triton_kernels, "_current_target", lambda: H100)
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    try:
+        triton_kernels.record_compiled_kernels(str(recorded))
+        x, y, out = (torch.zeros(4096) for _ in range(3))
+        for block in (256, 512):
+            _as_a_rank_calls_it(triton.knobs.runtime.jit_post_compile_hook, x, y, out, 4096, 0.5, BLOCK=block,
+                                DTYPE=tl.bfloat16)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    kernels = triton_kernels.read(recorded)
+    missing = {**kernels[0], "name": "no_such_kernel"}
+    compiled, failures = triton_kernels.warm([*kernels, missing], jobs=2)
+    assert compiled == 2 and len(failures) == 1
+    assert failures[0].startswith(f"{__name__}.no_such_kernel: AttributeError")
+    assert len(_cache_entries(cache)) >= 2
+
+
+@pytest.mark.parametrize("shipped", [False, True])
+def test_the_launcher_starts_no_warm_up_without_a_list_for_its_triton_or_a_gpu(tmp_path, monkeypatch, shipped):
+    monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
+    if shipped:
+        (tmp_path / triton.__version__ / "GPU-A").mkdir(parents=True)
+        (tmp_path / triton.__version__ / "GPU-A" / "kernels.jsonl").write_text("")
+    assert triton_kernels.start_warm_up() is None  # this machine has no NVIDIA GPU
