@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
     if recorded := os.environ.get(triton_kernels.RECORD):  # the kernels this run compiles, to ship (its module doc)
         triton_kernels.record_compiled_kernels(recorded)
+    on_rank0_gpu = os.environ.get("RANK", "0") == "0" and torch.cuda.is_available()
+    compiling = triton_kernels.CompileWatch() if on_rank0_gpu else None  # said in the log while step 1 waits for it
     try:
         job = parse(sys.argv[1:] if argv is None else argv)
         from flame.prepare import prepare  # after parsing: `-h` and parsing errors stay fast
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     every_rank_stops = True  # the errors caught by name are raised on every rank alike
     try:
         trainer = Trainer(config)
+        if compiling is not None:
+            step_one_done = lambda: trainer.attempt is not None and trainer.step > trainer.first_step  # noqa: E731
+            compiling.report(logger.info, done=step_one_done)
         if config.checkpoint.create_seed_checkpoint:
             # the initial weights, unsharded from one process: every layout can start from them
             trainer.start_attempt()

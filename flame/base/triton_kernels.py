@@ -1,8 +1,8 @@
 """Triton kernels compiled ahead of step 1, on the machine's spare CPUs, from a shipped list of those runs use.
 
-    python -m flame.base.triton_kernels warm [--jobs N]       compile the kernels shipped for this GPU into Triton's cache
+    python -m flame.base.triton_kernels warm [--jobs N]     compile the kernels shipped for this GPU into Triton's cache
     python -m flame.base.triton_kernels collect RECORDED... [--gpu NAME]   add recorded kernels to those shipped
-    python -m flame.base.triton_kernels list                   what is shipped, per Triton version and GPU
+    python -m flame.base.triton_kernels list                what is shipped, per Triton version and GPU
 
 The rule: fla's Triton kernels compile the first time each runs, one after another, inside the
 training process: a 340M fla model compiles 70-230 of them before its first step ends, 53-100 s
@@ -62,6 +62,65 @@ def record_compiled_kernels(path: str) -> None:
         return False
 
     triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+class CompileWatch:
+    """What Triton compiles in this process, said in the log while the first step waits for it.
+
+    Triton compiles a kernel on its first call, inside the step, silently: a first step that takes
+    minutes looks stuck. Triton's hooks frame each compile (``jit_cache_hook`` before, the post-compile
+    hook after; a kernel loaded from the cache takes milliseconds and is not counted), and a thread
+    says every ``EVERY_S`` seconds how many compiled so far and which one is compiling now (an
+    autotuned kernel compiles once per configuration it tries), then one line when the step is done.
+    """
+
+    EVERY_S = 20.0
+    LOADED_S = 0.1  # at most this long: read from Triton's cache, not compiled
+
+    def __init__(self):
+        import triton
+
+        self.compiled, self.seconds, self.per_kernel = 0, 0.0, {}
+        self.now: tuple[str, float] | None = None  # the kernel compiling and since when
+        runtime = triton.knobs.runtime
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook  # kept: a recorder's, for one
+
+        def starts(**hook) -> bool:
+            self.now = (hook["fn"].name, time.monotonic())
+            return bool(before and before(**hook))
+
+        def ends(**hook) -> bool:
+            if self.now is not None:
+                name, since = self.now
+                if (took := time.monotonic() - since) > self.LOADED_S:
+                    self.compiled, self.seconds = self.compiled + 1, self.seconds + took
+                    self.per_kernel[name] = self.per_kernel.get(name, 0) + 1
+                self.now = None
+            return bool(after and after(**hook))
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = starts, ends
+
+    def report(self, log, done) -> None:
+        """Log progress every EVERY_S seconds until ``done()`` (the first step has ended), then a summary line."""
+        import threading
+
+        def run() -> None:
+            said = 0
+            while not done():
+                time.sleep(self.EVERY_S)
+                if done() or (self.compiled == said and self.now is None):
+                    continue
+                said = self.compiled
+                line = f"step 1 is compiling Triton kernels: {self.compiled} so far ({self.seconds:.0f} s)"
+                if self.now is not None:
+                    tries = self.per_kernel.get(self.now[0], 0)
+                    line += f", now {self.now[0]}" + (f" for the {tries + 1}th time (autotuning: one compile per "
+                                                      "configuration it tries)" if tries >= 2 else "")
+                log(line + "; Triton's cache keeps them, so later runs on this machine skip this")
+            if self.compiled:
+                log(f"the first step compiled {self.compiled} Triton kernels ({self.seconds:.0f} s of it)")
+
+        threading.Thread(target=run, name="flame-compile-watch", daemon=True).start()
 
 
 def _current_target():

@@ -3,6 +3,7 @@ a GPU (the target is named), under the very cache key the rank's own compile of 
 once; warm compiles on a pool of processes; a record that cannot compile is left to the ranks with its reason."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -105,3 +106,46 @@ def test_the_launcher_starts_no_warm_up_without_a_list_for_its_triton_or_a_gpu(t
         (tmp_path / triton.__version__ / "GPU-A").mkdir(parents=True)
         (tmp_path / triton.__version__ / "GPU-A" / "kernels.jsonl").write_text("")
     assert triton_kernels.start_warm_up() is None  # this machine has no NVIDIA GPU
+
+
+def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_found(monkeypatch):
+    """Each compile framed by Triton's two hooks (a cache load, under LOADED_S, is not counted); while the step runs
+    a line names the kernel compiling, and the how-many-th time for one that autotunes; a summary when it ends. A hook
+    installed before (the kernel recorder) still gets every call."""
+    import threading
+    from types import SimpleNamespace
+
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(runtime, "jit_cache_hook", None)
+    recorded = []
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda **hook: recorded.append(hook["fn"].name) and False)
+    monkeypatch.setattr(triton_kernels.CompileWatch, "EVERY_S", 0.05)
+    monkeypatch.setattr(triton_kernels.CompileWatch, "LOADED_S", 0.02)
+    watch = triton_kernels.CompileWatch()
+
+    def call(name: str, seconds: float, finish: bool = True) -> None:
+        hook = {"fn": SimpleNamespace(name=name), "key": None, "repr": name, "compile": {}, "is_manual_warmup": False,
+                "already_compiled": False}
+        assert runtime.jit_cache_hook(**hook) is False
+        time.sleep(seconds)
+        if finish:
+            assert runtime.jit_post_compile_hook(**hook) is False
+
+    for _ in range(3):
+        call("chunk_fwd_kernel", 0.05)  # an autotuned kernel: one compile per configuration
+    call("rms_norm_kernel", 0.0)  # loaded from the cache
+    assert (watch.compiled, watch.per_kernel) == (3, {"chunk_fwd_kernel": 3})
+    assert recorded == ["chunk_fwd_kernel"] * 3 + ["rms_norm_kernel"]
+
+    lines, done = [], threading.Event()
+    call("chunk_fwd_kernel", 0.0, finish=False)  # its 4th configuration, compiling now
+    watch.report(lines.append, done.is_set)
+    deadline = time.monotonic() + 5
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done.set()
+    while len(lines) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lines[0].startswith("step 1 is compiling Triton kernels: 3 so far") and \
+        "now chunk_fwd_kernel for the 4th time (autotuning" in lines[0]
+    assert lines[-1].startswith("the first step compiled 3 Triton kernels")
