@@ -42,19 +42,23 @@ def _cache_entries(cache) -> set[str]:
     return {path.name for path in cache.iterdir()} if cache.exists() else set()
 
 
-def test_a_recorded_kernel_compiles_ahead_under_the_key_the_rank_looks_up(tmp_path, monkeypatch):
-    cache, recorded = tmp_path / "cache", tmp_path / "kernels.jsonl"
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+def _recorded(tmp_path, monkeypatch, *calls: dict) -> tuple[list[dict], list]:
+    """``calls`` (keyword arguments of scaled_sum) recorded as a rank on an H100 records them, into a fresh cache
+    folder (tmp_path/cache); (the records, each call's compile arguments)."""
+    recorded = tmp_path / "kernels.jsonl"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(triton_kernels, "_current_target", lambda: H100)
-    previous = triton.knobs.runtime.jit_post_compile_hook
-    try:
-        triton_kernels.record_compiled_kernels(str(recorded))
-        x, y, out = (torch.zeros(4096) for _ in range(3))
-        source, options = _as_a_rank_calls_it(triton.knobs.runtime.jit_post_compile_hook, x, y, out, 4096, 0.5,
-                                              BLOCK=1024, DTYPE=tl.float32, num_warps=4)
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = previous
-    [kernel] = triton_kernels.read(recorded)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
+    triton_kernels.record_compiled_kernels(str(recorded))
+    x, y, out = (torch.zeros(4096) for _ in range(3))
+    compiles = [_as_a_rank_calls_it(triton.knobs.runtime.jit_post_compile_hook, x, y, out, 4096, 0.5, **call)
+                for call in calls]
+    return triton_kernels.read(recorded), compiles
+
+
+def test_a_recorded_kernel_compiles_ahead_under_the_key_the_rank_looks_up(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    [kernel], [(source, options)] = _recorded(tmp_path, monkeypatch, dict(BLOCK=1024, DTYPE=tl.float32, num_warps=4))
     assert (kernel["module"], kernel["name"], kernel["target"]) == (__name__, "scaled_sum", {
         "backend": "cuda", "arch": 90, "warp_size": 32})
 
@@ -79,19 +83,8 @@ def test_collect_keeps_each_kernel_once_in_first_seen_order_and_no_inductor_kern
 
 
 def test_warm_compiles_on_a_pool_and_names_what_it_left_to_the_ranks(tmp_path, monkeypatch):
-    cache, recorded = tmp_path / "cache", tmp_path / "kernels.jsonl"
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    monkeypatch.setattr(triton_kernels, "_current_target", lambda: H100)
-    previous = triton.knobs.runtime.jit_post_compile_hook
-    try:
-        triton_kernels.record_compiled_kernels(str(recorded))
-        x, y, out = (torch.zeros(4096) for _ in range(3))
-        for block in (256, 512):
-            _as_a_rank_calls_it(triton.knobs.runtime.jit_post_compile_hook, x, y, out, 4096, 0.5, BLOCK=block,
-                                DTYPE=tl.bfloat16)
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = previous
-    kernels = triton_kernels.read(recorded)
+    kernels, _ = _recorded(tmp_path, monkeypatch, *(dict(BLOCK=block, DTYPE=tl.bfloat16) for block in (256, 512)))
+    cache = tmp_path / "cache"
     missing = {**kernels[0], "name": "no_such_kernel"}
     compiled, failures = triton_kernels.warm([*kernels, missing], jobs=2)
     assert compiled == 2 and len(failures) == 1
