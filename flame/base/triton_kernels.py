@@ -186,7 +186,8 @@ def compile_kernel(kernel: dict) -> str | None:
         compile(ASTSource(function, signature, constants, attrs), target=target, options=options.__dict__)
         return None
     except Exception as error:  # one kernel that fails only leaves it to the rank
-        return f"{kernel['module']}.{kernel['name']}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        return f"{kernel['module']}.{kernel['name']}: {type(error).__name__}: {first_line}"
 
 
 def _worker_start(parent: int) -> None:
