@@ -132,6 +132,12 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> list[str]:
             f"--lora.targets {','.join(settings.targets)}: PEFT adapted {len(adapted)} layers where flame resolved "
             f"{len(targets)}; name the layers in full (e.g. model.layers.0.self_attn.q_proj)"
         )
+    for module in adapted_modules(model):
+        # PEFT casts each adapter's input to the adapter's weight dtype: under bf16 autocast that is a float32 copy
+        # of the input (the base's bf16 output), which autocast casts back to bf16 for the adapter's matmul, once per
+        # adapted layer (q, k and v each copy the same input). Left as it comes, the matmul is the same; where no
+        # autocast runs (float32 compute, FSDP's bf16 weights) input and weight already share a dtype
+        module.cast_input_dtype_enabled = False
     wrapped = set(map(id, adapted_modules(model)))
     for module in model.modules():
         # fla's GatedMLP hands down_proj's weight to its fused SwiGLU+Linear kernel, which would skip the adapter

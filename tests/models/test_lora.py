@@ -230,6 +230,29 @@ def test_the_frozen_base_held_in_bf16_trains_the_adapters_as_its_float32_copy_do
         grads.append({name: p.grad.float() for name, p in m.named_parameters() if p.requires_grad})
     for name, grad in grads[1].items():  # within bf16 noise (the bf16 embedding makes a bf16 residual stream)
         assert (grads[0][name] - grad).norm() <= 0.02 * grad.norm(), name
+    # the adapters take their input as it comes (bf16), not a float32 copy that autocast casts back: the same result
+    seen = []
+    hooks = [layer.lora_A["default"].register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].dtype))
+             for layer in lora.adapted_modules(bf16)]
+    bf16.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = bf16(ids, labels=ids).loss
+    loss.backward()
+    assert set(seen) == {torch.bfloat16}
+    copied = {name: p.grad.clone() for name, p in bf16.named_parameters() if p.requires_grad}
+    for layer in lora.adapted_modules(bf16):
+        layer.cast_input_dtype_enabled = True  # PEFT's default
+    bf16.zero_grad()
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        again = bf16(ids, labels=ids).loss
+    again.backward()
+    assert set(seen) == {torch.float32} and torch.equal(again, loss)
+    for name, p in bf16.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, copied[name]), name
+    for hook in hooks:
+        hook.remove()
     dcp.save(lora.checkpoint_weights(bf16), checkpoint_id=str(tmp_path / "step"), no_dist=True)
     restored = lora.checkpoint_weights(f32)
     dcp.load(restored, checkpoint_id=str(tmp_path / "step"), no_dist=True)
