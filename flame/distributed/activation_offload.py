@@ -98,7 +98,6 @@ class InputOffload:
                 torch.cuda.current_stream().wait_event(parked.back)
             self.parked[index] = None  # its host copy goes with it
 
-
     def _copy(self, into: torch.Tensor, source: torch.Tensor):
         """``source`` into ``into``: on a GPU on the copy stream, after what the compute stream has queued (the
         block's last read of its input, or the storage's allocation), with the event of its end; else at once."""

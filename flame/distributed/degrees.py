@@ -2,6 +2,7 @@
 that multiply to the world size, and whether FSDP (with its mixed precision) wraps the processes.
 Errors are ``ConfigError``: one line saying what is wrong and what to change."""
 
+import torch
 from torchtitan.config import JobConfig
 
 from flame.base import device
@@ -92,6 +93,12 @@ def float32_compute(config: JobConfig, world_size: int) -> str | None:
     if not fsdp_enabled(config, world_size) and (p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
         return "tensor/pipeline parallelism without FSDP, where torchtitan applies no mixed precision"
     return None
+
+
+def frozen_weights_dtype(config: JobConfig, world_size: int) -> torch.dtype:
+    """The dtype LoRA's frozen base weights are held in (flame.models.lora.hold_base_in): the compute dtype under
+    mixed precision, where every matmul reads them in it, else float32."""
+    return torch.float32 if float32_compute(config, world_size) else device.compute_dtype(config)
 
 
 def fsdp_alone(config: JobConfig, world_size: int) -> bool:

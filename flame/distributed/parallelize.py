@@ -63,9 +63,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"), job_config)
     if parallel_dims.ep_enabled:  # likewise (flame.distributed.expert_parallel)
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
-    if lora.LoraSettings.of(job_config.lora) is not None and not degrees.float32_compute(job_config,
-                                                                                        parallel_dims.world_size):
-        dtype = device.compute_dtype(job_config)
+    dtype = degrees.frozen_weights_dtype(job_config, parallel_dims.world_size)
+    if lora.LoraSettings.of(job_config.lora) is not None and dtype != torch.float32:
         held = lora.hold_base_in(model, dtype)
         logger.info(f"LoRA: the frozen base's {held:,} weights held in {str(dtype).removeprefix('torch.')}, the "
                     "dtype its matmuls read them in (they have no gradient or optimizer state)")

@@ -23,7 +23,7 @@ from torchtitan.tools.logging import logger
 
 from flame.base import device
 from flame.base.errors import ConfigError
-from flame.distributed.degrees import data_parallel_degree, float32_compute, fsdp_enabled
+from flame.distributed.degrees import data_parallel_degree, fsdp_enabled, frozen_weights_dtype
 from flame.memory import activations
 from flame.memory.estimate import GIB, estimate, gpu_bytes
 from flame.memory.layout import (
@@ -114,7 +114,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     fused = device.CUDA and (config.model.fused_kernels or config.compile.enable) and not is_fla_config(model_config)
     attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
     pipelined = p.pipeline_parallel_degree > 1
-    frozen_bytes = 4 if float32_compute(config, world_size) else dtype_bytes(dtype)
+    frozen_bytes = dtype_bytes(frozen_weights_dtype(config, world_size))
     # torchtitan's AMP: float32 weights, autocast keeps cast copies. LoRA's base held in the compute dtype (its
     # embeddings too, lora.hold_base_in) makes the residual stream that dtype's, and leaves autocast only the
     # adapters (two small matrices a layer) to cast

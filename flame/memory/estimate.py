@@ -51,10 +51,8 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     state = job.optimizer.state_of(job.trainable_params, min(job.matrix_params, job.trainable_params)) / job.weight_shards
     kept = "host (CPU offload)" if layout.offload else "GPU"
     state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
-    parts = [Part("parameters", job.weight_bytes() / job.weight_shards, kept, f"fp32, 1/{job.weight_shards} per rank")]
-    if job.frozen_params:
-        parts[0] = Part("parameters", parts[0].bytes, kept, f"LoRA: the frozen base in {job.frozen_bytes}-byte elements, "
-                                                           f"the adapters in fp32, 1/{job.weight_shards} per rank")
+    held = f"LoRA: the frozen base in {job.frozen_bytes}-byte elements, the adapters in fp32" if job.frozen_params else "fp32"
+    parts = [Part("parameters", job.weight_bytes() / job.weight_shards, kept, f"{held}, 1/{job.weight_shards} per rank")]
     if job.ema:
         parts.append(Part("weights' average", 4 * weights, kept, "fp32, --training.ema_decay"))
     gradients = Part("gradients", 4 * weights, kept, "fp32")

@@ -19,7 +19,7 @@ import torch
 
 from flame.base import device
 from flame.base.errors import ConfigError
-from flame.distributed.degrees import data_parallel_degree, float32_compute, fsdp_enabled
+from flame.distributed.degrees import data_parallel_degree, fsdp_enabled, frozen_weights_dtype
 from flame.memory.estimate import GIB
 from flame.memory.layout import count_params, dtype_bytes
 from flame.models.registry import decoder_layers
@@ -105,7 +105,7 @@ def _check_training_state(config: Any, world_size: int, model: ModelUnderCheck, 
     params, matrices, _ = count_params(model.meta, decoder_layers(model.meta))
     record = optimizer_record(config.optimizer.name)
     if config.lora.rank is not None:  # frozen base weights: no gradients, no optimizer state
-        held = 4 if float32_compute(config, world_size) else dtype_bytes(device.compute_dtype(config))
+        held = dtype_bytes(frozen_weights_dtype(config, world_size))
         per_param, state = float(held), f"{'fp32' if held == 4 else 'compute-dtype'} weights, frozen under LoRA"
     else:
         on_host = device.CUDA and config.optimizer.on_host  # its state then lives on the host
