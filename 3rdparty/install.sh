@@ -6,7 +6,8 @@
 # - torch is installed first (FLAME_TORCH, default torch==2.13.0: the CPU build on machines
 #   that have it locally, the CUDA build from PyPI elsewhere), then 3rdparty/requirements.txt
 #   with torch held to what is installed, mamba_ssm's Triton kernels, on a machine with an NVIDIA GPU
-#   3rdparty/requirements-gpu.txt (TileLang, which fla's Hopper path needs), then flame itself (editable).
+#   3rdparty/requirements-gpu.txt (TileLang, which fla's Hopper path needs), torchao into <venv>/fp8
+#   (3rdparty/requirements-fp8.txt says why apart), then flame itself (editable).
 # - A source checkout placed at 3rdparty/torchtitan or 3rdparty/flash-linear-attention is
 #   installed editable instead of the pinned wheel.
 # - FLAME_PYTHON=/path/to/python skips all of this and uses that interpreter as it is
@@ -29,7 +30,7 @@ for name in torchtitan flash-linear-attention; do
 done
 gpu=no
 if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then gpu=yes; fi
-want=$( (echo "$torch_spec ${checkouts[*]:-} gpu=$gpu"; cat "$root/3rdparty/requirements.txt" "$root/3rdparty/requirements-gpu.txt" \
+want=$( (echo "$torch_spec ${checkouts[*]:-} gpu=$gpu"; cat "$root"/3rdparty/requirements*.txt \
   "$root/3rdparty/install.sh" "$root/pyproject.toml") | sha256sum | cut -c1-16)
 stamp=$venv/.flame-stack
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
@@ -68,6 +69,9 @@ fi
     grep -v '^#' "$root/3rdparty/requirements-gpu.txt" > "$requirements"
     "${pip[@]}" -r "$requirements" -c "$constraints"
   fi
+  # FP8's torchao beside the environment, on the path only of jobs that turn FP8 on (flame.models.float8)
+  grep -v '^#' "$root/3rdparty/requirements-fp8.txt" > "$requirements"
+  "${pip[@]}" --no-deps --upgrade --target "$venv/fp8" -r "$requirements"
   for name in "${checkouts[@]}"; do
     echo "flame: installing 3rdparty/$name (editable source checkout)"
     "${pip[@]}" --no-deps -e "$root/3rdparty/$name"

@@ -271,6 +271,23 @@ class Lora:
 
 
 @dataclass
+class Float8:
+    recipe_name: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
+    """FP8 training of linear layers (torchao's Float8Linear): tensorwise = one scale per tensor (under FSDP the weights are all-gathered in FP8), rowwise = one per row (closer to bf16, costlier casts), rowwise_with_gw_hp = rowwise with the weight gradient in bf16; off = bf16 matmuls. Weights, gradients, optimizer state, checkpoints and exports stay as they are. Needs a GPU of compute capability 8.9+ (H100, L40S); a CPU run emulates the FP8 matmuls (numerics, not speed). MFU keeps counting the matmuls' FLOPs against bf16's peak (docs/float8.md)"""
+    layers: Literal["auto", "all"] = "auto"
+    """auto: time each linear shape of the model on this GPU, forward and backward at the job's tokens per micro-batch, in bf16 and FP8, and convert only the shapes FP8 makes faster (measured once per machine, logged); all: every eligible linear layer (dimensions multiples of 16; never the output head, MoE routers or LoRA adapters)"""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linear layers that stay bf16: comma list of module names or their last parts (o_proj, layers.0.mlp.down_proj)"""
+    enable_fsdp_float8_all_gather: bool = True
+    """tensorwise under FSDP: all-gather the converted layers' weights in FP8 (half of bf16's bytes) instead of casting them after a bf16 all-gather"""
+    precompute_float8_dynamic_scale_for_fsdp: bool = True
+    """With enable_fsdp_float8_all_gather: compute every gathered weight's scale in one pass after each optimizer step (one all-reduce), instead of one per weight in each all-gather"""
+    # the older spelling (ALIASES): true meant tensorwise
+    enable_float8_linear: bool = False
+    """Alias of float8.recipe_name: true = tensorwise, false = off"""
+
+
+@dataclass
 class Validation:
     enable: bool = False
     """Evaluate a fixed validation set every validation.freq steps and after the last step (docs/evaluation.md)"""
@@ -341,6 +358,7 @@ class JobConfig:
     memory: Memory = field(default_factory=Memory)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     lora: Lora = field(default_factory=Lora)
+    float8: Float8 = field(default_factory=Float8)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)

@@ -35,6 +35,7 @@ from flame.config.merge import (
     rename_older_flags,
     reset_dataset_dependents,
     resolve_aliases,
+    take_torchtitan_float8,
     type_mismatch,
 )
 from flame.base.errors import ConfigError
@@ -166,6 +167,8 @@ class FlameConfigManager(ConfigManager):
         environment variables expanded in every path."""
         self.given = dict.fromkeys(self._in_toml, TOML) | dict.fromkeys(self._on_cli, CLI)
         defaults = type(self.config)()
+        if note := take_torchtitan_float8(self.config, defaults):
+            self.notes.append((logging.INFO, note))
         check_unused_fields(self.config, defaults)
         resolve_aliases(self.config, self.given)
         expand_paths(self.config)

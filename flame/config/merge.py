@@ -107,6 +107,41 @@ def resolve_aliases(config: Any, given: dict[str, int]) -> None:
         levels[target] = level  # a second alias of the same field is checked against this one
 
 
+# torchtitan's names of its FP8 converter (0.1 and 0.2): model.converters names it, quantize.linear.float8 holds its settings
+TORCHTITAN_FLOAT8 = ("float8", "quantize.linear.float8")
+_AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's filter_fqns entry for "skip the layers too small to gain"
+
+
+def take_torchtitan_float8(config: Any, defaults: Any) -> str | None:
+    """torchtitan's FP8 setting (model.converters naming its float8 converter, quantize.linear.float8.*) moved onto
+    flame's float8 section, and the torchtitan fields reset; returns a note saying so, None when not given.
+
+    torchtitan converts every eligible layer; its ``auto_filter_small_kn`` entry becomes flame's measured choice
+    (float8.layers auto). Other converters stay for ``check_unused_fields`` to refuse.
+    """
+    converters = list(config.model.converters)
+    if not any(name in TORCHTITAN_FLOAT8 for name in converters):
+        return None
+    theirs = config.quantize.linear.float8
+    if theirs.emulate:
+        raise ConfigError("quantize.linear.float8.emulate: flame emulates the FP8 matmuls on CPUs by itself and runs "
+                          "them natively on GPUs; leave emulate out")
+    recipe = theirs.recipe_name or "tensorwise"
+    mine = config.float8
+    if mine.recipe_name != defaults.float8.recipe_name and mine.recipe_name != recipe:
+        raise ConfigError(f"model.converters turns on torchtitan's float8 ({recipe}) and --float8.recipe_name is "
+                          f"{mine.recipe_name}: they are the same setting; give only --float8.recipe_name")
+    mine.recipe_name = recipe
+    mine.layers = "auto" if _AUTO_FILTER in theirs.filter_fqns else "all"
+    mine.filter_fqns = [*mine.filter_fqns, *(name for name in theirs.filter_fqns if name != _AUTO_FILTER)]
+    mine.enable_fsdp_float8_all_gather = theirs.enable_fsdp_float8_all_gather
+    mine.precompute_float8_dynamic_scale_for_fsdp = theirs.precompute_float8_dynamic_scale_for_fsdp
+    config.model.converters = [name for name in converters if name not in TORCHTITAN_FLOAT8]
+    config.quantize.linear.float8 = defaults.quantize.linear.float8
+    return (f"model.converters' float8 read as --float8.recipe_name {recipe} --float8.layers {mine.layers}"
+            + (f" --float8.filter_fqns {','.join(mine.filter_fqns)}" if mine.filter_fqns else ""))
+
+
 def check_unused_fields(config: Any, defaults: Any) -> None:
     """Refuse a torchtitan field (or any field of a section) flame does not act on, set off its default."""
     for entry, why in UNUSED_TORCHTITAN_FIELDS.items():

@@ -48,6 +48,7 @@ ALIASES: dict[str, str] = {
     "experimental.pipeline_parallel_split_points": "parallelism.pipeline_parallel_split_points",
     "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
     "experimental.context_parallel_degree": "parallelism.context_parallel_degree",
+    "float8.enable_float8_linear": "float8.recipe_name",
 }
 
 
@@ -80,6 +81,7 @@ ALIAS_VALUES: dict[str, Callable[[Any], Any]] = {
     "optimizer.scheduler": _decay_type,
     "optimizer.fused": lambda fused: "fused" if fused else "foreach",
     "metrics.rank_0_only": operator.not_,
+    "float8.enable_float8_linear": lambda enabled: "tensorwise" if enabled else "off",
     "experimental.pipeline_parallel_split_points": _block_indices,
 }
 
@@ -105,7 +107,8 @@ REFUSED_SPELLINGS: dict[str, str] = {
 UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     "model.flavor": "flame builds the model from --model.config",
     "model.hf_assets_path": "use --model.tokenizer_path and --model.config",
-    "model.converters": "float8/mx converters need torchao, which flame does not ship",
+    "model.converters": "flame's one converter is FP8 (--float8.recipe_name; 'float8' and 'quantize.linear.float8' "
+                        "are read as it); MX formats are not part of flame",
     "training.dataset_path": "use --training.dataset (paths are accepted there)",
     "checkpoint.initial_load_in_hf": (
         "start from the HF model with --model.init_from <hf dir> (or convert it first: python -m "
@@ -113,8 +116,9 @@ UNUSED_TORCHTITAN_FIELDS: dict[str, str] = {
     ),
     "checkpoint.initial_load_in_hf_quantized": "flame loads no quantized HF weights; convert a bf16/fp32 HF model",
     "checkpoint.last_save_in_hf": "train.sh exports the last checkpoint to <dump_folder>/hf itself",
-    "model.print_after_conversion": "flame applies no model converters",
-    "quantize": "float8/mx training needs torchao, which flame does not ship",
+    "model.print_after_conversion": "flame logs the layers FP8 converts (--float8.recipe_name)",
+    "quantize": "FP8 is --float8.recipe_name (quantize.linear.float8 is read with model.converters naming it); "
+                "flame has no MX formats or FP8 grouped GEMMs",
     "validation.dataset_path": "use --validation.dataset (paths are accepted there)",
     "validation.dataloader": "flame packs the validation set once, in each rank's main process",
     "fault_tolerance": "torchft is not part of flame's stack",
@@ -153,7 +157,6 @@ class OlderKey:
         return self.unchanged is None or any(type(value) is type(v) and value == v for v in self.unchanged)
 
 
-_FLOAT8 = "float8 training needs torchao, which flame does not ship; leave [float8] out"
 _MX = "mx training needs torchao, which flame does not ship; leave [mx] out"
 _TORCHFT = "torchft is not part of flame's stack; leave it out"
 _COMPILED_AUTOGRAD = "torchtitan 0.2 dropped compiled autograd; --compile.enable compiles each decoder block"
@@ -187,11 +190,13 @@ OLDER_KEYS: dict[str, OlderKey] = {
         unchanged=("none",),
         fix="flame offloads no activations; --activation_checkpoint.mode full (or --memory.plan auto) saves their memory",
     ),
-    "float8.enable_float8_linear": OlderKey(unchanged=(False,), fix=_FLOAT8),
-    **{f"float8.{name}": OlderKey(unchanged=None, fix=_FLOAT8) for name in (
-        "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "force_recompute_fp8_weight_in_bwd",
-        "recipe_name", "filter_fqns", "emulate", "scaling_type_input", "scaling_type_weight", "scaling_type_grad_output",
-    )},
+    "float8.emulate": OlderKey(
+        unchanged=(False,), fix="flame emulates the FP8 matmuls on CPUs by itself and runs them natively on GPUs; leave it out"
+    ),
+    "float8.force_recompute_fp8_weight_in_bwd": OlderKey(unchanged=None, fix="torchao no longer has it; leave it out"),
+    **{f"float8.scaling_type_{name}": OlderKey(
+        unchanged=("dynamic",), fix="torchao dropped delayed scaling: flame scales dynamically; leave it out"
+    ) for name in ("input", "weight", "grad_output")},
     **{f"mx.{name}": OlderKey(unchanged=None, fix=_MX) for name in (
         "use_fp8_dim1_cast_triton_kernel", "recipe_name", "filter_fqns",
     )},

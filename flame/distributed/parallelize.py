@@ -30,7 +30,7 @@ from flame.distributed.activation_offload import offload_inputs
 from flame.distributed.expert_parallel import apply_expert_parallel, expert_shard_placement
 from flame.distributed.tensor_parallel import apply_tensor_parallel
 from flame.base.errors import ConfigError
-from flame.models import lora
+from flame.models import float8, lora
 from flame.models.experts import experts_modules
 from flame.models.registry import decoder_layers
 from flame.models.support import support_for
@@ -68,6 +68,10 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         held = lora.hold_base_in(model, dtype)
         logger.info(f"LoRA: the frozen base's {held:,} weights held in {str(dtype).removeprefix('torch.')}, the "
                     "dtype its matmuls read them in (they have no gradient or optimizer state)")
+    if (fp8 := float8.Float8Settings.of(job_config.float8)) is not None:  # before AC and compile wrap the blocks
+        t = job_config.training
+        tokens = t.local_batch_size * t.seq_len // job_config.parallelism.context_parallel_degree
+        logger.info(float8.convert(model, fp8, tokens, compiled=job_config.compile.enable, fsdp=parallel_dims.fsdp_enabled))
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
     support = support_for(model.config)

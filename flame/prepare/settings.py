@@ -54,6 +54,7 @@ def check(config: Any, given: dict[str, int], world_size: int) -> None:
             raise ConfigError(f"--training.prefetch_factor must be >= 1 (batches per worker), got {loader.prefetch_factor}")
     _check_skipping(t, given)
     _check_lora(config, given)
+    _check_float8(config)
     _check_validation(config, given)
 
 
@@ -193,6 +194,15 @@ def _check_lora(config: Any, given: dict[str, int]) -> None:
             "LoRA's adapter layers take no tensor-parallel plan; shard with FSDP instead "
             "(--parallelism.data_parallel_shard_degree), which LoRA runs under"
         )
+
+
+def _check_float8(config: Any) -> None:
+    """FP8's layouts (flame.models.float8); the GPU's FP8 tensor cores are checked where the model is converted."""
+    tp = config.parallelism.tensor_parallel_degree
+    if config.float8.recipe_name != "off" and tp > 1:
+        raise ConfigError(f"--float8.recipe_name with --parallelism.tensor_parallel_degree {tp}: flame's tensor-parallel "
+                          "plans shard nn.Linear layers, not FP8's; shard with FSDP (data_parallel_shard_degree) instead, "
+                          "or leave --float8.recipe_name off")
 
 
 def _check_validation(config: Any, given: dict[str, int]) -> None:

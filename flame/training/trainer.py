@@ -69,7 +69,7 @@ from flame.distributed.context_parallel import ContextParallel
 from flame.distributed.parallelize import parallelize_model
 from flame.distributed.pipeline import pipeline_model
 from flame.base.dump_folder import ATTEMPTS, next_attempt, record_attempt
-from flame.models import lora, moe
+from flame.models import float8, lora, moe
 from flame.models.builder import AnyFlavor, build_model
 from flame.models.inputs import batch_inputs
 
@@ -123,6 +123,7 @@ class Trainer(TorchtitanTrainer):
             if getattr(self, "validator", None) is not None:
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
         self.updates = UpdateGuard(job_config.training, job_config.optimizer, self.optimizers, self._what_is_saved)
+        self.fp8_scales = float8.gathers_in_fp8(float8.Float8Settings.of(job_config.float8), self.parallel_dims.fsdp_enabled)
         self.checkpointer.before_save = self.updates.settle  # the train state counts the skips of every step
         if self.checkpointer.failures is not None:  # a failed save before the last one says which save tries again
             self.checkpointer.failures.last_step = job_config.training.steps
@@ -319,6 +320,8 @@ class Trainer(TorchtitanTrainer):
         step_loss = torch.stack(losses).sum()
         self.updates.step(self.step, grad_norm, global_loss=lambda: self._reduce_loss(step_loss)[1],
                           targets=global_valid_tokens, before_update=self.checkpointer.maybe_wait_for_staging)
+        if self.fp8_scales:  # the next forward's FSDP all-gathers read them
+            float8.precompute_scales(self.model_parts)
         self.lr_schedulers.step()
         if self.ema is not None:
             self.ema.update()

@@ -1,0 +1,218 @@
+"""FP8 training of linear layers (torchao's Float8Linear), where it is faster than bf16.
+
+    --float8.recipe_name tensorwise [--float8.layers auto|all] [--float8.filter_fqns o_proj,lm_head]
+
+The rule: an FP8 matmul runs at up to twice bf16's rate on Hopper, but each one first scales and
+casts its input, its weight and, in the backward, its output gradient to FP8: passes over memory
+that cost more than they save when the matmul is small (short rows, narrow layers). So with
+``layers auto`` (the default) each distinct linear shape of the model is timed on this GPU, forward
+and backward at the job's tokens per micro-batch, in bf16 and in FP8 (compiled when the blocks
+are), and only the shapes FP8 makes faster are converted (``faster_in_fp8``; measured once per
+machine and cached like the memory plan's rates). ``layers all`` converts every eligible layer.
+
+Eligible: every ``nn.Linear`` whose two dimensions are multiples of 16 (the FP8 GEMM's rule), except
+the output head (flame's fused loss reads its weight directly), MoE routers (their top-k choice
+turns on small differences), LoRA's adapters (rank-wide matmuls) and ``--float8.filter_fqns``.
+
+FP8 lives inside the matmuls only: the weights, gradients and optimizer state keep their dtypes, so
+checkpoints and exports do not change and a run may turn FP8 on or off when it resumes. Under FSDP
+with tensorwise scaling the converted weights are all-gathered in FP8 (half of bf16's bytes), their
+scales computed together after each optimizer step (``precompute_scales``). CPUs have no FP8
+matmul: there the matmuls are emulated (cast to FP8 and back, multiplied in float32), which keeps
+the numerics for tests and says nothing about speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import torch
+from torch import nn
+
+from flame.base import device
+from flame.base.errors import ConfigError
+from flame.base.measured_once import measured_once
+from flame.data.builtin import cache_dir
+from flame.models import moe
+
+OFF = "off"
+FASTER_BY = 0.97  # a shape converts when FP8's step takes at most this share of bf16's (ties stay bf16)
+_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
+
+
+@dataclass(frozen=True)
+class Float8Settings:
+    """The --float8.* settings a model is converted with (``of`` gives None where FP8 is off)."""
+
+    recipe: str
+    layers: str
+    skip: tuple[str, ...]
+    all_gather: bool  # tensorwise under FSDP: weights all-gathered in FP8
+    precompute: bool  # and their scales computed after the optimizer step
+
+    @classmethod
+    def of(cls, float8: Any) -> "Float8Settings | None":
+        if float8.recipe_name == OFF:
+            return None
+        return cls(recipe=float8.recipe_name, layers=float8.layers, skip=tuple(name.strip() for name in float8.filter_fqns),
+                   all_gather=float8.enable_fsdp_float8_all_gather and float8.recipe_name == "tensorwise",
+                   precompute=float8.precompute_float8_dynamic_scale_for_fsdp)
+
+
+def check_device() -> None:
+    """Refuse FP8 on a GPU without FP8 tensor cores (before any model is built); CPUs emulate."""
+    if not device.CUDA:
+        return
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < _MIN_CAPABILITY:
+        raise ConfigError(f"--float8.recipe_name needs FP8 tensor cores (compute capability 8.9+: H100, L40S, RTX 4090); "
+                          f"{torch.cuda.get_device_name()} is {major}.{minor}: leave --float8.recipe_name off")
+
+
+def _torchao_float8():
+    """torchao.float8: from the environment, else from FP8's side folder (3rdparty/requirements-fp8.txt says why it
+    lives apart: FLAME_FP8_PATH, default <environment>/fp8), appended to the path so that it shadows nothing. Its
+    notes about C++ extensions built for other GPUs and torch versions are kept out of the log: it tries them all at
+    import, and the FP8 training path is Python and Triton."""
+    side = os.environ.get("FLAME_FP8_PATH") or os.path.join(sys.prefix, "fp8")
+    if importlib.util.find_spec("torchao") is None and os.path.isdir(side) and side not in sys.path:
+        sys.path.append(side)
+    # torch's pytree warns as torchao registers its enums the older way
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    except ImportError:
+        raise ConfigError(f"--float8.recipe_name needs torchao, found neither in the environment nor in {side}: run "
+                          "bash 3rdparty/install.sh (or pip install torchao==0.18.0)") from None
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return float8
+
+
+def eligible_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
+    """The linear layers FP8 may convert, by name: (in_features, out_features)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    excluded = {id(module) for router in moe.routers(model) for module in router.modules()}
+    eligible = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or module is head or id(module) in excluded:
+            continue  # (PEFT's adapters are lora.Linear; their lora_A/lora_B are plain Linears, named below)
+        if ".lora_A." in f".{name}." or ".lora_B." in f".{name}.":
+            continue
+        if any(name == entry or name.endswith(f".{entry}") for entry in skip):
+            continue
+        if module.in_features % 16 or module.out_features % 16:
+            continue
+        eligible[name] = (module.in_features, module.out_features)
+    return eligible
+
+
+def convert(model: nn.Module, settings: Float8Settings, tokens: int, compiled: bool, fsdp: bool) -> str:
+    """Swap the chosen linear layers of ``model`` (built, not yet sharded) for Float8Linear; returns the log line.
+
+    ``tokens``: rows x tokens a micro-batch, the matmuls' first dimension (what ``layers auto`` times them at).
+    """
+    check_device()
+    float8 = _torchao_float8()
+    eligible = eligible_layers(model, settings.skip)
+    if settings.layers == "auto" and device.CUDA:
+        shapes = faster_in_fp8(sorted(set(eligible.values())), tokens, settings.recipe, compiled)
+        chosen = {name for name, shape in eligible.items() if shape in shapes}
+        why = f"the shapes FP8 ran faster at {tokens:,} tokens on this GPU"
+    else:
+        chosen = set(eligible)
+        why = "every eligible layer" if device.CUDA else "every eligible layer (emulated on the CPU: numerics, not speed)"
+    if not chosen:
+        return f"FP8 ({settings.recipe}): no linear layer converted ({why}: none of {len(eligible)} eligible)"
+    float8.convert_to_float8_training(model, config=torchao_config(settings, fsdp),
+                                      module_filter_fn=lambda module, name: name in chosen)
+    gathered = " (weights all-gathered in FP8)" if settings.all_gather and fsdp else ""
+    return (f"FP8 ({settings.recipe}): {len(chosen)} of {len(eligible)} eligible linear layers{gathered}, {why}; "
+            f"MFU counts their FLOPs at bf16's peak")
+
+
+def torchao_config(settings: Float8Settings, fsdp: bool):
+    config_class = _torchao_float8().Float8LinearConfig
+    if settings.recipe == "tensorwise":
+        config = config_class(enable_fsdp_float8_all_gather=settings.all_gather and fsdp)
+    else:
+        config = config_class.from_recipe_name(settings.recipe)
+    return dataclasses.replace(config, emulate=not device.CUDA)
+
+
+def precompute_scales(model_parts: list[nn.Module]) -> None:
+    """After an optimizer step: every FP8-gathered weight's scale at once, read by FSDP's next all-gathers."""
+    precompute = _torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+    for model in model_parts:
+        precompute(model)
+
+
+def gathers_in_fp8(settings: Float8Settings | None, fsdp: bool) -> bool:
+    """Whether the weights' scales are precomputed after each optimizer step (tensorwise under FSDP)."""
+    return settings is not None and fsdp and settings.all_gather and settings.precompute
+
+
+# ---- layers auto: each shape timed in bf16 and in FP8 on this GPU -------------------------------------------------
+
+@dataclass
+class ShapeTimes:
+    """Milliseconds of one forward and backward per shape: [[in, out, bf16 ms, fp8 ms], ...]."""
+
+    times: list[list[float]]
+
+
+def faster_in_fp8(shapes: list[tuple[int, int]], tokens: int, recipe: str, compiled: bool) -> set[tuple[int, int]]:
+    """The (in, out) shapes whose forward and backward at ``tokens`` rows FP8 runs faster than bf16 on this GPU."""
+    key = json.dumps([torch.cuda.get_device_name(), torch.__version__, metadata.version("torchao"), recipe, compiled,
+                      tokens, shapes])
+    path = cache_dir() / "float8" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    measured = measured_once(path, lambda p: ShapeTimes(**json.loads(p.read_text())),
+                             lambda: ShapeTimes([[*shape, *_time_shape(*shape, tokens, recipe, compiled)]
+                                                 for shape in shapes]))
+    return {(int(k), int(n)) for k, n, bf16, fp8 in measured.times if fp8 <= FASTER_BY * bf16}
+
+
+def _time_shape(in_features: int, out_features: int, tokens: int, recipe: str, compiled: bool) -> tuple[float, float]:
+    """(bf16 ms, FP8 ms): one forward and backward of the layer at ``tokens`` rows, bf16 weights and input, as FSDP
+    runs it; the median of 20 after a warm-up (which compiles)."""
+    settings = Float8Settings(recipe=recipe, layers="all", skip=(), all_gather=False, precompute=False)
+    times = tuple(_time_layer(in_features, out_features, tokens, compiled, settings if fp8 else None)
+                  for fp8 in (False, True))
+    torch.cuda.empty_cache()
+    return times
+
+
+def _time_layer(in_features: int, out_features: int, tokens: int, compiled: bool,
+                fp8: Float8Settings | None) -> float:
+    layer = nn.Sequential(nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16))
+    if fp8 is not None:
+        _torchao_float8().convert_to_float8_training(layer, config=torchao_config(fp8, fsdp=False))
+    run = torch.compile(layer) if compiled else layer
+    rows = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
+    return _median_ms(lambda: run(rows).backward(grad))
+
+
+def _median_ms(step, warmup: int = 3, repeats: int = 20) -> float:
+    for _ in range(warmup):
+        step()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in events)[repeats // 2]

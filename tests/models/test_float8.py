@@ -1,0 +1,128 @@
+"""FP8 training (--float8.recipe_name, flame.models.float8) on CPUs, where torchao emulates the FP8 matmuls (cast to
+FP8 and back, multiplied in float32): which layers convert, a converted layer beside its plain twin, FSDP 2 with the
+weights all-gathered in FP8 against FSDP casting them after a float32 gather, an exact resume, a checkpoint that holds the plain model's weights,
+and the spellings of older flame and torchtitan job files. Speed and the measured choice of layers (--float8.layers
+auto) need an FP8 GPU: tests/gpu/test_float8_gpu.py."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from flame.base.errors import ConfigError
+from flame.models import float8, lora
+from flame.models.lora import LoraSettings
+from flame.prepare import settled
+from tests.conftest import TINY_DECODER, TOKENIZER, check, metrics, train_job
+
+FP8 = ("--float8.recipe_name=tensorwise", "--float8.layers=all")
+GLOBAL_4 = ("--training.global_batch_size=4", "--training.batch_size=2", "--checkpoint.interval=2")
+LOSS = "loss_metrics/global_avg_loss"
+
+
+def meta_model(model_type: str, **extra):
+    config = AutoConfig.for_model(model_type, **{**TINY_DECODER, "vocab_size": 512, **extra})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_the_eligible_layers_leave_out_the_head_the_routers_the_adapters_and_the_filter():
+    llama = meta_model("llama")
+    eligible = float8.eligible_layers(llama)
+    assert len(eligible) == 2 * 7 and "lm_head" not in eligible  # q, k, v, o, gate, up, down a block
+    assert eligible["model.layers.0.self_attn.k_proj"] == (64, 32)  # 2 key/value heads of 16
+    kept = float8.eligible_layers(llama, skip=("o_proj", "model.layers.1.mlp.down_proj"))
+    assert sorted(set(eligible) - set(kept)) == ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj",
+                                                 "model.layers.1.self_attn.o_proj"]
+    moe = meta_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    assert not any("gate" in name and "proj" not in name for name in float8.eligible_layers(moe))  # no router
+    assert any(name.endswith("self_attn.q_proj") for name in float8.eligible_layers(moe))
+    adapted = meta_model("llama")
+    lora.add_adapters(adapted, LoraSettings(rank=16, alpha=32.0, dropout=0.0, targets=("q_proj",)))
+    names = float8.eligible_layers(adapted)
+    assert "model.layers.0.self_attn.q_proj.base_layer" in names  # the frozen base converts, its adapters do not
+    assert not any("lora_" in name for name in names)
+    odd = meta_model("llama", hidden_size=72, intermediate_size=136)  # no multiple of 16
+    assert float8.eligible_layers(odd) == {}
+
+
+def test_converted_layers_compute_what_fp8_rounding_allows_and_learn():
+    """One converted layer against its plain twin: outputs within FP8's rounding (e4m3: 3 mantissa bits), gradients
+    too, and not equal (the cast happened)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    converted = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    converted.load_state_dict(plain.state_dict())
+    settings = float8.Float8Settings(recipe="tensorwise", layers="all", skip=(), all_gather=False, precompute=False)
+    float8._torchao_float8().convert_to_float8_training(converted, config=float8.torchao_config(settings, fsdp=False))
+    assert type(converted[0]).__name__ == "Float8Linear"
+    rows = torch.randn(16, 64)
+    expected, got = plain(rows), converted(rows)
+    assert not torch.equal(expected, got)
+    assert (got - expected).norm() / expected.norm() < 0.1
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    assert (converted[0].weight.grad - plain[0].weight.grad).norm() / plain[0].weight.grad.norm() < 0.1
+
+
+@pytest.mark.background_runs(
+    fp8=train_job(4, *FP8, *GLOBAL_4),
+    fsdp2=train_job(4, *FP8, *GLOBAL_4, nproc=2),
+    fsdp2_cast_after=train_job(4, *FP8, *GLOBAL_4, "--float8.no-enable_fsdp_float8_all_gather", nproc=2),
+)
+def test_fp8_trains_gathers_in_fp8_exactly_and_resumes_exactly(background_runs, tiny_model, corpus, tmp_path):
+    runs = {name: (run, metrics(run.dump)) for name, run in background_runs.items() if check(run.result)}
+    (fp8, one), (fsdp2, two), (_, cast_after) = (runs[name] for name in background_runs)
+    assert "FP8 (tensorwise): 14 of 14 eligible linear layers" in fp8.result.stdout + fp8.result.stderr
+    assert "(weights all-gathered in FP8)" in fsdp2.result.stdout + fsdp2.result.stderr
+    for step in range(1, 5):
+        # FSDP's all-gather of FP8 weights (scaled by the whole weight's amax, precomputed after each update) gives
+        # exactly what casting the gathered float32 weights gives
+        assert (two[step][LOSS], two[step]["grad_norm"]) == (cast_after[step][LOSS], cast_after[step]["grad_norm"])
+        # one process and two ranks: each micro-batch's own FP8 scales, so the curves agree to FP8's rounding
+        assert math.isclose(two[step][LOSS], one[step][LOSS], rel_tol=1e-3), (step, two[step], one[step])
+    assert one[4][LOSS] < one[1][LOSS] - 0.05
+    # the checkpoint holds the plain model's weights, under their names and shapes
+    saved = dcp.FileSystemReader(str(fp8.dump / "checkpoint" / "step-4")).read_metadata().state_dict_metadata
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    weights = {name: tuple(tensor.shape) for name, tensor in plain.state_dict().items()}
+    assert {name: tuple(saved[name].size) for name in weights if name in saved} == weights
+    assert not any("float8" in name or "scale" in name for name in saved)
+    resumed = tmp_path / "resumed"
+    check(train_job(4, *FP8, *GLOBAL_4, f"--checkpoint.initial_load_path={fp8.dump / 'checkpoint' / 'step-2'}",
+                    "--checkpoint.no-initial_load_model_only")(resumed, tiny_model, corpus))
+    again = metrics(resumed)
+    for step in (3, 4):
+        assert again[step][LOSS] == one[step][LOSS] and again[step]["grad_norm"] == one[step]["grad_norm"], step
+
+
+def job(model: str, *flags: str, world: int = 1):
+    return settled([f"--model.config={model}", "--training.dataset=builtin:python-stdlib",
+                    f"--model.tokenizer_path={TOKENIZER}", *flags], world)
+
+
+def test_older_and_torchtitan_spellings_turn_fp8_on(tiny_model, tmp_path):
+    assert job(tiny_model, "--float8.enable_float8_linear").float8.recipe_name == "tensorwise"
+    toml = tmp_path / "torchtitan.toml"
+    toml.write_text('[model]\nconverters = ["quantize.linear.float8"]\n'
+                    '[quantize.linear.float8]\nrecipe_name = "rowwise"\nfilter_fqns = ["output", "auto_filter_small_kn"]\n')
+    config = job(tiny_model, f"--job.config_file={toml}").float8
+    assert (config.recipe_name, config.layers, config.filter_fqns) == ("rowwise", "auto", ["output"])
+    toml.write_text('[model]\nconverters = ["float8"]\n')  # torchtitan 0.1's name, every layer as torchtitan converts
+    config = job(tiny_model, f"--job.config_file={toml}").float8
+    assert (config.recipe_name, config.layers, config.enable_fsdp_float8_all_gather) == ("tensorwise", "all", False)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--float8.recipe_name=tensorwise", "--parallelism.tensor_parallel_degree=2"),
+     r"^--float8.recipe_name with --parallelism.tensor_parallel_degree 2: .*shard with FSDP"),
+    (("--model.converters=float8", "--float8.recipe_name=rowwise"), r"the same setting; give only --float8.recipe_name$"),
+    (("--model.converters=mx",), r"^--model.converters is a torchtitan option flame does not use: .*MX formats"),
+])
+def test_fp8_settings_flame_cannot_run_are_refused_in_one_line(tiny_model, flags, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        job(tiny_model, *flags, world=2)
+    assert "\n" not in str(refused.value)
