@@ -142,6 +142,8 @@ class Training:
 
 @dataclass
 class Parallelism:
+    fsdp_one_rank: bool = False
+    """One process: wrap the model in FSDP over a one-rank mesh all the same, for FSDP's mixed precision: each block's weights cast to bf16 as it runs and a bf16 residual stream, where torchtitan's autocast keeps a bf16 copy of every weight all step and a float32 residual stream (the elementwise ops between the matmuls move twice the bytes). Several processes shard with FSDP anyway"""
     pipeline_parallel_split_points: str = ""
     """Comma list: the index of the first decoder block of every pipeline stage after the first (e.g. 4,8,12). Empty = a balanced split (see pipeline_parallel_{first,last}_stage_less_layers)"""
 

@@ -103,13 +103,15 @@ def frozen_weights_dtype(config: JobConfig, world_size: int) -> torch.dtype:
 
 def fsdp_alone(config: JobConfig, world_size: int) -> bool:
     """One process that flame wraps in FSDP over a one-rank mesh (flame.distributed.parallelize): to offload
-    it (FSDP2's CPUOffloadPolicy is the offload), or to step its optimizer on the host (--optimizer.on_host).
+    it (FSDP2's CPUOffloadPolicy is the offload), to step its optimizer on the host (--optimizer.on_host), or
+    because --parallelism.fsdp_one_rank asks for FSDP's mixed precision.
 
     Why the second: such a job is one too large for its GPU, and FSDP's mixed precision casts each
     block's weights to bf16 as it runs, where autocast keeps a bf16 copy of every weight all step and
     a float32 residual stream (for a 7B, twice the checkpointed block inputs: docs/perf-log.md).
     """
-    return world_size == 1 and (config.training.enable_cpu_offload or config.optimizer.on_host)
+    p = config.parallelism
+    return world_size == 1 and (config.training.enable_cpu_offload or config.optimizer.on_host or p.fsdp_one_rank)
 
 
 def check_fsdp_options(config: JobConfig, world_size: int) -> None:
@@ -119,6 +121,9 @@ def check_fsdp_options(config: JobConfig, world_size: int) -> None:
         return
     without = "DDP" if p.data_parallel_replicate_degree > 1 else "a run without data-parallel sharding"
     fix = "shard the weights with --parallelism.data_parallel_shard_degree > 1"
+    if p.fsdp_one_rank:
+        raise ConfigError(f"--parallelism.fsdp_one_rank wraps one process in FSDP, but this is {without} over {world_size} "
+                          f"processes: {fix}, or leave it off")
     if config.training.enable_cpu_offload:
         raise ConfigError(
             f"--training.enable_cpu_offload offloads FSDP-sharded weights (or one process's), but this is {without} "

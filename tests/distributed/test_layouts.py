@@ -36,6 +36,7 @@ DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_pa
 # name: (processes, flags); every layout reads 4 rows of 64 tokens per step
 LAYOUTS = {
     "single": (1, ["--training.batch_size=4"]),
+    "fsdp_one_rank": (1, ["--training.batch_size=4", "--parallelism.fsdp_one_rank"]),  # FSDP's mixed precision alone
     "ddp2": (2, ["--training.batch_size=2", *DDP2]),
     # DDP reduces the accumulated gradient at every micro-batch: it must still count each one once
     "ddp2_accumulated": (2, ["--training.batch_size=1", "--training.gradient_accumulation_steps=2", *DDP2]),
@@ -105,6 +106,7 @@ def test_every_data_parallel_layout_trains_the_single_process_curve(runs):
     assert "Applied DDP over 2 ranks" in runs["ddp2"][1]
     assert "Applied FSDP2" not in runs["ddp2"][1]
     assert "Applied FSDP2 over 2 ranks (fsdp 2)" in runs["fsdp2"][1]
+    assert "Applied FSDP2 over 1 ranks (fsdp 1)" in runs["fsdp_one_rank"][1]
     assert "Applied FSDP2 over 4 ranks (dp_replicate 2 x fsdp 2)" in runs["hsdp2x2"][1]
 
 
@@ -206,6 +208,9 @@ def test_cpu_offload_needs_fsdp_or_one_process(job_args, monkeypatch):
     alone = parse_job(monkeypatch, 1, *job_args, "--training.enable_cpu_offload")  # FSDP over this one process
     assert degrees.fsdp_enabled(alone, 1) and not degrees.fsdp_enabled(
         parse_job(monkeypatch, 1, *job_args), 1)
+    assert degrees.fsdp_enabled(parse_job(monkeypatch, 1, *job_args, "--parallelism.fsdp_one_rank"), 1)
+    with pytest.raises(ConfigError, match="^--parallelism.fsdp_one_rank wraps one process in FSDP, but this is DDP over 2"):
+        parse_job(monkeypatch, 2, *job_args, "--parallelism.fsdp_one_rank", "--parallelism.data_parallel_replicate_degree=2")
 
 
 def test_shard_degree_minus_one_takes_the_remaining_processes(job_args, monkeypatch):
