@@ -10,7 +10,9 @@ For each config, four launches of the same job (2 steps, every step logged):
 Each prints the seconds from launch to "Training starts" and to step 1, and what the ranks
 spent compiling Triton kernels and benchmarking autotune configurations (a sitecustomize probe
 in the ranks: Triton's compilation listener and its autotuner's disk-cache check). At the end
-the cold run's choices are collected into flame/base/autotune_choices/ (python -m flame.base.autotune).
+the cold run's choices are collected into flame/base/autotune_choices/ (python -m flame.base.autotune), and the
+Triton kernels it compiled (recorded under FLAME_RECORD_KERNELS) into the list the launcher compiles ahead of step 1
+on later machines (python -m flame.base.triton_kernels collect).
 """
 
 import argparse
@@ -119,6 +121,7 @@ def main() -> int:
         stem = Path(config).stem
         caches = {phase: (args.work / stem / f"triton-{phase}", args.work / stem / f"inductor-{phase}")
                   for phase in ("cold", "shipped")}
+        (args.work / stem / "kernels-cold.jsonl").unlink(missing_ok=True)  # a record appends
         for triton, inductor in caches.values():
             shutil.rmtree(triton, ignore_errors=True)
             shutil.rmtree(inductor, ignore_errors=True)
@@ -131,6 +134,8 @@ def main() -> int:
                     (triton / choice.parent.name).mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(choice, triton / choice.parent.name / choice.name)
             env = base | {"TRITON_CACHE_DIR": str(triton), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+            if phase == "cold":
+                env["FLAME_RECORD_KERNELS"] = str(args.work / stem / "kernels-cold.jsonl")
             dump = ["--job.dump_folder", str(args.work / stem / f"dump-{phase}")]
             shutil.rmtree(args.work / stem / f"dump-{phase}", ignore_errors=True)
             if phase == "bare":
@@ -144,6 +149,9 @@ def main() -> int:
         if "cold" in args.phases:
             subprocess.run([sys.executable, "-m", "flame.base.autotune", "collect", "--cache", str(caches["cold"][0])],
                            cwd=ROOT, env=base, check=False)
+            if (recorded := args.work / stem / "kernels-cold.jsonl").exists():
+                subprocess.run([sys.executable, "-m", "flame.base.triton_kernels", "collect", str(recorded)], cwd=ROOT,
+                               env=base, check=False)
     (args.work / "startup.json").write_text(json.dumps(results, indent=1))
     print(f"{'config':<20} {'phase':<8} {'starts':>7} {'step 1':>7} {'compiled':>9} {'compile s':>9} "
           f"{'autotuned':>9} {'tune s':>7}")
