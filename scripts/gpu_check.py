@@ -128,7 +128,8 @@ SUITES = {
     "peers": Suite(
         "one GPU: flame against torchtitan's own llama3 trainer at the same sizes (its varlen attention, "
         "block-causal masks) and the plain PyTorch loop, on the builtin corpus in one varlen row per step, eager "
-        "and compiled; 1B: --configs configs/llama_1B.json configs/transformer_1B.json --tokens 16384; "
+        "and compiled, and flame compiled with FP8 (llama; against torchtitan compiled); 1B: --configs "
+        "configs/llama_1B.json configs/transformer_1B.json --tokens 16384; "
         "plain-compiled runs on request (--only)",
         report="peers",
         per_config=(
@@ -136,6 +137,8 @@ SUITES = {
             Command("torchtitan-compiled", (*PEER, "--compile"), only=TORCHTITAN_TWINS, compiled=True),
             Run("flame", 1),
             Run("flame-compiled", 1, (COMPILE_FLAG,)),
+            # FP8 linear layers where this GPU runs them faster (flame.models.float8), against torchtitan's compiled bf16
+            Run("flame-fp8", 1, (COMPILE_FLAG, "--float8.recipe_name", "tensorwise"), only=TORCHTITAN_TWINS),
             Command("plain", PLAIN),
             Command("plain-compiled", (*PLAIN, "--compile"), compiled=True, on_request=True),
         ),

@@ -243,15 +243,16 @@ def percent(share: float | None) -> str:
 def peers(results: list[Result], work: Path, baseline: str | None = None) -> list[str]:
     """One table: per config and mode, torchtitan's own trainer, flame and the plain loop side by side.
 
-    Items are named <side>[-compiled]. A config without torchtitan runs of its own (an fla
+    Items are named <side>[-compiled|-fp8] (fp8: flame compiled with FP8 linear layers, against torchtitan's
+    compiled bf16 run). A config without torchtitan runs of its own (an fla
     transformer) is compared with the torchtitan run of the config with its parameter count
     and tokens per step (the llama of its size), named under the table.
     """
     found: dict[tuple[str, str], dict[str, dict]] = {}  # (config, mode) -> side -> measurement
     tokens = {}
     for result in results:
-        side, _, compiled = result.step.item.partition("-")
-        key = (result.step.config, "compiled" if compiled else "eager")
+        side, _, mode = result.step.item.partition("-")
+        key = (result.step.config, mode or "eager")
         found.setdefault(key, {})[side] = peer_measurement(result, side, work)
         tokens[key] = tokens_per_step(result.step)
     header = (f"{'model':18s} {'tokens':>7s} {'mode':8s} {'params tt':>13s} {'params flame':>13s} {'tok/s tt':>9s} "
@@ -264,7 +265,8 @@ def peers(results: list[Result], work: Path, baseline: str | None = None) -> lis
         # the config's parameter count, from whichever of its runs finished (both modes build the same model)
         params = next((m["params"] for (c, _), other in found.items() if c == config for side, m in other.items()
                        if side != "torchtitan" and m.get("params")), None)
-        peer = sides.get("torchtitan")
+        # flame's FP8 runs (compiled) beside torchtitan's compiled bf16: the speed FP8 adds over the peer
+        peer = found.get((config, "compiled"), {}).get("torchtitan") if mode == "fp8" else sides.get("torchtitan")
         if peer is None:  # no torchtitan run of its own: the one of its size
             twins = [c for (c, m), other in found.items() if m == mode and tokens[(c, m)] == tokens[(config, mode)]
                      and other.get("torchtitan") and other["torchtitan"]["params"] == params]

@@ -177,13 +177,16 @@ def test_the_peers_suite_times_the_same_window_on_every_side():
     steps = gpu_check.plan("peers", gpu_check.parse_args(["--suite", "peers"]))
     assert [s.name for s in steps] == [
         "llama_340M-torchtitan", "llama_340M-torchtitan-compiled", "llama_340M-flame", "llama_340M-flame-compiled",
-        "llama_340M-plain", "transformer_340M-flame", "transformer_340M-flame-compiled", "transformer_340M-plain"]
+        "llama_340M-flame-fp8", "llama_340M-plain", "transformer_340M-flame", "transformer_340M-flame-compiled",
+        "transformer_340M-plain"]
     for step in steps:  # 20 steps of one 32K row, timed over steps 11-20
         argv = " ".join([*step.common, *step.argv])
         assert re.search(r"(--training.seq_len|--tokens|--seq) 32768", argv), argv
         assert re.search(r"--training.steps 20 .*--metrics.log_freq 10|--steps 20 --log-freq 10|--warmup 10 --steps 10",
                          argv), argv
-        assert ("--compile" in step.argv or "--training.compile" in step.argv) == step.name.endswith("-compiled")
+        compiled = step.name.endswith(("-compiled", "-fp8"))
+        assert ("--compile" in step.argv or "--training.compile" in step.argv) == compiled, step.name
+        assert ("--float8.recipe_name" in step.argv) == step.name.endswith("-fp8"), step.name
     billion = gpu_check.parse_args(["--suite", "peers", "--configs", "configs/llama_1B.json",
                                     "configs/transformer_1B.json", "--tokens", "16384", "--no-compile"])
     assert [s.name for s in gpu_check.plan("peers", billion)] == [
@@ -255,18 +258,19 @@ def test_the_peers_table_sets_the_three_sides_side_by_side(tmp_path):
     results = [step(llama, "torchtitan", log=torchtitan_log(100_000)),
                step(llama, "torchtitan-compiled", log=torchtitan_log(140_000)),
                step(llama, "flame", log=size, flame_tps=90_000), step(llama, "flame-compiled", log=size, flame_tps=150_000),
-               step(llama, "plain", log=plain),
+               step(llama, "flame-fp8", log=size, flame_tps=170_000), step(llama, "plain", log=plain),
                step(transformer, "flame", log=size, flame_tps=145_000), step(transformer, "flame-compiled", status=124),
                step(transformer, "plain", log=plain)]
     table = reports.peers(results, tmp_path)
-    rows = {tuple(line.split()[:3]): line.split()[3:] for line in table[1:5]}
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in table[1:6]}
     assert rows[("llama_340M", "32,768", "eager")] == [
         "373,867,520", "373,867,520", "100,000", "90,000", "100,000", "0.90", "0.90", "30.0", "40.1", "35.5", "50.9"]
     assert rows[("llama_340M", "32,768", "compiled")][2:6] == ["140,000", "150,000", "-", "1.07"]
+    assert rows[("llama_340M", "32,768", "fp8")][2:6] == ["140,000", "170,000", "-", "1.21"]  # against tt compiled
     # the fla transformer is compared with the llama of its size; its compiled run stopped, so no figures of its own
     assert rows[("transformer_340M", "32,768", "eager")][2:6] == ["100,000", "145,000", "100,000", "1.45"]
     assert rows[("transformer_340M", "32,768", "compiled")][2:4] == ["140,000", "-"]
-    notes = "\n".join(table[5:])
+    notes = "\n".join(table[6:])
     assert "transformer_340M eager: torchtitan's columns are llama_340M's run" in notes
     assert "transformer_340M-flame-compiled: stopped at its limit" in notes and "WARNING" not in notes
 
