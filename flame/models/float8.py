@@ -109,8 +109,8 @@ def eligible_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, t
     eligible = {}
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or module is head or id(module) in excluded:
-            continue  # (PEFT's adapters are lora.Linear; their lora_A/lora_B are plain Linears, named below)
-        if ".lora_A." in f".{name}." or ".lora_B." in f".{name}.":
+            continue
+        if ".lora_A." in f".{name}." or ".lora_B." in f".{name}.":  # PEFT's adapters: plain Linears of rank width
             continue
         if any(name == entry or name.endswith(f".{entry}") for entry in skip):
             continue
