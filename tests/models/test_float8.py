@@ -4,7 +4,6 @@ weights all-gathered in FP8 against FSDP casting them after a float32 gather and
 resume, a checkpoint that holds the plain model's weights, and the spellings of older flame and torchtitan job files.
 Speed and the measured choice of layers (--float8.layers auto) need an FP8 GPU: tests/gpu/test_float8_gpu.py."""
 
-import math
 
 import pytest
 import torch
