@@ -200,7 +200,11 @@ def _time_layer(in_features: int, out_features: int, tokens: int, compiled: bool
     layer = nn.Sequential(nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16))
     if fp8 is not None:
         _torchao_float8().convert_to_float8_training(layer, config=torchao_config(fp8, fsdp=False))
-    run = torch.compile(layer) if compiled else layer
+    if compiled:
+        # each layer is a new module for one code object (Sequential.forward): past dynamo's recompile limit (8) the
+        # rest would run eager and be timed so. The probe runs before the model's blocks are compiled: nothing to lose
+        torch._dynamo.reset()
+    run = torch.compile(layer, dynamic=False) if compiled else layer
     rows = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
     return _median_ms(lambda: run(rows).backward(grad))
