@@ -110,6 +110,7 @@ def resolve_aliases(config: Any, given: dict[str, int]) -> None:
 # torchtitan's names of its FP8 converter (0.1 and 0.2): model.converters names it, quantize.linear.float8 holds its settings
 TORCHTITAN_FLOAT8 = ("float8", "quantize.linear.float8")
 _AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's filter_fqns entry for "skip the layers too small to gain"
+_TORCHTITAN_HEAD = "output"  # torchtitan's name of the output head, which flame never converts
 
 
 def take_torchtitan_float8(config: Any, defaults: Any) -> str | None:
@@ -117,7 +118,8 @@ def take_torchtitan_float8(config: Any, defaults: Any) -> str | None:
     flame's float8 section, and the torchtitan fields reset; returns a note saying so, None when not given.
 
     torchtitan converts every eligible layer; its ``auto_filter_small_kn`` entry becomes flame's measured choice
-    (float8.layers auto). Other converters stay for ``check_unused_fields`` to refuse.
+    (float8.layers auto), and its ``output`` entry (its models' head) is dropped: flame never converts the head. Other
+    converters stay for ``check_unused_fields`` to refuse.
     """
     converters = list(config.model.converters)
     if not any(name in TORCHTITAN_FLOAT8 for name in converters):
@@ -133,7 +135,8 @@ def take_torchtitan_float8(config: Any, defaults: Any) -> str | None:
                           f"{mine.recipe_name}: they are the same setting; give only --float8.recipe_name")
     mine.recipe_name = recipe
     mine.layers = "auto" if _AUTO_FILTER in theirs.filter_fqns else "all"
-    mine.filter_fqns = [*mine.filter_fqns, *(name for name in theirs.filter_fqns if name != _AUTO_FILTER)]
+    mine.filter_fqns = [*mine.filter_fqns, *(name for name in theirs.filter_fqns
+                                             if name not in (_AUTO_FILTER, _TORCHTITAN_HEAD))]
     mine.enable_fsdp_float8_all_gather = theirs.enable_fsdp_float8_all_gather
     mine.precompute_float8_dynamic_scale_for_fsdp = theirs.precompute_float8_dynamic_scale_for_fsdp
     config.model.converters = [name for name in converters if name not in TORCHTITAN_FLOAT8]

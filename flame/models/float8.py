@@ -43,6 +43,7 @@ from flame.base.errors import ConfigError
 from flame.base.measured_once import measured_once
 from flame.data.builtin import cache_dir
 from flame.models import moe
+from flame.models.registry import layer_kinds, names_layer
 
 OFF = "off"
 FASTER_BY = 0.97  # a shape converts when FP8's step takes at most this share of bf16's (ties stay bf16)
@@ -103,16 +104,21 @@ def _torchao_float8():
 
 
 def eligible_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
-    """The linear layers FP8 may convert, by name: (in_features, out_features)."""
+    """The linear layers FP8 may convert, by name: (in_features, out_features). ConfigError for a ``skip`` entry
+    (--float8.filter_fqns) that names no linear layer: a misspelt name would leave the layer in FP8 unnoticed."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     excluded = {id(module) for router in moe.routers(model) for module in router.modules()}
+    linear = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
+    for entry in skip:
+        if not any(names_layer(name, entry) for name in linear):
+            raise ConfigError(f"--float8.filter_fqns {entry} names no linear layer of {model.config.model_type}; its "
+                              f"linear layers are {', '.join(layer_kinds(model, list(linear)))}: name some of them (or "
+                              "their last parts)")
     eligible = {}
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear or module is head or id(module) in excluded:
+    for name, module in linear.items():
+        if module is head or id(module) in excluded or any(names_layer(name, entry) for entry in skip):
             continue
         if ".lora_A." in f".{name}." or ".lora_B." in f".{name}.":  # PEFT's adapters: plain Linears of rank width
-            continue
-        if any(name == entry or name.endswith(f".{entry}") for entry in skip):
             continue
         if module.in_features % 16 or module.out_features % 16:
             continue

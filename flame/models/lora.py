@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from transformers.pytorch_utils import Conv1D
 
 from flame.base.errors import ConfigError
-from flame.models.registry import decoder_layers
+from flame.models.registry import layer_kinds, names_layer
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 ALL_LINEAR = "all-linear"
@@ -87,14 +87,6 @@ def linear_layers(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if _is_linear(module) and module is not head]
 
 
-def _layer_kinds(model: nn.Module, names: list[str]) -> list[str]:
-    """The names as a block calls them ('self_attn.q_proj'), each once: what --lora.targets can give."""
-    stack = decoder_layers(model)
-    prefix = next(name for name, module in model.named_modules() if module is stack)
-    pattern = re.compile(rf"^{re.escape(prefix)}\.\d+\.")
-    return list(dict.fromkeys(pattern.sub("", name) for name in names))
-
-
 def resolve_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
     """The layers ``settings.targets`` names (PEFT's rule: a name, or its last parts); ConfigError when an entry names none."""
     layers = linear_layers(model)
@@ -102,17 +94,17 @@ def resolve_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
         return layers
     chosen: list[str] = []
     for entry in settings.targets:
-        matched = [name for name in layers if name == entry or name.endswith("." + entry)]
+        matched = [name for name in layers if names_layer(name, entry)]
         if not matched:
             head = next((name for name, module in model.named_modules() if module is model.get_output_embeddings()), None)
-            if head is not None and (head == entry or head.endswith("." + entry)):
+            if head is not None and names_layer(head, entry):
                 raise ConfigError(
                     f"--lora.targets {entry}: flame puts adapters on the linear layers of the model body, not on the "
                     "output head (flame's fused loss reads the head's weight directly); leave it out"
                 )
             raise ConfigError(
                 f"--lora.targets {entry} matches no linear layer of {model.config.model_type}; its linear layers are "
-                f"{', '.join(_layer_kinds(model, layers))}: name some of them (or their last parts), or use all-linear"
+                f"{', '.join(layer_kinds(model, layers))}: name some of them (or their last parts), or use all-linear"
             )
         chosen.extend(name for name in matched if name not in chosen)
     return chosen
@@ -203,7 +195,7 @@ def describe(model: nn.Module, settings: LoraSettings) -> str:
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     layers = adapted_layers(model)
-    kinds = ", ".join(_layer_kinds(model, layers))
+    kinds = ", ".join(layer_kinds(model, layers))
     return (
         f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%): rank "
         f"{settings.rank} adapters (alpha {settings.alpha:g}, dropout {settings.dropout:g}) on {len(layers)} layers ({kinds}); "

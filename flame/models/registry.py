@@ -99,3 +99,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not stacks:
         raise ConfigError(f"{type(model).__name__} keeps no blocks in an nn.ModuleList; flame cannot shard it")
     return max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
+
+
+def names_layer(name: str, entry: str) -> bool:
+    """Whether a layer list's ``entry`` (--lora.targets, --float8.filter_fqns) names the module ``name``: the name
+    itself or its last parts ('o_proj', 'mlp.down_proj', 'model.layers.0.mlp.down_proj'), PEFT's rule."""
+    return name == entry or name.endswith("." + entry)
+
+
+def layer_kinds(model: nn.Module, names: list[str]) -> list[str]:
+    """The names as a block calls them ('self_attn.q_proj'), each once: what such a list can give."""
+    stack = decoder_layers(model)
+    prefix = next(name for name, module in model.named_modules() if module is stack)
+    pattern = re.compile(rf"^{re.escape(prefix)}\.\d+\.")
+    return list(dict.fromkeys(pattern.sub("", name) for name in names))

@@ -25,7 +25,7 @@ from flame.distributed.degrees import float32_compute
 from flame.distributed.pipeline import check_pipeline_parallel
 from flame.distributed.expert_parallel import check_expert_parallel
 from flame.distributed.tensor_parallel import check_tensor_parallel
-from flame.models import init_from, lora, moe
+from flame.models import float8, init_from, lora, moe
 from flame.models.inputs import keeps_rows_whole
 from flame.models.model_config import load_model_config
 from flame.models.registry import meta_model
@@ -157,6 +157,8 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
         lora.resolve_targets(model.meta, adapters)  # each entry names some layer
     elif job_config.optimizer.param_groups:  # (under LoRA only the adapters train: judged on the built model)
         check_rules_select(model.meta, job_config.optimizer.param_groups)
+    if (fp8 := float8.Float8Settings.of(job_config.float8)) is not None:
+        float8.eligible_layers(model.meta, fp8.skip)  # each --float8.filter_fqns entry names some layer
 
 
 def check_checkpointed_blocks(config: PretrainedConfig, ac) -> None:

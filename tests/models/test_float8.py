@@ -45,6 +45,9 @@ def test_the_eligible_layers_leave_out_the_head_the_routers_the_adapters_and_the
     names = float8.eligible_layers(adapted)
     assert "model.layers.0.self_attn.q_proj.base_layer" in names  # the frozen base converts, its adapters do not
     assert not any("lora_" in name for name in names)
+    with pytest.raises(ConfigError, match=r"^--float8.filter_fqns o_prj names no linear layer of llama; its linear "
+                                          r"layers are self_attn.q_proj, .*mlp.down_proj, lm_head: name some"):
+        float8.eligible_layers(llama, skip=("o_prj",))
     odd = meta_model("llama", hidden_size=72, intermediate_size=136)  # no multiple of 16
     assert float8.eligible_layers(odd) == {}
 
@@ -111,7 +114,7 @@ def test_older_and_torchtitan_spellings_turn_fp8_on(tiny_model, tmp_path):
     toml.write_text('[model]\nconverters = ["quantize.linear.float8"]\n'
                     '[quantize.linear.float8]\nrecipe_name = "rowwise"\nfilter_fqns = ["output", "auto_filter_small_kn"]\n')
     config = job(tiny_model, f"--job.config_file={toml}").float8
-    assert (config.recipe_name, config.layers, config.filter_fqns) == ("rowwise", "auto", ["output"])
+    assert (config.recipe_name, config.layers, config.filter_fqns) == ("rowwise", "auto", [])  # output: their head
     toml.write_text('[model]\nconverters = ["float8"]\n')  # torchtitan 0.1's name, every layer as torchtitan converts
     config = job(tiny_model, f"--job.config_file={toml}").float8
     assert (config.recipe_name, config.layers, config.enable_fsdp_float8_all_gather) == ("tensorwise", "all", False)
