@@ -95,6 +95,11 @@ class FlameMetricsProcessor(MetricsProcessor):
         # the memory plan's estimate, logged beside the measured peak of the first logged step after step 1
         self.planned_gib: float | None = None
 
+    def should_log(self, step: int) -> bool:
+        """torchtitan's steps (1 and every log_freq), and the run's last step: its loss, the curves and the run's
+        summary end where the training ended, not at the last multiple of log_freq before it."""
+        return super().should_log(step) or step == self.total_steps
+
     def describe_mfu(self) -> str:
         peak = f"{self.gpu_peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.gpu_peak_flops else "no peak on CPU"
         return (

@@ -73,6 +73,7 @@ def test_each_subcommand_does_its_work_from_outside_a_checkout(installed, elsewh
     assert trained.returncode == 0, trained.stderr[-3000:]
     # the shipped configs resolve from here, and the run ends with its summary
     assert "flame: done: step 4, loss " in trained.stdout, trained.stdout[-2000:]
+    assert "logged at step" not in trained.stdout  # the last step is logged whatever log_freq (20 here) says
     assert f"HF model:   {dump / 'hf'}" in trained.stdout and "flame eval --model" in trained.stdout
     assert "Traceback" not in trained.stdout + trained.stderr
     again = flame(installed, elsewhere, "train", "--job.config_file", "configs/debug.toml", "--training.steps", "4",
