@@ -100,19 +100,24 @@ def test_sbatch_runs_train_sh_once_per_node_with_one_rendezvous(tmp_path, tiny_m
     assert not (tmp_path / "dump").exists(), "a dry run starts nothing"
 
 
-def test_sbatch_stops_the_step_with_a_checkpoint_on_usr1_then_requeues_the_job(tmp_path):
+@pytest.mark.parametrize("signalled", ["while_the_step_runs", "as_the_step_starts"])
+def test_sbatch_stops_the_step_with_a_checkpoint_on_usr1_then_requeues_the_job(tmp_path, signalled):
     env = fake_slurm(tmp_path, "wait")
     script = subprocess.Popen(["bash", str(SBATCH), "--training.steps=1"], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         pid_file, calls = tmp_path / "srun.pid", tmp_path / "scontrol.calls"
-        deadline = time.monotonic() + 90
-        while not pid_file.is_file() or not pid_file.read_text().strip():  # trap set, step running
-            assert time.monotonic() < deadline and script.poll() is None
-            time.sleep(0.05)
+        if signalled == "as_the_step_starts":  # the trap is set; the step's pid may not be known yet
+            first_line = script.stdout.readline()
+            assert first_line.startswith("flame: job 4242, attempt 1"), first_line
+        else:
+            deadline = time.monotonic() + 90
+            while not pid_file.is_file() or not pid_file.read_text().strip():  # trap set, step running
+                assert time.monotonic() < deadline and script.poll() is None
+                time.sleep(0.05)
         script.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends before the time limit
         # the step gets SIGTERM (train.sh's run saves its step and ends: docs/running.md), then the job is requeued
-        output, _ = script.communicate(timeout=90)
+        output, _ = script.communicate(timeout=30)  # not the fake step's 60 s sleep
         assert script.returncode == 128 + signal.SIGTERM  # the step's status: the fake step dies of the SIGTERM
         assert calls.read_text().splitlines() == ["requeue 4242"]
         assert "time limit near: saving the current step, then requeueing job 4242" in output
