@@ -107,6 +107,8 @@ def failure_line(error: BaseException, logs: str, rank: str) -> str:
 
 
 _SOURCE_PLACE = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\]\s*")  # "[/path/gloo/.../unbound_buffer.cc:78] " in C++ errors
+# how gloo and NCCL report a peer whose process ended (killed, out of memory, its node or its launcher lost)
+_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|ncclRemoteError")
 _WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (is killed by signal: [^.]+|exited unexpectedly)")
 
 
@@ -120,6 +122,11 @@ def _what_failed(error: BaseException) -> str:
                 "worker killed by SIGKILL was usually ended by the host's out-of-memory killer (give the run more host "
                 "memory, or fewer --training.num_workers); run the same command again to resume from the last "
                 "checkpoint")
+    if _PEER_LOST.search(words):
+        words = words.split(". This is typically caused")[0]  # gloo's advice that follows is the line below
+        return (f"its connection to another rank broke ({words}): that rank's process ended. On one node the "
+                "launcher's line names it; on several, the node whose train.sh failed first says why in its own "
+                "output. Run the same command again on every node to resume from the last checkpoint")
     if "timed out" in words.lower() or "timeout" in type(error).__name__.lower():
         return (f"a collective timed out ({words}): a rank never joined it (the launcher's line names it where it can), "
                 "or the step is slower than --comm.train_timeout_seconds allows")

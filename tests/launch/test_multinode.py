@@ -1,18 +1,22 @@
 """Several nodes: train.sh's c10d rendezvous, the Slurm launcher, and what nodes share on disk."""
 
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from flame.checkpoint.steps import complete_steps
 from flame.data import builtin
 from flame.launch.slurm import expand_nodelist, job_port, node_settings
+from scripts.chaos.runs import descendants, leftovers
 from tests.conftest import ROOT, SCRIPTS, base_args, check, flame_env, losses, torchrun
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -31,35 +35,68 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_two_nodes_over_loopback_match_one_node_with_two_processes(tmp_path, tiny_model, corpus):
-    nodes_dump, single_dump = tmp_path / "nodes", tmp_path / "single"
-    env = clean_env(NNODE="2", NGPU="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    command = ["bash", str(ROOT / "train.sh"), *base_args(tiny_model, corpus, nodes_dump, steps=4)]
-    logs = {rank: tmp_path / f"node{rank}.out" for rank in (1, 0)}  # files: nothing blocks on a full pipe meanwhile
-    nodes = []
+def start_nodes(command: list[str], env: dict[str, str], logs: dict[int, Path]) -> dict[int, subprocess.Popen]:
+    """train.sh once per node (node rank -> process), each in a session of its own, its output in its log file
+    (a file: nothing blocks on a full pipe meanwhile)."""
+    nodes = {}
     for rank, log in logs.items():
         with open(log, "w") as out:
-            nodes.append(subprocess.Popen(command, cwd=ROOT, env=env | {"NODE_RANK": str(rank)}, stdout=out,
-                                          stderr=subprocess.STDOUT))
-    # the reference meanwhile: most of each run is start-up on one core
-    single = torchrun(base_args(tiny_model, corpus, single_dump, steps=4), nproc=2)
-    for node in nodes:
-        node.wait(timeout=300)
-    outputs = [log.read_text() for log in logs.values()]
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-4000:]
-    node1, node0 = outputs
-    assert "Applied FSDP2 over 2 ranks" in node0
+            nodes[rank] = subprocess.Popen(command, cwd=ROOT, env=env | {"NODE_RANK": str(rank)}, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+    return nodes
 
-    check(single)
-    expected, got = losses(single_dump), losses(nodes_dump)
-    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+
+def test_two_nodes_train_one_nodes_curve_and_resume_it_after_a_node_is_lost(tmp_path, tiny_model, corpus):
+    nodes_dump, single_dump = tmp_path / "nodes", tmp_path / "single"
+    steps = ["--checkpoint.interval=2"]
+    env = clean_env(NNODE="2", NGPU="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    command = ["bash", str(ROOT / "train.sh"), *base_args(tiny_model, corpus, nodes_dump, steps=8), *steps]
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the reference meanwhile: one node, two processes
+        single = pool.submit(torchrun, base_args(tiny_model, corpus, single_dump, steps=8) + steps, nproc=2)
+        first = start_nodes(command, env, {rank: tmp_path / f"first{rank}.out" for rank in (1, 0)})
+        try:
+            while not complete_steps(str(nodes_dump / "checkpoint")):  # step 2's checkpoint, manifest included
+                assert first[0].poll() is None, (tmp_path / "first0.out").read_text()[-4000:]
+                time.sleep(0.002)
+            # node 1's launcher dies outright (kill -9): its rank must die with it and node 0's run must end
+            [launcher] = [p.pid for p in descendants(first[1].pid) if parent(p.pid) == first[1].pid]
+            os.kill(launcher, signal.SIGKILL)
+            assert first[0].wait(timeout=60) == 1 and first[1].wait(timeout=60) != 0
+        finally:
+            for node in first.values():
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+        assert not leftovers(nodes_dump, []), "a process of the killed run outlived it"
+        lost = (tmp_path / "first0.out").read_text()
+        # torchrun numbers the ranks in the order the nodes joined: node 0's rank is 0 or 1
+        failed = r"flame: training failed: rank (\d) exited with status 1: rank \1 failed: its connection to another rank broke"
+        assert re.search(failed, lost), lost[-4000:]
+        assert "Traceback" not in lost
+        saved = complete_steps(str(nodes_dump / "checkpoint"))[-1]  # a later step's save may have been cut short
+
+        # the same command on both nodes again: it resumes at the last complete checkpoint
+        logs = {rank: tmp_path / f"node{rank}.out" for rank in (1, 0)}
+        for node in start_nodes(command, env, logs).values():
+            node.wait(timeout=300)
+            assert node.returncode == 0, "".join(log.read_text()[-4000:] for log in logs.values())
+        single = check(single.result())
+    node1, node0 = (log.read_text() for log in logs.values())
+    assert "Applied FSDP2 over 2 ranks" in node0 and f"Training starts at step {saved + 1}" in node0
+    assert saved in (2, 4, 6)
+
+    expected, got = losses(single_dump), losses(nodes_dump)  # the resumed attempt's records of the steps it retook
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
     assert got == pytest.approx(expected, rel=1e-5)
 
     assert (nodes_dump / "hf" / "model.safetensors").is_file()
-    assert "exported step 4" in node0 and "exported" not in node1
+    assert "exported step 8" in node0 and "exported" not in node1
     for rank in (0, 1):  # logs/node<NODE_RANK>/<rendezvous id "flame" of the c10d rendezvous>_*/...
         assert list((nodes_dump / "logs" / f"node{rank}").glob("flame_*/attempt_0/0/stdout.log"))
+
+
+def parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def fake_slurm(tmp_path: Path, step: str) -> dict[str, str]:
