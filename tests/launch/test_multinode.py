@@ -69,7 +69,8 @@ def test_two_nodes_train_one_nodes_curve_and_resume_it_after_a_node_is_lost(tmp_
         assert not leftovers(nodes_dump, []), "a process of the killed run outlived it"
         lost = (tmp_path / "first0.out").read_text()
         # torchrun numbers the ranks in the order the nodes joined: node 0's rank is 0 or 1
-        failed = r"flame: training failed: rank (\d) exited with status 1: rank \1 failed: its connection to another rank broke"
+        failed = (r"flame: training failed: rank (\d) exited with status 1: rank \1 failed: "
+                  r"its connection to another rank broke")
         assert re.search(failed, lost), lost[-4000:]
         assert "Traceback" not in lost
         saved = complete_steps(str(nodes_dump / "checkpoint"))[-1]  # a later step's save may have been cut short

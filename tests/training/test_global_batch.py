@@ -1,12 +1,12 @@
 """A global batch that does not depend on the GPU count (--training.global_batch_size, global_batch_tokens): the
 accumulation is derived for the ranks, 2 ranks x 4 rows train the curve of 1 rank x 8 rows, and a run stopped on 2
-ranks and resumed on 1 continues that curve."""
+ranks and resumed on 1 (or the other way) continues that curve."""
 
 import pytest
 
 from flame.base.errors import ConfigError
 from flame.prepare import settled
-from tests.conftest import assert_same_curve, check, metrics, train_job
+from tests.conftest import assert_same_curve, check, metrics, train_job, two_at_a_time
 
 GLOBAL_8 = ("--training.global_batch_size=8", "--checkpoint.interval=3")
 EXACT = 1e-5  # the same rows each step; only the order of the gradient's sums differs
@@ -43,15 +43,23 @@ def test_a_global_batch_that_cannot_divide_is_refused_in_one_line(tiny_model, wo
     one=train_job(6, *GLOBAL_8, "--training.batch_size=8"),
     two=train_job(6, *GLOBAL_8, "--training.batch_size=4", nproc=2),
 )
-def test_two_ranks_train_the_curve_of_one_and_a_resume_on_one_rank_continues_it(background_runs, tiny_model, corpus):
+def test_two_ranks_train_the_curve_of_one_and_a_resume_on_the_other_count_continues_it(background_runs, tiny_model,
+                                                                                       corpus):
     one, two = background_runs["one"], background_runs["two"]
     check(one.result)
     check(two.result)
     expected = metrics(one.dump)
     assert_same_curve(metrics(two.dump), expected, rel=EXACT)
-    resumed = two.dump.parent / "resumed-on-one"  # step 3 of the 2-rank run, resumed on 1 rank with 8 rows
-    result = check(train_job(6, *GLOBAL_8, "--training.batch_size=8",
-                             f"--checkpoint.initial_load_path={two.dump / 'checkpoint' / 'step-3'}",
-                             "--checkpoint.no-initial_load_model_only")(resumed, tiny_model, corpus))
-    assert "each step the rows an uninterrupted run would have" in result.stdout + result.stderr
-    assert_same_curve(metrics(resumed), expected, rel=EXACT, steps=[4, 5, 6])
+
+    def resume(run, where: str, nproc: int, flags: list[str]):  # step 3 of ``run`` under another GPU count
+        load = [f"--checkpoint.initial_load_path={run.dump / 'checkpoint' / 'step-3'}",
+                "--checkpoint.no-initial_load_model_only"]
+        job = train_job(6, *GLOBAL_8, *flags, *load, nproc=nproc)
+        return lambda: check(job(two.dump.parent / where, tiny_model, corpus))
+
+    # 2 ranks -> 1 rank of 8 rows; 1 rank -> 2 ranks of 2 rows accumulated twice
+    results = two_at_a_time(resume(two, "on-one", 1, ["--training.batch_size=8"]),
+                            resume(one, "on-two", 2, ["--training.batch_size=2"]))
+    for where, result in zip(("on-one", "on-two"), results):
+        assert "each step the rows an uninterrupted run would have" in result.stdout + result.stderr, where
+        assert_same_curve(metrics(two.dump.parent / where), expected, rel=EXACT, steps=[4, 5, 6])
