@@ -12,6 +12,7 @@ names the limit that applies and the setting to change.
     check_processes(world_size)                 train.sh's preflight: the processes it is about to start
 """
 
+import math
 import os
 from typing import Any
 
@@ -23,6 +24,7 @@ from flame.distributed.degrees import data_parallel_degree, fsdp_enabled, frozen
 from flame.memory.estimate import GIB
 from flame.memory.layout import count_params, dtype_bytes
 from flame.models.registry import decoder_layers
+from flame.models.support import Documents, support_for
 from flame.optim.record import optimizer_record
 from flame.prepare.model import ModelUnderCheck
 
@@ -33,6 +35,10 @@ MAX_BATCH_TOKENS = 2**31 - 1
 BATCH_BYTES_PER_TOKEN = 3 * 8
 # fp32 weights and their fp32 gradients, per parameter trained (the optimizer's state comes on top)
 WEIGHT_AND_GRADIENT_BYTES = 8
+# the dense reference attention (--model.attention sdpa; auto's choice on a CPU): each row's tokens x tokens table of
+# its documents, kept for the step (a bool an entry), and the float copy of it that each attention call makes and
+# keeps for its backward (4 bytes an entry; measured on torch's CPU kernel)
+MASK_BYTES, FLOAT_MASK_BYTES = 1, 4
 
 
 def check_batch(config: Any, world_size: int) -> None:
@@ -75,27 +81,50 @@ def check_memory(config: Any, world_size: int, model: ModelUnderCheck) -> None:
     # without the fused loss, every token's logits exist at once. Tensor parallelism may shard both, context
     # parallelism splits the rows' tokens, pipeline stages split the blocks.
     fused = device.fused_cross_entropy_enabled(config, vocab)
-    per_token = ((blocks // p.pipeline_parallel_degree or 1) * hidden + (0 if fused else vocab)) \
+    stage_blocks = blocks // p.pipeline_parallel_degree or 1
+    per_token = (stage_blocks * hidden + (0 if fused else vocab)) \
         * dtype_bytes(device.compute_dtype(config)) / p.tensor_parallel_degree
-    row = t.seq_len / p.context_parallel_degree * per_token
+    local = t.seq_len / p.context_parallel_degree  # the row's tokens this rank computes
+    masks = dense_masks_kept(config, model, stage_blocks)
+    row = local * (per_token + (MASK_BYTES + FLOAT_MASK_BYTES * masks) * t.seq_len)  # a mask's row: every key
     logits = "" if fused else f" and its logits ({vocab} a token)"
-    kept = f"each of its {blocks} blocks' inputs ({hidden} values a token){logits}"
+    mask = (f", and its dense attention masks ({local:,.0f} x {t.seq_len:,} entries: the documents' table, a byte an "
+            f"entry, and the float copy each attention call keeps for its backward, {FLOAT_MASK_BYTES} bytes an entry, "
+            f"in {masks} block{'s' if masks > 1 else ''} at once; --model.attention sdpa, a CPU's attention: GPUs' "
+            "varlen kernel keeps none)" if masks else "")
+    kept = f"each of its {blocks} blocks' inputs ({hidden} values a token){logits}{mask}"
     if row > memory:
-        fits = int(memory / per_token) * p.context_parallel_degree
+        # local x per_token + b x local² <= memory (a mask's keys = cp x local), solved for the local tokens
+        a, b = per_token, (MASK_BYTES + FLOAT_MASK_BYTES * masks) * p.context_parallel_degree if masks else 0
+        fits = int((memory / a if not b else (math.sqrt(a * a + 4 * b * memory) - a) / (2 * b)) * p.context_parallel_degree)
         split = ", or split rows over more GPUs (--parallelism.context_parallel_degree)" if device.CUDA else ""
+        even = ", even under full activation checkpointing" if masks <= 1 else ""
         raise ConfigError(
-            f"--training.seq_len {t.seq_len}: one row keeps at least {_gib(row)} of activations ({kept}, even under "
-            f"full activation checkpointing), more than {where}; at most about {fits:,} tokens a row fit: lower "
-            f"--training.seq_len{split}"
+            f"--training.seq_len {t.seq_len}: one row keeps at least {_gib(row)} of activations ({kept}{even}), more "
+            f"than {where}; at most about {fits:,} tokens a row fit: lower --training.seq_len{split}{_one_mask(masks)}"
         )
     if row * t.local_batch_size > memory:
         raise ConfigError(
             f"--training.batch_size {t.local_batch_size} rows of --training.seq_len {t.seq_len} keep at least "
             f"{_gib(row * t.local_batch_size)} of activations ({kept}), more than {where}; at most "
             f"{int(memory // row):,} rows fit: lower --training.batch_size, and raise "
-            "--training.gradient_accumulation_steps to keep the global batch"
+            f"--training.gradient_accumulation_steps to keep the global batch{_one_mask(masks)}"
         )
     _check_training_state(config, world_size, model, memory, where)
+
+
+def _one_mask(masks: int) -> str:
+    return "; or --activation_checkpoint.mode full, which keeps one block's mask at a time" if masks > 1 else ""
+
+
+def dense_masks_kept(config: Any, model: ModelUnderCheck, blocks: int) -> int:
+    """How many float attention masks (tokens x tokens) a step keeps at once: 0 unless the model's softmax attention
+    takes flame's dense reference path; one per block without activation checkpointing, else one (a recomputed
+    block's alone; blocks not checkpointed under some AC modes keep theirs, so this is a floor)."""
+    backend = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
+    if backend != "sdpa" or support_for(model.config).documents is not Documents.ATTENTION:
+        return 0
+    return blocks if config.activation_checkpoint.mode == "none" else 1
 
 
 def _check_training_state(config: Any, world_size: int, model: ModelUnderCheck, memory: float, where: str) -> None:

@@ -245,6 +245,11 @@ CASES: list[Case] = [
          ("--training.batch_size 30000000 rows of --training.seq_len 64", "lower --training.batch_size")),
     Case("row-beyond-memory", ("--training.seq_len", "30000000", "--training.batch_size", "1"),
          ("--training.seq_len 30000000: one row keeps at least", "at most about", "lower --training.seq_len")),
+    # the dense reference attention's masks grow with the square of the row: refused before they are built
+    Case("row-whose-attention-masks-overflow-memory",
+         ("--training.seq_len", "300000", "--training.batch_size", "1", "--model.attention", "sdpa"),
+         ("--training.seq_len 300000: one row keeps at least", "dense attention masks (300,000 x 300,000 entries",
+          "lower --training.seq_len", "or --activation_checkpoint.mode full")),
     Case("max-norm-negative", ("--training.max_norm", "-1"), ("--training.max_norm must be positive",)),
     Case("max-norm-nan", ("--training.max_norm", "nan"), ("--training.max_norm is NaN",)),
     Case("lr-negative", ("--optimizer.lr", "-1e-3"), ("--optimizer.lr must be a number at least 0",)),
