@@ -102,7 +102,8 @@ def _load(spec: SourceSpec, streaming: bool) -> datasets.Dataset | datasets.Iter
             kwargs.update(data_files=files, split="train" if spec.split == "train" else spec.split)
             return datasets.load_dataset(builder, streaming=streaming, **kwargs)
         if _looks_like_a_path(path) and not os.path.exists(path):
-            raise ConfigError(f"--training.dataset {path} does not exist")
+            raise ConfigError(f"--training.dataset {path} does not exist: give a data file ({_EXTENSIONS}), a folder "
+                              "of them, a glob, a dataset saved with save_to_disk, or a hub dataset name")
         if os.path.exists(path):  # a folder of data files
             if not os.listdir(path):
                 raise ConfigError(f"dataset folder {path} is empty: put its data files there ({_EXTENSIONS} files), "
