@@ -83,34 +83,32 @@ def test_each_subcommand_does_its_work_from_outside_a_checkout(installed, elsewh
     assert again.returncode == 0 and "already complete at step 4" in again.stdout, again.stdout[-1000:]
     assert "Training starts" not in again.stdout
 
-    exported = flame(installed, elsewhere, "export", str(dump), "--out", str(elsewhere / "exported"), "--dtype",
-                     "bfloat16")
-    assert exported.returncode == 0 and (elsewhere / "exported" / "config.json").is_file(), exported.stderr[-2000:]
-
-    plotted = flame(installed, elsewhere, "plot", str(dump), "--out", str(elsewhere / "curves.png"))
-    assert plotted.returncode == 0 and (elsewhere / "curves.png").stat().st_size > 10_000, plotted.stderr[-2000:]
-
-    pushed = flame(installed, elsewhere, "push", str(dump), "--repo_id", "someone/flame-debug", "--dry_run")
-    assert pushed.returncode == 0 and "model.safetensors" in pushed.stdout, pushed.stderr[-2000:]
-
-    converted = flame(installed, elsewhere, "convert", "hf_to_dcp", "--model", str(dump / "hf"), "--checkpoint",
-                      str(elsewhere / "imported" / "checkpoint" / "step-0"))
-    assert converted.returncode == 0, converted.stderr[-2000:]
-    assert (elsewhere / "imported" / "checkpoint" / "step-0" / ".metadata").is_file()
-
-    tasks = installed / "flame" / "configs" / "eval"
-    scored = flame(installed, elsewhere, "eval", "--model", str(dump / "hf"), "--tasks", "flame_example_choice",
-                   "--include_path", str(tasks), "--limit", "4", "--device", "cpu", "--batch_size", "4",
-                   "--output_path", str(elsewhere / "scores"))
-    assert scored.returncode == 0 and "flame_example_choice" in scored.stdout, scored.stderr[-2000:]
-
+    # the other subcommands read the finished run, each on its own: two at a time (each is mostly one core importing)
     corpus = elsewhere / "corpus.jsonl"
     corpus.write_text("".join(f'{{"text": "def f{i}(x):\\n    return x + {i}"}}\n' for i in range(8)))
-    tokenized = flame(installed, elsewhere, "preprocess", "--dataset", str(corpus), "--tokenizer", str(dump / "hf"),
-                      "--out", str(elsewhere / "tokenized"), "--num_proc", "1")
-    assert tokenized.returncode == 0 and "wrote 8 documents" in tokenized.stdout, tokenized.stderr[-2000:]
-
-    models = flame(installed, elsewhere, "models")
-    assert models.returncode == 0 and "gated_deltanet" in models.stdout
-    doctor = flame(installed, elsewhere, "doctor", "--no_sizes")
-    assert doctor.returncode == 0 and "torchtitan" in doctor.stdout and "GPUs:" in doctor.stdout
+    tasks = installed / "flame" / "configs" / "eval"
+    commands = {
+        "export": ("export", str(dump), "--out", str(elsewhere / "exported"), "--dtype", "bfloat16"),
+        "plot": ("plot", str(dump), "--out", str(elsewhere / "curves.png")),
+        "push": ("push", str(dump), "--repo_id", "someone/flame-debug", "--dry_run"),
+        "convert": ("convert", "hf_to_dcp", "--model", str(dump / "hf"), "--checkpoint",
+                    str(elsewhere / "imported" / "checkpoint" / "step-0")),
+        "eval": ("eval", "--model", str(dump / "hf"), "--tasks", "flame_example_choice", "--include_path", str(tasks),
+                 "--limit", "4", "--device", "cpu", "--batch_size", "4", "--output_path", str(elsewhere / "scores")),
+        "preprocess": ("preprocess", "--dataset", str(corpus), "--tokenizer", str(dump / "hf"), "--out",
+                       str(elsewhere / "tokenized"), "--num_proc", "1"),
+        "models": ("models",),
+        "doctor": ("doctor", "--no_sizes"),
+    }
+    results = dict(zip(commands, two_at_a_time(*(partial(flame, installed, elsewhere, *args)
+                                                  for args in commands.values()))))
+    for name, result in results.items():
+        assert result.returncode == 0, (name, result.stderr[-2000:])
+    assert (elsewhere / "exported" / "config.json").is_file()
+    assert (elsewhere / "curves.png").stat().st_size > 10_000
+    assert "model.safetensors" in results["push"].stdout
+    assert (elsewhere / "imported" / "checkpoint" / "step-0" / ".metadata").is_file()
+    assert "flame_example_choice" in results["eval"].stdout
+    assert "wrote 8 documents" in results["preprocess"].stdout
+    assert "gated_deltanet" in results["models"].stdout
+    assert "torchtitan" in results["doctor"].stdout and "GPUs:" in results["doctor"].stdout
