@@ -159,6 +159,7 @@ def train(torchrun_args: list[str], start_method: str) -> int:
     torchrun.first_signal_waits_for_the_save(pass_on_to_the_ranks, lambda: bool(ranks_of(os.getpid())))
     torchrun.failures_without_tracebacks()
     torchrun.every_ended_rank_reported()
+    torchrun.failed_runs_end_sooner()
     logs = torchrun_args[torchrun_args.index("--log-dir") + 1] if "--log-dir" in torchrun_args else "torchrun's log folder"
     try:
         args = run.parse_args(["--start-method", start_method, *torchrun_args])

@@ -216,3 +216,33 @@ def test_a_killed_rank_is_named_even_when_its_peer_ended_in_the_same_poll(change
         assert ranks == "[0, 1" and line.startswith("training failed: rank 1 was killed by SIGKILL"), result.stdout
     else:  # upstream reports the one its wait listed first: the peer (why flame adds the rest)
         assert ranks == "[0", result.stdout
+
+
+A_RANK_THAT_IGNORES_SIGTERM = """
+import signal, sys, tempfile, time
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from flame.compat import torchrun
+
+def rank(index):
+    if index == 0:
+        time.sleep(0.5)
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # hung where no signal handler runs
+    time.sleep(300)
+
+torchrun.failed_runs_end_sooner()
+ranks = start_processes("ranks", rank, args={0: (0,), 1: (1,)}, envs={0: {}, 1: {}}, start_method="fork",
+                        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp()))
+started = time.monotonic()
+while (result := ranks.wait(1)) is None:
+    pass
+print(sorted(result.failures), round(time.monotonic() - started))
+"""
+
+
+def test_a_failed_runs_hung_rank_is_killed_within_seconds():
+    # upstream waits 30 s after its SIGTERM; flame: 5 s to end alone, 5 s after SIGTERM, then SIGKILL
+    result = check(subprocess.run([sys.executable, "-c", A_RANK_THAT_IGNORES_SIGTERM], cwd=ROOT, env=flame_env(),
+                                  capture_output=True, text=True, timeout=120))
+    failed, seconds = result.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert failed == "[0]" and 9 <= int(seconds) <= 20, result.stdout
