@@ -48,11 +48,11 @@ def start_nodes(command: list[str], env: dict[str, str], logs: dict[int, Path]) 
 
 def test_two_nodes_train_one_nodes_curve_and_resume_it_after_a_node_is_lost(tmp_path, tiny_model, corpus):
     nodes_dump, single_dump = tmp_path / "nodes", tmp_path / "single"
-    steps = ["--checkpoint.interval=2"]
+    steps, interval = 12, ["--checkpoint.interval=2"]  # steps enough that the kill lands mid-run, whatever the load
     env = clean_env(NNODE="2", NGPU="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    command = ["bash", str(ROOT / "train.sh"), *base_args(tiny_model, corpus, nodes_dump, steps=8), *steps]
+    command = ["bash", str(ROOT / "train.sh"), *base_args(tiny_model, corpus, nodes_dump, steps), *interval]
     with ThreadPoolExecutor(max_workers=1) as pool:  # the reference meanwhile: one node, two processes
-        single = pool.submit(torchrun, base_args(tiny_model, corpus, single_dump, steps=8) + steps, nproc=2)
+        single = pool.submit(torchrun, base_args(tiny_model, corpus, single_dump, steps) + interval, nproc=2)
         first = start_nodes(command, env, {rank: tmp_path / f"first{rank}.out" for rank in (1, 0)})
         try:
             while not complete_steps(str(nodes_dump / "checkpoint")):  # step 2's checkpoint, manifest included
@@ -83,14 +83,14 @@ def test_two_nodes_train_one_nodes_curve_and_resume_it_after_a_node_is_lost(tmp_
         single = check(single.result())
     node1, node0 = (log.read_text() for log in logs.values())
     assert "Applied FSDP2 over 2 ranks" in node0 and f"Training starts at step {saved + 1}" in node0
-    assert saved in (2, 4, 6)
+    assert saved < steps
 
     expected, got = losses(single_dump), losses(nodes_dump)  # the resumed attempt's records of the steps it retook
-    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
     assert got == pytest.approx(expected, rel=1e-5)
 
     assert (nodes_dump / "hf" / "model.safetensors").is_file()
-    assert "exported step 8" in node0 and "exported" not in node1
+    assert f"exported step {steps}" in node0 and "exported" not in node1
     for rank in (0, 1):  # logs/node<NODE_RANK>/<rendezvous id "flame" of the c10d rendezvous>_*/...
         assert list((nodes_dump / "logs" / f"node{rank}").glob("flame_*/attempt_0/0/stdout.log"))
 
