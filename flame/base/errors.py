@@ -107,8 +107,9 @@ def failure_line(error: BaseException, logs: str, rank: str) -> str:
 
 
 _SOURCE_PLACE = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\]\s*")  # "[/path/gloo/.../unbound_buffer.cc:78] " in C++ errors
-# how gloo and NCCL report a peer whose process ended (killed, out of memory, its node or its launcher lost)
-_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|ncclRemoteError")
+# how gloo and NCCL report a peer whose process ended (killed, out of memory, its node or its launcher lost): gloo's
+# "Read error [addr]:port: Connection reset by peer" / "Write error [...]: Broken pipe", NCCL's remote error
+_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|(?:Read|Write) error \[|remote process exited|ncclRemoteError")
 _WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (is killed by signal: [^.]+|exited unexpectedly)")
 
 

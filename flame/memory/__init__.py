@@ -38,6 +38,7 @@ from flame.memory.layout import (
 from flame.memory.plan import choose, table
 from flame.models import lora, moe
 from flame.models.inputs import is_fla_config
+from flame.models.kernels.attention import backend_for
 from flame.models.model_config import load_model_config
 from flame.models.registry import decoder_layers, meta_model
 from flame.optim.host import leading_units, units_of
@@ -112,7 +113,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     # kernels keep: they stand in for it (HF's eager code overestimated a compiled llama by half: docs/perf-log.md,
     # 2026-11-28).
     fused = device.CUDA and (config.model.fused_kernels or config.compile.enable) and not is_fla_config(model_config)
-    attention = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
+    attention = backend_for(config.model.attention, cuda=device.CUDA)
     pipelined = p.pipeline_parallel_degree > 1
     frozen_bytes = dtype_bytes(frozen_weights_dtype(config, world_size))
     # torchtitan's AMP: float32 weights, autocast keeps cast copies. LoRA's base held in the compute dtype (its

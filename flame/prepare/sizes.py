@@ -23,6 +23,7 @@ from flame.base.errors import ConfigError
 from flame.distributed.degrees import data_parallel_degree, fsdp_enabled, frozen_weights_dtype
 from flame.memory.estimate import GIB
 from flame.memory.layout import count_params, dtype_bytes
+from flame.models.kernels.attention import backend_for
 from flame.models.registry import decoder_layers
 from flame.models.support import Documents, support_for
 from flame.optim.record import optimizer_record
@@ -86,7 +87,8 @@ def check_memory(config: Any, world_size: int, model: ModelUnderCheck) -> None:
         * dtype_bytes(device.compute_dtype(config)) / p.tensor_parallel_degree
     local = t.seq_len / p.context_parallel_degree  # the row's tokens this rank computes
     masks = dense_masks_kept(config, model, stage_blocks)
-    row = local * (per_token + (MASK_BYTES + FLOAT_MASK_BYTES * masks) * t.seq_len)  # a mask's row: every key
+    mask_bytes = MASK_BYTES + FLOAT_MASK_BYTES * masks if masks else 0  # an entry of a row's masks
+    row = local * (per_token + mask_bytes * t.seq_len)  # a mask's row: every key
     logits = "" if fused else f" and its logits ({vocab} a token)"
     mask = (f", and its dense attention masks ({local:,.0f} x {t.seq_len:,} entries: the documents' table, a byte an "
             f"entry, and the float copy each attention call keeps for its backward, {FLOAT_MASK_BYTES} bytes an entry, "
@@ -95,7 +97,7 @@ def check_memory(config: Any, world_size: int, model: ModelUnderCheck) -> None:
     kept = f"each of its {blocks} blocks' inputs ({hidden} values a token){logits}{mask}"
     if row > memory:
         # local x per_token + b x local² <= memory (a mask's keys = cp x local), solved for the local tokens
-        a, b = per_token, (MASK_BYTES + FLOAT_MASK_BYTES * masks) * p.context_parallel_degree if masks else 0
+        a, b = per_token, mask_bytes * p.context_parallel_degree
         fits = int((memory / a if not b else (math.sqrt(a * a + 4 * b * memory) - a) / (2 * b)) * p.context_parallel_degree)
         split = ", or split rows over more GPUs (--parallelism.context_parallel_degree)" if device.CUDA else ""
         even = ", even under full activation checkpointing" if masks <= 1 else ""
@@ -121,8 +123,7 @@ def dense_masks_kept(config: Any, model: ModelUnderCheck, blocks: int) -> int:
     """How many float attention masks (tokens x tokens) a step keeps at once: 0 unless the model's softmax attention
     takes flame's dense reference path; one per block without activation checkpointing, else one (a recomputed
     block's alone; blocks not checkpointed under some AC modes keep theirs, so this is a floor)."""
-    backend = config.model.attention if config.model.attention != "auto" else ("varlen" if device.CUDA else "sdpa")
-    if backend != "sdpa" or support_for(model.config).documents is not Documents.ATTENTION:
+    if backend_for(config.model.attention, cuda=device.CUDA) != "sdpa" or support_for(model.config).documents is not Documents.ATTENTION:
         return 0
     return blocks if config.activation_checkpoint.mode == "none" else 1
 

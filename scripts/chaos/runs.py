@@ -121,6 +121,12 @@ def _read(pid: int) -> tuple[int, Process] | None:
     return int(fields[1]), Process(pid, fields[19], command.replace(b"\0", b" ").decode(errors="replace").strip())
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of a live ``pid``, or None."""
+    found = _read(pid)
+    return found[0] if found else None
+
+
 def _process(pid: int) -> Process | None:
     found = _read(pid)
     return found[1] if found else None

@@ -40,3 +40,8 @@ def test_a_broken_connection_to_another_rank_says_that_its_process_ended(tmp_pat
                            "Connection reset by peer): that rank's process ended."), line
     assert "GLHF" not in line and line.endswith(f"its traceback is in {tmp_path}/rank0-traceback.txt")
     assert "Connection reset by peer" in (tmp_path / "rank0-traceback.txt").read_text()
+
+
+def test_a_broken_pipe_of_the_rank_itself_is_not_called_a_lost_peer(tmp_path):
+    line = failure_line(BrokenPipeError(32, "Broken pipe"), str(tmp_path), "0")
+    assert line.startswith("rank 0 failed: Broken pipe (BrokenPipeError)") and "another rank" not in line, line

@@ -16,7 +16,7 @@ import pytest
 from flame.checkpoint.steps import complete_steps
 from flame.data import builtin
 from flame.launch.slurm import expand_nodelist, job_port, node_settings
-from scripts.chaos.runs import descendants, leftovers
+from scripts.chaos.runs import descendants, leftovers, parent_of
 from tests.conftest import ROOT, SCRIPTS, base_args, check, flame_env, losses, torchrun
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -59,7 +59,7 @@ def test_two_nodes_train_one_nodes_curve_and_resume_it_after_a_node_is_lost(tmp_
                 assert first[0].poll() is None, (tmp_path / "first0.out").read_text()[-4000:]
                 time.sleep(0.002)
             # node 1's launcher dies outright (kill -9): its rank must die with it and node 0's run must end
-            [launcher] = [p.pid for p in descendants(first[1].pid) if parent(p.pid) == first[1].pid]
+            [launcher] = [p.pid for p in descendants(first[1].pid) if parent_of(p.pid) == first[1].pid]
             os.kill(launcher, signal.SIGKILL)
             assert first[0].wait(timeout=60) == 1 and first[1].wait(timeout=60) != 0
         finally:
@@ -93,11 +93,6 @@ def test_two_nodes_train_one_nodes_curve_and_resume_it_after_a_node_is_lost(tmp_
     assert f"exported step {steps}" in node0 and "exported" not in node1
     for rank in (0, 1):  # logs/node<NODE_RANK>/<rendezvous id "flame" of the c10d rendezvous>_*/...
         assert list((nodes_dump / "logs" / f"node{rank}").glob("flame_*/attempt_0/0/stdout.log"))
-
-
-def parent(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def fake_slurm(tmp_path: Path, step: str) -> dict[str, str]:

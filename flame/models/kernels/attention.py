@@ -60,9 +60,12 @@ def set_backend(name: str) -> None:
 
 
 def resolve_backend(device: torch.device) -> str:
-    if _backend != "auto":
-        return _backend
-    return "varlen" if device.type == "cuda" else "sdpa"
+    return backend_for(_backend, cuda=device.type == "cuda")
+
+
+def backend_for(setting: str, cuda: bool) -> str:
+    """The backend --model.attention ``setting`` runs: auto is varlen on CUDA, sdpa elsewhere."""
+    return setting if setting != "auto" else ("varlen" if cuda else "sdpa")
 
 
 def _batch_mask(kind: str, batch: BatchContext | None, total: int, window: int | None, rows: int, build):
