@@ -135,7 +135,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         autocast_copies=autocast, fused_loss=device.fused_cross_entropy_enabled(config, model_config.vocab_size),
         expandable_segments=expandable_segments(config), dense_attention=attention == "sdpa",
         tensor_parallel=p.tensor_parallel_degree, pipelined=pipelined, ema=t.ema_decay > 0,
-        activations=activations.measure(model_config, dtype, fused, autocast, attention=attention),
+        activations=activations.measure(model_config, dtype, fused, autocast, attention=attention, adapters=adapters),
         active_params=moe.active_params(model) if moe.is_moe(model_config) else None,
         can_park_inputs=device.CUDA and not pipelined,
         frozen_params=frozen, frozen_bytes=frozen_bytes,
@@ -145,7 +145,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         job = dataclasses.replace(job, wrapped=functools.cache(lambda: dataclasses.replace(
             job, fsdp=True, alone=True, autocast_copies=False, hidden_bytes=dtype_bytes(dtype), wrapped=None,
             gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, True),
-            activations=activations.measure(model_config, dtype, fused, False, attention=attention))))
+            activations=activations.measure(model_config, dtype, fused, False, attention=attention, adapters=adapters))))
     return job
 
 

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
 from flame import compat
-from flame.models import experts
+from flame.models import experts, lora
 from flame.models.kernels import attention as attention_kernels
 from flame.models.kernels.fused import kept_as_on_cuda, use_fused_kernels
 from flame.models.inputs import flattens_rows
@@ -224,7 +224,7 @@ _PROFILES: dict[tuple, ActivationProfile] = {}
 
 
 def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False,
-            autocast: bool = False, attention: str = "sdpa") -> ActivationProfile:
+            autocast: bool = False, attention: str = "sdpa", adapters: lora.LoraSettings | None = None) -> ActivationProfile:
     """The activation profile of ``config``'s model computing in ``dtype`` (cached per argument).
 
     ``fused``: the job runs an HF model's norms and MLPs on flame's fused CUDA kernels
@@ -233,21 +233,31 @@ def measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool = False,
     the GPU probe runs so (autocast does not reach meta tensors: the meta forward runs in ``dtype``).
     ``attention``: the job's attention backend; under ``varlen`` or ``flex`` an HF model's meta forward keeps
     what that kernel keeps (flame.models.kernels.attention.kept_as_flash_kernels), not what math attention keeps.
+    ``adapters``: the job's LoRA (--lora.*): its adapters keep their inputs where the frozen base keeps none (the
+    product a fused MLP would recompute is then kept as the down projection's adapter input).
     """
-    key = (config.to_json_string(use_diff=False), dtype, fused, autocast, attention)
+    key = (config.to_json_string(use_diff=False), dtype, fused, autocast, attention, adapters)
     if key not in _PROFILES:
-        _PROFILES[key] = _measure(config, dtype, fused, autocast, attention)
+        _PROFILES[key] = _measure(config, dtype, fused, autocast, attention, adapters)
     return _PROFILES[key]
 
 
-def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast: bool,
-             attention: str) -> ActivationProfile:
-    from flame.memory import probe  # it builds on this module's hooks and fit
-    model = meta_model(config).to(dtype)
+def as_trained(model: nn.Module, fused: bool, adapters: lora.LoraSettings | None) -> nn.Module:
+    """``model`` (built in the job's precision) with what flame.models.builder adds that changes what its forward
+    keeps: flame's experts, the fused norms and MLPs, then LoRA's adapters (PEFT builds them in the base's dtype)."""
     model.train()
-    experts.use_flame_experts(model)  # a MoE model's experts as flame trains them (flame.models.builder)
+    experts.use_flame_experts(model)
     if fused:
         use_fused_kernels(model)
+    if adapters is not None:
+        lora.add_adapters(model, adapters)
+    return model
+
+
+def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast: bool,
+             attention: str, adapters: lora.LoraSettings | None) -> ActivationProfile:
+    from flame.memory import probe  # it builds on this module's hooks and fit
+    model = as_trained(meta_model(config).to(dtype), fused, adapters)
     flash = attention in ("varlen", "flex") and _takes_flame_attention(model)
     blocks = len(decoder_layers(model))
     try:
@@ -261,12 +271,12 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
         if (where := probe.probe_device()) is None:
             return _formula(config, dtype, blocks, why)
-        return probe.probed(config, dtype, where, autocast, fused,
-                      otherwise=lambda failed: _formula(config, dtype, blocks, f"{why}; {failed}"))
+        return probe.probed(config, dtype, where, autocast, fused, adapters,
+                            otherwise=lambda failed: _formula(config, dtype, blocks, f"{why}; {failed}"))
     if autocast and (where := probe.probe_device()) is not None:
         # autocast does not reach meta tensors, so that forward kept every tensor in ``dtype``, where the job
         # keeps its residual stream and the norm inputs saved from it in float32: measured as the job runs
-        return probe.probed(config, dtype, where, autocast, fused,
+        return probe.probed(config, dtype, where, autocast, fused, adapters,
                             otherwise=lambda failed: dataclasses.replace(profile, method=f"{profile.method}; {failed}"))
     return profile
 

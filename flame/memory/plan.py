@@ -162,7 +162,13 @@ def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, h
     alike = [candidate for candidate in fitting if candidate.price.seconds <= cheapest * (1 + PRICE_TOLERANCE)]
     chosen = min(alike, key=lambda candidate: _changes(start, candidate.layout, blocks))
     unplanned = price(job, start, hardware).seconds
-    among = f"the cheapest of {len(fitting)} layouts that fit" if len(fitting) > 1 else "the only layout that fits"
+    if len(fitting) == 1:
+        among = "the only layout that fits"
+    elif chosen is fitting[0]:
+        among = f"the cheapest of {len(fitting)} layouts that fit"
+    else:  # priced alike (within the rates' noise): the one that changes the job least
+        among = (f"of {len(fitting)} layouts that fit, priced within {PRICE_TOLERANCE:.0%} of the cheapest "
+                 f"({cheapest:.3g} s) with fewer changes to the job")
     why = (f"{chosen.gpu_bytes / GIB:.2f} GiB fits the {gpu_budget / GIB:.2f} GiB budget; priced "
            f"{chosen.price.seconds:.3g} s a step against {unplanned:.3g} s as configured "
            f"({gpu_bytes(parts) / GIB:.2f} GiB), {among}")

@@ -46,11 +46,11 @@ from flame.memory.activations import (
     FALLBACK_TENSORS_PER_HIDDEN,
     ActivationProfile,
     Quadratic,
+    as_trained,
     fitted_profile,
 )
 from flame.base.measured_once import measured_once
-from flame.models import experts
-from flame.models.kernels.fused import use_fused_kernels
+from flame.models.lora import LoraSettings
 from flame.models.builder import reinitialize
 from flame.models.registry import meta_model
 
@@ -75,7 +75,7 @@ def probe_device() -> torch.device | None:
 
 
 def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool, fused: bool,
-           otherwise: Callable[[str], ActivationProfile]) -> ActivationProfile:
+           adapters: LoraSettings | None, otherwise: Callable[[str], ActivationProfile]) -> ActivationProfile:
     """``probe``'s profile, from the cache when this machine measured it before (under a lock: one process measures).
 
     A probe that fails (out of memory, a kernel that refuses this GPU) leaves ``otherwise(why)``
@@ -86,18 +86,18 @@ def probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, au
         try:
             if _fits_whole(config, dtype, where, autocast):
                 try:
-                    return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused)
+                    return probe(config, dtype, where, PROBE_LENGTHS, autocast, fused, adapters)
                 except torch.OutOfMemoryError:
                     pass  # measured below on fewer blocks, outside this handler: its traceback holds the forward's tensors
-            return _first_blocks_probed(config, dtype, where, autocast, fused)
+            return _first_blocks_probed(config, dtype, where, autocast, fused, adapters)
         except Exception as error:  # noqa: BLE001
             return otherwise(f"the GPU probe failed: {type(error).__name__}: {error}")
 
-    return measured_once(probe_cache_path(config, dtype, where, autocast, fused), _read, measure)
+    return measured_once(probe_cache_path(config, dtype, where, autocast, fused, adapters), _read, measure)
 
 
 def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool,
-                         fused: bool) -> ActivationProfile:
+                         fused: bool, adapters: LoraSettings | None) -> ActivationProfile:
     """The probe of a model that does not fit the GPU whole (a 7B under autocast: float32 weights, their
     16-bit copies and 4K tokens' activations outgrow 80 GB): its first ``PROBE_BLOCKS`` blocks measured,
     the ones after the first repeated for the rest. The first block keeps the embeddings' output too; the
@@ -105,7 +105,7 @@ def _first_blocks_probed(config: PretrainedConfig, dtype: torch.dtype, where: to
     blocks = config.num_hidden_layers
     shorter = copy.deepcopy(config)
     shorter.num_hidden_layers = min(blocks, PROBE_BLOCKS)
-    profile = probe(shorter, dtype, where, PROBE_LENGTHS, autocast, fused)
+    profile = probe(shorter, dtype, where, PROBE_LENGTHS, autocast, fused, adapters)
     measured = len(profile.blocks)
     take = [index if index < measured else 1 + (index - 1) % max(1, measured - 1) for index in range(blocks)]
     method = (f"{profile.method[:-1]}; the first {measured} of {blocks} blocks, the later ones repeated: the whole "
@@ -130,7 +130,8 @@ def _free_bytes(where: torch.device) -> float:
 
 
 def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | str,
-          lengths: tuple[int, int, int], autocast: bool = False, fused: bool = False) -> ActivationProfile:
+          lengths: tuple[int, int, int], autocast: bool = False, fused: bool = False,
+          adapters: LoraSettings | None = None) -> ActivationProfile:
     """Measure on ``where`` (a GPU): the model materialized there, its forward at ``lengths`` tokens, then freed.
 
     ``autocast``: float32 weights, the forward under autocast to ``dtype`` (the job's AMP); else the
@@ -144,10 +145,7 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
             model = model.to(dtype)
         model.to_empty(device=where)
         reinitialize(model)
-        model.train()
-        experts.use_flame_experts(model)  # a MoE model's experts as flame trains them
-        if fused:
-            use_fused_kernels(model)
+        as_trained(model, fused, adapters)
         precision = f"float32 weights under {dtype_name(dtype)} autocast" if autocast else f"{dtype_name(dtype)} weights"
         precision += ", flame's fused norms and MLPs" if fused else ""
         try:
@@ -162,7 +160,7 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
 
 
 def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.device, autocast: bool,
-                     fused: bool = False) -> Path:
+                     fused: bool = False, adapters: LoraSettings | None = None) -> Path:
     """The cached probe of ``config`` in this precision on this kind of GPU, with these kernel libraries."""
     versions = []
     for package in ("torch", "triton", "flash-linear-attention", "fla-core", "transformers"):
@@ -171,7 +169,7 @@ def probe_cache_path(config: PretrainedConfig, dtype: torch.dtype, where: torch.
         except metadata.PackageNotFoundError:
             versions.append(f"{package}=none")
     key = json.dumps([config.to_json_string(use_diff=False), str(dtype), autocast, fused, _device_name(where), versions,
-                      PROBE_LENGTHS, PROBE_VERSION])
+                      PROBE_LENGTHS, PROBE_VERSION] + ([dataclasses.asdict(adapters)] if adapters is not None else []))
     return builtin.cache_dir() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 

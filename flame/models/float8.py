@@ -32,7 +32,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 import torch
@@ -101,6 +100,12 @@ def _torchao_float8():
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
     return float8
+
+
+def _torchao_version() -> str:
+    """The torchao FP8 runs with (in the environment or its side folder: found where ``_torchao_float8`` looks)."""
+    _torchao_float8()
+    return sys.modules["torchao"].__version__
 
 
 def eligible_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
@@ -182,7 +187,7 @@ class ShapeTimes:
 
 def faster_in_fp8(shapes: list[tuple[int, int]], tokens: int, recipe: str, compiled: bool) -> set[tuple[int, int]]:
     """The (in, out) shapes whose forward and backward at ``tokens`` rows FP8 runs faster than bf16 on this GPU."""
-    key = json.dumps([torch.cuda.get_device_name(), torch.__version__, metadata.version("torchao"), recipe, compiled,
+    key = json.dumps([torch.cuda.get_device_name(), torch.__version__, _torchao_version(), recipe, compiled,
                       tokens, shapes])
     path = cache_dir() / "float8" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     measured = measured_once(path, lambda p: ShapeTimes(**json.loads(p.read_text())),

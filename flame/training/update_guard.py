@@ -58,7 +58,10 @@ class UpdateGuard:
         """Take step ``step``'s update unless its gradient norm, its loss (``global_loss()``) or its count of targets
         (``targets``), all three global (every rank's alike), say otherwise; ``before_update`` runs right before an
         update."""
-        measures = torch.stack([grad_norm.detach().float(), global_loss().float(), targets.float()])
+        # on the gradients' device: the host's when FSDP offloads them (--training.enable_cpu_offload), where the
+        # fused optimizer reads found_inf beside the weights it steps
+        where = grad_norm.device
+        measures = torch.stack([grad_norm.detach().float(), global_loss().float().to(where), targets.float().to(where)])
         if self.deferred:
             found_inf = torch.logical_not(torch.isfinite(measures[:2]).all() & (measures[2] > 0)).float()
             for optimizer in self.optimizers.optimizers:

@@ -11,7 +11,7 @@ import torch
 from flame.base.batch_context import BatchContext, computing
 from flame.memory import activations, probe
 from flame.models.kernels import attention
-from flame.models import load_model_config
+from flame.models import load_model_config, lora
 from flame.models.builder import reinitialize
 from flame.models.kernels.fused import use_fused_kernels
 from flame.models.inputs import is_fla_config
@@ -99,13 +99,16 @@ def test_the_probe_prices_a_blocks_backward_at_eight_times_its_longest_row(name)
     assert 0.85 * (beyond - weight_grads) <= profile.backward.at(tokens) <= 1.05 * beyond
 
 
-def test_an_hf_models_meta_profile_counts_what_its_varlen_forward_keeps_on_the_gpu():
+@pytest.mark.parametrize("adapters", [None, lora.LoraSettings(rank=16, alpha=32, dropout=0.0, targets=("all-linear",))],
+                         ids=["full", "lora"])
+def test_an_hf_models_meta_profile_counts_what_its_varlen_forward_keeps_on_the_gpu(adapters):
     """A job under FSDP (bf16 weights) plans an HF model from its meta forward, where the attention keeps what
     flame's varlen kernel keeps (flame.models.kernels.attention.kept_as_flash_kernels): checked against the GPU's memory
-    at rows past the meta forward's, two documents a row, through flame's attention as training calls it."""
+    at rows past the meta forward's, two documents a row, through flame's attention as training calls it; and so
+    under LoRA, whose adapters keep their inputs where the frozen base keeps none."""
     config = load_model_config(str(ROOT / "configs" / "llama_340M.json"))
     config.num_hidden_layers = 2
-    profile = activations.measure(config, torch.bfloat16, fused=True, attention="varlen")
+    profile = activations.measure(config, torch.bfloat16, fused=True, attention="varlen", adapters=adapters)
     assert "varlen attention's" in profile.method
     model = meta_model(config).to(torch.bfloat16)
     model.set_attn_implementation(attention.HF_ATTENTION)
@@ -113,6 +116,8 @@ def test_an_hf_models_meta_profile_counts_what_its_varlen_forward_keeps_on_the_g
     reinitialize(model)
     model.train()
     use_fused_kernels(model)
+    if adapters is not None:  # last, as flame.models.builder adds them
+        lora.add_adapters(model, adapters)
 
     def kept(tokens: int) -> int:
         ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")

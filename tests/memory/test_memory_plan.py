@@ -34,7 +34,7 @@ from flame.memory.layout import Layout
 from flame.memory.plan import PRICE_TOLERANCE, candidates, choose, table
 from flame.memory.price import price
 from flame.models.kernels import attention
-from flame.models import builder, load_model_config, moe
+from flame.models import builder, load_model_config, lora, moe
 from flame.models.registry import decoder_layers, meta_model, register_all
 from flame.optim.adamw import ADAMW
 from flame.optim.muon import MUON
@@ -152,13 +152,33 @@ def test_a_gpu_job_s_fused_norms_and_mlps_are_measured_by_what_their_kernels_kee
     assert "flame's fused norms and MLPs" in kernels.method
 
 
+def test_a_lora_jobs_activations_are_measured_with_its_adapters_on_the_fused_mlp():
+    """Under LoRA the frozen base keeps no inputs for weight gradients, and an adapted down projection is no longer
+    the plain Linear the fused SwiGLU+Linear kernel reads: the fused MLP then hands the SiLU product to the adapter,
+    which keeps it (an intermediate-sized tensor a token the base job's kernel recomputes). Measured without the
+    adapters, the plan priced a 26B LoRA job's kept blocks short by that tensor and ran out of memory."""
+    config, inner = tiny_llama(2), TINY_DECODER["intermediate_size"]
+    base = activations.measure(config, torch.bfloat16, fused=True)
+
+    def with_lora(targets: str) -> activations.ActivationProfile:
+        adapters = lora.LoraSettings(rank=4, alpha=8, dropout=0.0, targets=tuple(targets.split(",")))
+        return activations.measure(config, torch.bfloat16, fused=True, adapters=adapters)
+
+    every, attention_only = with_lora("all-linear"), with_lora("q_proj,v_proj")
+    rank_terms = 7 * 4 * 2 * 2  # each adapter's rank-wide output, a generous bound
+    # all seven layers adapted: the down projection's input kept as well, the rest shared with the base's
+    assert every.blocks[1].linear - base.blocks[1].linear == pytest.approx(inner * 2, abs=rank_terms)
+    # q and v only: nothing keeps the MLP's input any more (its projections are frozen), nor o_proj's
+    assert attention_only.blocks[1].linear < base.blocks[1].linear - TINY_DECODER["hidden_size"] * 2
+
+
 def test_a_compiled_hf_job_is_measured_with_the_fused_kernels_that_stand_in_for_inductor(long_model, monkeypatch):
     """Compiled blocks run HF's code, whose elementwise ops inductor fuses: on a GPU the plan measures them with
     flame's fused norms and MLPs (what they keep is close to what the compiled block keeps), even where the
     eager job would run HF's own code (--model.no-fused_kernels)."""
     monkeypatch.setattr(memory.device, "CUDA", True)
     measured = []
-    monkeypatch.setattr(activations, "measure", lambda config, dtype, fused, autocast, attention: measured.append(fused))
+    monkeypatch.setattr(activations, "measure", lambda config, dtype, fused, autocast, attention, adapters: measured.append(fused))
 
     def fused(*flags) -> bool:
         measured.clear()
@@ -606,6 +626,9 @@ def test_plan_takes_the_cheapest_layout_that_fits_and_costs_more_as_the_budget_s
         mine = price(job, plan.layout, H100).seconds
         cheapest = min(seconds for _, seconds in fitting(job, start, need))
         assert cheapest <= mine <= cheapest * (1 + PRICE_TOLERANCE)
+        # the line says which: the cheapest, or one priced alike that changes the job less
+        said = "the cheapest of" if mine == cheapest else f"priced within 5% of the cheapest ({cheapest:.3g} s)"
+        assert said in plan.why or "the only layout that fits" in plan.why, plan.why
         chosen.append(plan.layout)
         prices.append(mine)
     assert prices == sorted(prices)  # a smaller budget never buys a faster step

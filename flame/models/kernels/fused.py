@@ -145,19 +145,23 @@ _GATED_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if _keeping_on_meta(x):  # swiglu_linear keeps the gate and up projections, and recomputes their product
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return Keeps.apply(x.new_empty((*x.shape[:-1], self.down_proj.out_features), dtype=gate.dtype), gate, up)
-    if not _eager_on_cuda(x):
+    on_meta = _keeping_on_meta(x)
+    if not (on_meta or _eager_on_cuda(x)):
         return self.fused_from.forward(self, x)
-    kernels = _fla_kernels()
     gate, up, down = self.gate_proj(x), self.up_proj(x), self.down_proj
     # the fused down projection reads down_proj's weight itself: only a plain Linear's forward is that
-    if type(down) is nn.Linear and not (down._forward_hooks or down._forward_pre_hooks):
+    fused_down = type(down) is nn.Linear and not (down._forward_hooks or down._forward_pre_hooks)
+    if on_meta:  # both kernels keep the gate and up projections; swiglu_linear recomputes their product, swiglu
+        # hands it to the down projection, which keeps it where it has to (a LoRA adapter's input, a float8 Linear's)
+        if fused_down:
+            return Keeps.apply(x.new_empty((*x.shape[:-1], down.out_features), dtype=gate.dtype), gate, up)
+        return down(Keeps.apply(gate, gate, up))
+    kernels = _fla_kernels()
+    if fused_down:
         # in the activations' dtype, as autocast would give F.linear (a no-op without autocast)
         weight, bias = down.weight.to(gate.dtype), down.bias.to(gate.dtype) if down.bias is not None else None
         return kernels.swiglu_linear(gate, up, weight, bias)
-    return down(kernels.swiglu(gate, up))  # e.g. a float8 Linear
+    return down(kernels.swiglu(gate, up))  # e.g. a float8 Linear, a LoRA adapter's
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
