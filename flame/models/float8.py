@@ -8,7 +8,9 @@ that cost more than they save when the matmul is small (short rows, narrow layer
 ``layers auto`` (the default) each distinct linear shape of the model is timed on this GPU, forward
 and backward at the job's tokens per micro-batch, in bf16 and in FP8 (compiled when the blocks
 are), and only the shapes FP8 makes faster are converted (``faster_in_fp8``; measured once per
-machine and cached like the memory plan's rates). ``layers all`` converts every eligible layer.
+machine and cached like the memory plan's rates). Layers that read one input (an attention's q, k
+and v; a gated MLP's gate and up) are timed together: compiled, they share the input's cast.
+``layers all`` converts every eligible layer.
 
 Eligible: every ``nn.Linear`` whose two dimensions are multiples of 16 (the FP8 GEMM's rule), except
 the output head (flame's fused loss reads its weight directly), MoE routers (their top-k choice
@@ -37,11 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from flame import compat
 from flame.base import device
 from flame.base.errors import ConfigError
 from flame.base.measured_once import measured_once
 from flame.data.builtin import cache_dir
 from flame.models import moe
+from flame.models.kernels import attention, fused
 from flame.models.registry import layer_kinds, names_layer
 
 OFF = "off"
@@ -140,9 +144,10 @@ def convert(model: nn.Module, settings: Float8Settings, tokens: int, compiled: b
     float8 = _torchao_float8()
     eligible = eligible_layers(model, settings.skip)
     if settings.layers == "auto" and device.CUDA:
-        shapes = faster_in_fp8(sorted(set(eligible.values())), tokens, settings.recipe, compiled)
-        chosen = {name for name, shape in eligible.items() if shape in shapes}
-        why = f"the shapes FP8 ran faster at {tokens:,} tokens on this GPU"
+        groups = {group: tuple(eligible[name] for name in group) for group in input_groups(model, list(eligible))}
+        faster = faster_in_fp8(sorted(set(groups.values())), tokens, settings.recipe, compiled)
+        chosen = {name for group, shapes in groups.items() if shapes in faster for name in group}
+        why = f"the layers FP8 ran faster at {tokens:,} tokens on this GPU (those reading one input timed together)"
     else:
         chosen = set(eligible)
         why = "every eligible layer" if device.CUDA else "every eligible layer (emulated on the CPU: numerics, not speed)"
@@ -176,49 +181,99 @@ def gathers_in_fp8(settings: Float8Settings | None, fsdp: bool) -> bool:
     return settings is not None and fsdp and settings.all_gather and settings.precompute
 
 
-# ---- layers auto: each shape timed in bf16 and in FP8 on this GPU -------------------------------------------------
+# ---- layers auto: each group of layers timed in bf16 and in FP8 on this GPU ---------------------------------------
+
+
+def input_groups(model: nn.Module, names: list[str]) -> list[tuple[str, ...]]:
+    """``names`` (linear layers of ``model``) grouped by the input they read: an attention's q, k and v projections
+    read one tensor, a gated MLP's gate and up projections another. FP8 scales and casts an input once for all of
+    its readers where the blocks are compiled (the compiler merges the identical casts), so such a group gains or
+    loses together and is timed together. Found by a forward of ``model`` on the meta device (it is built there
+    before parallelizing); where that forward cannot run (a model on real memory, fla's Triton kernels, data-dependent
+    routing) each layer is its own group."""
+    modules = dict(model.named_modules())
+    singletons = [(name,) for name in names]
+    if any(parameter.device.type != "meta" for parameter in model.parameters()):
+        return singletons
+    readers: dict[int, list[str]] = {}
+    inputs: list[torch.Tensor] = []  # held for the forward's length: an id is unique only while its tensor lives
+
+    def reads(name: str):
+        def hook(module, args):
+            inputs.append(args[0])
+            readers.setdefault(id(args[0]), []).append(name)
+        return hook
+
+    handles = [modules[name].register_forward_pre_hook(reads(name)) for name in names]
+    try:
+        # flame's attention, norms and MLPs on meta tensors as their stand-ins (no kernel reads meta memory)
+        with (torch.no_grad(), compat.triton.kernel_launches_refused(), attention.kept_as_flash_kernels("varlen"),
+              fused.kept_as_on_cuda()):
+            model(input_ids=torch.zeros(1, 16, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001 - any model whose forward needs real memory: per layer, as before
+        return singletons
+    finally:
+        for handle in handles:
+            handle.remove()
+    grouped = {name for group in readers.values() for name in group}
+    return [tuple(group) for group in readers.values()] + [(name,) for name in names if name not in grouped]
+
 
 @dataclass
-class ShapeTimes:
-    """Milliseconds of one forward and backward per shape: [[in, out, bf16 ms, fp8 ms], ...]."""
+class GroupTimes:
+    """Milliseconds of one forward and backward per group of layers reading one input:
+    [[[[in, out], ...], bf16 ms, fp8 ms], ...]."""
 
-    times: list[list[float]]
+    times: list[list]
 
 
-def faster_in_fp8(shapes: list[tuple[int, int]], tokens: int, recipe: str, compiled: bool) -> set[tuple[int, int]]:
-    """The (in, out) shapes whose forward and backward at ``tokens`` rows FP8 runs faster than bf16 on this GPU."""
+Shapes = tuple[tuple[int, int], ...]  # a group's layers as (in_features, out_features)
+
+
+def faster_in_fp8(groups: list[Shapes], tokens: int, recipe: str, compiled: bool) -> set[Shapes]:
+    """The groups (layers reading one input, by shape) whose forward and backward at ``tokens`` rows FP8 runs
+    faster than bf16 on this GPU."""
     key = json.dumps([torch.cuda.get_device_name(), torch.__version__, _torchao_version(), recipe, compiled,
-                      tokens, shapes])
+                      tokens, groups])
     path = cache_dir() / "float8" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    measured = measured_once(path, lambda p: ShapeTimes(**json.loads(p.read_text())),
-                             lambda: ShapeTimes([[*shape, *_time_shape(*shape, tokens, recipe, compiled)]
-                                                 for shape in shapes]))
-    return {(int(k), int(n)) for k, n, bf16, fp8 in measured.times if fp8 <= FASTER_BY * bf16}
+    measured = measured_once(path, lambda p: GroupTimes(**json.loads(p.read_text())),
+                             lambda: GroupTimes([[group, *_time_group(group, tokens, recipe, compiled)]
+                                                 for group in groups]))
+    return {tuple((int(k), int(n)) for k, n in group) for group, bf16, fp8 in measured.times if fp8 <= FASTER_BY * bf16}
 
 
-def _time_shape(in_features: int, out_features: int, tokens: int, recipe: str, compiled: bool) -> tuple[float, float]:
-    """(bf16 ms, FP8 ms): one forward and backward of the layer at ``tokens`` rows, bf16 weights and input, as FSDP
+class _Readers(nn.Module):
+    """Linear layers that read one input, as a block calls them."""
+
+    def __init__(self, shapes: Shapes):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for k, n in shapes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(layer(x) for layer in self.layers)
+
+
+def _time_group(shapes: Shapes, tokens: int, recipe: str, compiled: bool) -> tuple[float, float]:
+    """(bf16 ms, FP8 ms): one forward and backward of the group at ``tokens`` rows, bf16 weights and input, as FSDP
     runs it; the median of 20 after a warm-up (which compiles)."""
     settings = Float8Settings(recipe=recipe, layers="all", skip=(), all_gather=False, precompute=False)
-    times = tuple(_time_layer(in_features, out_features, tokens, compiled, settings if fp8 else None)
-                  for fp8 in (False, True))
+    times = tuple(_time_readers(shapes, tokens, compiled, settings if fp8 else None) for fp8 in (False, True))
     torch.cuda.empty_cache()
     return times
 
 
-def _time_layer(in_features: int, out_features: int, tokens: int, compiled: bool,
-                fp8: Float8Settings | None) -> float:
-    layer = nn.Sequential(nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16))
+def _time_readers(shapes: Shapes, tokens: int, compiled: bool, fp8: Float8Settings | None) -> float:
+    readers = _Readers(shapes)
     if fp8 is not None:
-        _torchao_float8().convert_to_float8_training(layer, config=torchao_config(fp8, fsdp=False))
+        _torchao_float8().convert_to_float8_training(readers, config=torchao_config(fp8, fsdp=False))
     if compiled:
-        # each layer is a new module for one code object (Sequential.forward): past dynamo's recompile limit (8) the
-        # rest would run eager and be timed so. The probe runs before the model's blocks are compiled: nothing to lose
+        # each group is a new module for one code object: past dynamo's recompile limit (8) the rest would run
+        # eager and be timed so. The probe runs before the model's blocks are compiled: nothing to lose
         torch._dynamo.reset()
-    run = torch.compile(layer, dynamic=False) if compiled else layer
-    rows = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
-    return _median_ms(lambda: run(rows).backward(grad))
+    run = torch.compile(readers, dynamic=False) if compiled else readers
+    rows = torch.randn(tokens, shapes[0][0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grads = [torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16) for _, n in shapes]
+    return _median_ms(lambda: torch.autograd.backward(run(rows), grads))
 
 
 def _median_ms(step, warmup: int = 3, repeats: int = 20) -> float:

@@ -16,13 +16,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 def test_the_measured_choice_keeps_small_matmuls_in_bf16_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("FLAME_CACHE", str(tmp_path))
-    small, large = (256, 256), (4096, 14336)
-    chosen = float8.faster_in_fp8([small, large], 16384, "tensorwise", compiled=True)
+    small, large = ((256, 256),), ((4096, 14336),)
+    qkv, q = ((2048, 2048),) * 3, ((2048, 2048),)  # an attention's projections of one input, and one alone
+    chosen = float8.faster_in_fp8([small, large, qkv, q], 16384, "tensorwise", compiled=True)
     cached = json.loads(next((tmp_path / "float8").glob("*.json")).read_text())["times"]
-    print("shape ms (bf16, fp8):", cached)
+    print("group ms (bf16, fp8):", cached)
     assert small not in chosen  # four casting passes outweigh a matmul of 2 GFLOP
     assert large in chosen  # a 1.9 TFLOP forward and backward: FP8's GEMM wins
-    assert float8.faster_in_fp8([small, large], 16384, "tensorwise", compiled=True) == chosen  # read, not measured
+    times = {tuple(map(tuple, group)): (bf16, fp8) for group, bf16, fp8 in cached}
+    # the input cast once for three GEMMs: FP8's share of bf16's time is smaller for the group than for one layer
+    assert times[qkv][1] / times[qkv][0] < times[q][1] / times[q][0]
+    assert float8.faster_in_fp8([small, large, qkv, q], 16384, "tensorwise", compiled=True) == chosen  # read, not timed
 
 
 def test_a_compiled_fp8_run_trains_beside_its_bf16_twin(tiny_model, corpus, tmp_path):

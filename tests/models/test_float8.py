@@ -11,7 +11,9 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flame.base.errors import ConfigError
-from flame.models import float8, lora
+from flame.models import float8, lora, registry
+from flame.models.kernels import attention
+from flame.models.kernels.fused import use_fused_kernels
 from flame.models.lora import LoraSettings
 from flame.prepare import settled
 from tests.conftest import TINY_DECODER, TOKENIZER, assert_same_curve, check, metrics, train_job
@@ -50,6 +52,35 @@ def test_the_eligible_layers_leave_out_the_head_the_routers_the_adapters_and_the
         float8.eligible_layers(llama, skip=("o_prj",))
     odd = meta_model("llama", hidden_size=72, intermediate_size=136)  # no multiple of 16
     assert float8.eligible_layers(odd) == {}
+
+
+def test_layers_that_read_one_input_are_grouped_by_a_meta_forward():
+    """--float8.layers auto times together the layers a block calls on one input (FP8 casts it once for them where
+    the blocks are compiled): found by a forward on the meta device, as the model is built; per layer where none
+    runs."""
+    llama = meta_model("llama")
+    names = list(float8.eligible_layers(llama))
+    groups = float8.input_groups(llama, names)
+    # as flame builds it for a GPU: its attention, fused norms and MLPs, whose meta forwards run their stand-ins
+    registry.register_all()  # flame's attention among transformers' implementations, as the trainer's start does
+    flames = meta_model("llama")
+    flames.set_attn_implementation(attention.HF_ATTENTION)
+    use_fused_kernels(flames)
+    assert float8.input_groups(flames, names) == groups
+    block = "model.layers.1."
+    assert [tuple(name.removeprefix(block) for name in group) for group in groups if group[0].startswith(block)] == [
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
+    assert sorted(name for group in groups for name in group) == sorted(names)  # each layer once
+    # LoRA's frozen base layers read the block's input as the plain ones do (their adapters read it too)
+    adapted = meta_model("llama")
+    lora.add_adapters(adapted, LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=("all-linear",)))
+    base = list(float8.eligible_layers(adapted))
+    assert ("model.layers.0.mlp.gate_proj.base_layer", "model.layers.0.mlp.up_proj.base_layer") in float8.input_groups(
+        adapted, base)
+    # built on real memory (no meta forward to read): each layer alone
+    real = AutoModelForCausalLM.from_config(llama.config)
+    assert float8.input_groups(real, names) == [(name,) for name in names]
 
 
 def test_converted_layers_compute_what_fp8_rounding_allows_and_learn():
