@@ -5,11 +5,11 @@
 The rule: an FP8 matmul runs at up to twice bf16's rate on Hopper, but each one first scales and
 casts its input, its weight and, in the backward, its output gradient to FP8: passes over memory
 that cost more than they save when the matmul is small (short rows, narrow layers). So with
-``layers auto`` (the default) each distinct linear shape of the model is timed on this GPU, forward
-and backward at the job's tokens per micro-batch, in bf16 and in FP8 (compiled when the blocks
-are), and only the shapes FP8 makes faster are converted (``faster_in_fp8``; measured once per
-machine and cached like the memory plan's rates). Layers that read one input (an attention's q, k
-and v; a gated MLP's gate and up) are timed together: compiled, they share the input's cast.
+``layers auto`` (the default) the model's linear layers are timed on this GPU, forward and backward
+at the job's tokens per micro-batch, in bf16 and in FP8 (compiled when the blocks are), and only
+those FP8 makes faster are converted (``faster_in_fp8``; measured once per machine and cached like
+the memory plan's rates). Layers that read one input (an attention's q, k and v; a gated MLP's gate
+and up) are timed together, as one group: compiled, they share the input's cast.
 ``layers all`` converts every eligible layer.
 
 Eligible: every ``nn.Linear`` whose two dimensions are multiples of 16 (the FP8 GEMM's rule), except
