@@ -155,6 +155,8 @@ def convert(model: nn.Module, settings: Float8Settings, tokens: int, compiled: b
         return f"FP8 ({settings.recipe}): no linear layer converted ({why}: none of {len(eligible)} eligible)"
     float8.convert_to_float8_training(model, config=torchao_config(settings, fsdp),
                                       module_filter_fn=lambda module, name: name in chosen)
+    # fla's fused SwiGLU+Linear would read a converted down projection's weight itself, in bf16
+    compat.fla.down_projections_called(model, {id(module) for name, module in model.named_modules() if name in chosen})
     gathered = " (weights all-gathered in FP8)" if settings.all_gather and fsdp else ""
     return (f"FP8 ({settings.recipe}): {len(chosen)} of {len(eligible)} eligible linear layers{gathered}, {why}; "
             f"MFU counts their FLOPs at bf16's peak")

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.pytorch_utils import Conv1D
 
+from flame import compat
 from flame.base.errors import ConfigError
 from flame.models.registry import layer_kinds, names_layer
 
@@ -130,11 +131,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> list[str]:
         # adapted layer (q, k and v each copy the same input). Left as it comes, the matmul is the same; where no
         # autocast runs (float32 compute, FSDP's bf16 weights) input and weight already share a dtype
         module.cast_input_dtype_enabled = False
-    wrapped = set(map(id, adapted_modules(model)))
-    for module in model.modules():
-        # fla's GatedMLP hands down_proj's weight to its fused SwiGLU+Linear kernel, which would skip the adapter
-        if getattr(module, "fuse_swiglu", False) and id(getattr(module, "down_proj", None)) in wrapped:
-            module.fuse_swiglu = False
+    compat.fla.down_projections_called(model, set(map(id, adapted_modules(model))))
     return adapted
 
 

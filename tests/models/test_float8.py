@@ -16,7 +16,8 @@ from flame.models.kernels import attention
 from flame.models.kernels.fused import use_fused_kernels
 from flame.models.lora import LoraSettings
 from flame.prepare import settled
-from tests.conftest import TINY_DECODER, TOKENIZER, assert_same_curve, check, metrics, train_job
+from flame.models import load_model_config
+from tests.conftest import ROOT, TINY_DECODER, TOKENIZER, assert_same_curve, check, metrics, train_job
 
 FP8 = ("--float8.recipe_name=tensorwise", "--float8.layers=all")
 # one row a micro-batch: one process (2 micro-batches) and two ranks (one each) put the same rows together, so FP8's
@@ -81,6 +82,22 @@ def test_layers_that_read_one_input_are_grouped_by_a_meta_forward():
     # built on real memory (no meta forward to read): each layer alone
     real = AutoModelForCausalLM.from_config(llama.config)
     assert float8.input_groups(real, names) == [(name,) for name in names]
+
+
+def test_an_fla_mlps_converted_down_projection_is_called_not_read_by_the_fused_kernel():
+    """fla's GatedMLP hands down_proj's weight to its fused SwiGLU+Linear kernel: a converted down projection would
+    compute in bf16 there while the log counts it in FP8. Converted, the MLP calls it (SwiGLU, then the layer)."""
+    model = registry.meta_model(load_model_config(str(ROOT / "configs" / "tiny" / "transformer.json")))
+    mlps = [module for module in model.modules() if hasattr(module, "fuse_swiglu")]
+    assert mlps and all(mlp.fuse_swiglu for mlp in mlps)  # fla's default
+    settings = float8.Float8Settings(recipe="tensorwise", layers="all", skip=(), all_gather=False, precompute=False)
+    float8.convert(model, settings, tokens=64, compiled=False, fsdp=False)
+    assert all(type(mlp.down_proj).__name__ == "Float8Linear" and not mlp.fuse_swiglu for mlp in mlps)
+    # LoRA's adapters on the same path: unfused where one wraps the down projection, else left fused
+    for targets, fused in (("q_proj",), True), (("down_proj",), False):
+        adapted = registry.meta_model(load_model_config(str(ROOT / "configs" / "tiny" / "transformer.json")))
+        lora.add_adapters(adapted, LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=targets))
+        assert all(module.fuse_swiglu == fused for module in adapted.modules() if hasattr(module, "fuse_swiglu"))
 
 
 def test_converted_layers_compute_what_fp8_rounding_allows_and_learn():
