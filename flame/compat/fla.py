@@ -238,16 +238,13 @@ def gsa_norm_gathers_heads(to_all_heads: Callable[[torch.Tensor], torch.Tensor])
     gsa.rms_norm_linear = rms_norm_linear
 
 
-def down_projections_called(model: torch.nn.Module, replaced: set[int]) -> int:
+def down_projections_called(model: torch.nn.Module, replaced: set[int]) -> None:
     """Make fla's gated MLPs call their down projection where it was replaced (``replaced``: ids of modules, e.g.
-    a LoRA adapter, a float8 Linear); returns how many MLPs changed.
+    a LoRA adapter, a float8 Linear).
 
     Upstream: fla's ``GatedMLP`` with ``fuse_swiglu`` hands ``down_proj.weight`` to its fused SwiGLU+Linear
     kernel and never calls ``down_proj``, so a module put in its place would not run (an adapter silently skipped,
     an FP8 layer computed in bf16). flame: there the fusion is off (SwiGLU, then ``down_proj`` itself)."""
-    changed = 0
     for module in model.modules():
         if getattr(module, "fuse_swiglu", False) and id(getattr(module, "down_proj", None)) in replaced:
             module.fuse_swiglu = False
-            changed += 1
-    return changed

@@ -123,7 +123,8 @@ def dense_masks_kept(config: Any, model: ModelUnderCheck, blocks: int) -> int:
     """How many float attention masks (tokens x tokens) a step keeps at once: 0 unless the model's softmax attention
     takes flame's dense reference path; one per block without activation checkpointing, else one (a recomputed
     block's alone; blocks not checkpointed under some AC modes keep theirs, so this is a floor)."""
-    if backend_for(config.model.attention, cuda=device.CUDA) != "sdpa" or support_for(model.config).documents is not Documents.ATTENTION:
+    dense = backend_for(config.model.attention, cuda=device.CUDA) == "sdpa"
+    if not dense or support_for(model.config).documents is not Documents.ATTENTION:
         return 0
     return blocks if config.activation_checkpoint.mode == "none" else 1
 
