@@ -35,16 +35,16 @@ from flame.memory.layout import (
     dtype_bytes,
     first_blocks,
 )
-from flame.memory.plan import choose, table
+from flame.memory.plan import HOST_SHARE, choose, table
 from flame.models import lora, moe
 from flame.models.inputs import is_fla_config
 from flame.models.kernels.attention import backend_for
 from flame.models.model_config import load_model_config
 from flame.models.registry import decoder_layers, meta_model
+from flame.optim import pinned
 from flame.optim.host import leading_units, units_of
 from flame.optim.record import optimizer_record
 
-HOST_SHARE = 0.9  # of the available RAM: the rest for the data loaders, page cache and the OS
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
 
 
@@ -139,6 +139,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         active_params=moe.active_params(model) if moe.is_moe(model_config) else None,
         can_park_inputs=device.CUDA and not pipelined,
         frozen_params=frozen, frozen_bytes=frozen_bytes,
+        offload_pinning=offload_pinning(model, shards), host_copy_pinning=host_copy_pinning(model, shards),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
@@ -147,6 +148,31 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
             gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, True),
             activations=activations.measure(model_config, dtype, fused, False, attention=attention, adapters=adapters))))
     return job
+
+
+def _local_numels(model: nn.Module, shards: int) -> list[list[int]]:
+    """Each trainable parameter's part on one rank (FSDP splits dim 0, padded), by the host optimizer's units."""
+    def local(param) -> int:
+        rows = param.shape[0] if param.dim() else 1
+        return -(-rows // shards) * (param.numel() // max(rows, 1))
+
+    return [[local(param) for param in unit.params] for unit in units_of(model)]
+
+
+def offload_pinning(model: nn.Module, shards: int) -> float:
+    """Bytes FSDP's CPU offload pins for the weights (and again for the gradients) over their own: each shard is
+    rounded up to a power of two (flame.optim.pinned)."""
+    numels = [n for unit in _local_numels(model, shards) for n in unit]
+    return sum(pinned.allocated(4 * n) for n in numels) / max(4 * sum(numels), 1)
+
+
+def host_copy_pinning(model: nn.Module, shards: int) -> float:
+    """Bytes the host optimizer's pinned copies take over their own: each unit's weights, then its gradients,
+    from the arena's chunks (flame.optim.pinned)."""
+    units = _local_numels(model, shards)
+    exact = 2 * 4 * sum(map(sum, units))
+    asked = [n for unit in units for n in (*unit, *unit)]
+    return pinned.arena_bytes(asked, pinned.chunk_bytes_for(exact)) / max(exact, 1)
 
 
 def gpu_state_params(model, gpu_blocks: int, fsdp: bool) -> int:
@@ -244,6 +270,7 @@ def apply(config, world_size: int, given: dict[str, int], model_config=None,
             f"the job does not fit the {gpu / GIB:.2f} GiB GPU budget even with {plan.layout.describe()} "
             f"(the most memory-saving plan that keeps the settings given): that needs --memory.gpu_budget_gib {math.ceil(plan.gpu_bytes / GIB * 100) / 100:.2f}; "
             "use more GPUs (FSDP), a shorter --training.seq_len or fewer --training.batch_size rows"
+            + plan.remark
         )
     set_layout(config, plan.start, plan.layout)
     if announce:

@@ -52,10 +52,14 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     kept = "host (CPU offload)" if layout.offload else "GPU"
     state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
     held = f"LoRA: the frozen base in {job.frozen_bytes}-byte elements, the adapters in fp32" if job.frozen_params else "fp32"
-    parts = [Part("parameters", job.weight_bytes() / job.weight_shards, kept, f"{held}, 1/{job.weight_shards} per rank")]
+    # offloaded, FSDP pins each weight's shard and each gradient: PyTorch's pinned allocator rounds them up
+    pinning = job.offload_pinning if layout.offload else 1.0
+    rounded = f", pinned (+{pinning - 1:.0%}: each rounded up to a power of two)" if pinning > 1.0005 else ""
+    parts = [Part("parameters", pinning * job.weight_bytes() / job.weight_shards, kept,
+                  f"{held}, 1/{job.weight_shards} per rank{rounded}")]
     if job.ema:
         parts.append(Part("weights' average", 4 * weights, kept, "fp32, --training.ema_decay"))
-    gradients = Part("gradients", 4 * weights, kept, "fp32")
+    gradients = Part("gradients", pinning * 4 * weights, kept, f"fp32{rounded}")
     if layout.host_optimizer:
         # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU
         on_gpu = job.optimizer.state_bytes * min(job.gpu_state_params, job.trainable_params) / job.weight_shards
@@ -64,8 +68,9 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
             parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
                                                                   "(--optimizer.gpu_blocks)"))
         if not layout.offload:  # streamed (with offload), the host steps the offloaded weights in place
-            parts.append(Part("host step buffers", 8 * max(0.0, weights - job.gpu_state_params / job.weight_shards),
-                              "host (pinned)", "fp32 copies of the weights and gradients"))
+            copied = 8 * max(0.0, weights - job.gpu_state_params / job.weight_shards)
+            parts.append(Part("host step buffers", job.host_copy_pinning * copied, "host (pinned)",
+                              "fp32 copies of the weights and gradients, in pinned chunks"))
     else:
         parts.append(Part("optimizer state", state, kept, state_note))
     if job.fsdp or layout.offload:

@@ -97,6 +97,11 @@ class Job:
     # each is held in (the compute dtype's under mixed precision: lora.hold_base_in)
     frozen_params: int = 0
     frozen_bytes: int = 4
+    # pinned host memory over what it holds (flame.optim.pinned): FSDP's CPU offload pins each weight shard and
+    # each gradient, rounded up to a power of two by PyTorch's allocator; the host optimizer's own copies come from
+    # chunks, which lose only their tails
+    offload_pinning: float = 1.0
+    host_copy_pinning: float = 1.0
 
     @property
     def computed_params(self) -> int:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from flame.memory.hardware import Hardware
 
 ALTERNATIVES_SHOWN = 3  # the plan's table names this many of the next cheapest layouts that fit
+HOST_SHARE = 0.9  # of the available RAM, the host budget's default: the rest for the data loaders, page cache, the OS
 PRICE_TOLERANCE = 0.05  # layouts priced this close count as equal: the one that changes the job least wins
 
 
@@ -50,6 +51,7 @@ class Plan:
     fits: bool
     why: str
     hardware: Hardware | None = None
+    remark: str = ""  # a plan that does not fit: what else was near (``host_bound``)
 
     @property
     def gpu_bytes(self) -> float:
@@ -91,6 +93,21 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
     return [layout for layout in layouts
             if not layout.park_inputs or ((layout.ac == "full" or first_blocks(layout.ac) is not None)
                                           and (layout == start or fits_host(**dataclasses.asdict(layout))))]
+
+
+def host_bound(job: Job, start: Layout, fixed: set[str], gpu_budget: float, host_budget: float | None) -> str:
+    """Where streaming the weights from the host would fit the GPU but not the host budget, what it would need
+    (a remark for the refusal; empty otherwise)."""
+    if host_budget is None or not job.can_offload or not job.optimizer.offloads or "offload" in fixed or start.offload:
+        return ""
+    host = start.host_optimizer or (job.can_step_on_host and "host_optimizer" not in fixed)
+    streamed = dataclasses.replace(start, ac=start.ac if "ac" in fixed else "full", offload=True, host_optimizer=host)
+    parts = estimate(job, streamed)
+    if gpu_bytes(parts) > gpu_budget or host_bytes(parts) <= host_budget:
+        return ""
+    return (f"; {streamed.describe()} would fit the GPU but needs {host_bytes(parts) / GIB:.1f} GiB of host memory, "
+            f"over the {host_budget / GIB:.1f} GiB host budget (--memory.host_budget_gib; auto: "
+            f"{HOST_SHARE:.0%} of the RAM available)")
 
 
 def ac_options(job: Job, current: str) -> list[str]:
@@ -157,7 +174,8 @@ def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, h
     if not fitting:
         smallest = min(weighed, key=lambda candidate: candidate.gpu_bytes)
         return Plan(smallest.layout, start, weighed, estimate(job, smallest.layout), gpu_budget, host_budget, False,
-                    f"needs {smallest.gpu_bytes / GIB:.2f} GiB with {smallest.layout.describe()}", hardware)
+                    f"needs {smallest.gpu_bytes / GIB:.2f} GiB with {smallest.layout.describe()}", hardware,
+                    host_bound(job, start, fixed, gpu_budget, host_budget))
     cheapest = fitting[0].price.seconds
     alike = [candidate for candidate in fitting if candidate.price.seconds <= cheapest * (1 + PRICE_TOLERANCE)]
     chosen = min(alike, key=lambda candidate: _changes(start, candidate.layout, blocks))

@@ -7,7 +7,9 @@ frees all of it but copies every weight up for every pass.
 
 How a step runs on a GPU:
 1. ``step`` (after the backward and the gradient clipping) queues the copy of every gradient into
-   pinned host memory on a copy stream, unit by unit, and returns at once.
+   pinned host memory on a copy stream, unit by unit, and returns at once. The pinned copies of the
+   weights and gradients come from ``flame.optim.pinned.HostArena``'s chunks, which PyTorch's pinned
+   allocator does not round up to a power of two (one buffer a block took a third more than it held).
 2. A host thread steps each unit with torch's fused CPU AdamW on the host's fp32 copy of its
    weights (on all cores but one, left to the thread launching the GPU's work), then queues the
    new weights' copy to the GPU on a second stream. The units come in the order the next forward
@@ -53,6 +55,7 @@ from torchtitan.tools.logging import logger
 
 from flame.models.registry import decoder_layers
 from flame.optim import groups
+from flame.optim.pinned import HostArena, chunk_bytes_for
 
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -73,17 +76,6 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _flat(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One fp32 host buffer for ``tensors`` (pinned for asynchronous copies: one allocation per unit, not per
-    tensor, since the pinned allocator rounds each up to a power of two) and a view of it shaped like each."""
-    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, pin_memory=pin)
-    views, start = [], 0
-    for t in tensors:
-        views.append(buffer[start : start + t.numel()].view(t.shape))
-        start += t.numel()
-    return buffer, views
-
-
 @dataclass(eq=False)
 class Unit:
     """Parameters the next forward needs together, and where the forward first needs them: before
@@ -94,7 +86,7 @@ class Unit:
     after: bool = False
     host_params: list[torch.Tensor] = field(default_factory=list)  # pinned fp32 copies of the weights (local parts)
     host_grads: list[torch.Tensor] = field(default_factory=list)  # pinned: where the gradients land (offloaded: them)
-    buffers: tuple = ()  # the two flat buffers the views above belong to
+    copied: bool = False  # host_params hold the model's weights (copied at the first step and after a load)
     on_host: object = None  # CUDA event: the gradients have reached the host
     updated: object = None  # CUDA event: the new weights have reached the GPU
     ready: threading.Event = field(default_factory=threading.Event)  # the host thread is done with this unit
@@ -163,6 +155,10 @@ class HostAdamW(Optimizer):
         # FSDP's CPU offload keeps the weights and their gradients on the host already: step them where they are
         self.in_place = any(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in params)
         self.cuda = not self.in_place and params[0].is_cuda
+        # the host's copies of the weights and gradients stepped there, pinned without the allocator's rounding
+        copied = 0 if self.in_place else sum(local_part(p).numel() for unit in self.units[self.on_device :]
+                                             for p in unit.params)
+        self.arena = HostArena(pin=self.cuda, chunk_bytes=chunk_bytes_for(2 * 4 * copied))
         if self.cuda:
             self.device = params[0].device
             self.to_host, self.to_device = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
@@ -216,13 +212,14 @@ class HostAdamW(Optimizer):
             self._wait(unit)
 
     def _host_copies(self, unit: Unit) -> None:
-        """The unit's pinned buffers, the weights copied into them (first step, and after a checkpoint loaded)."""
+        """The unit's pinned buffers (taken once), the weights copied into them (first step, after a checkpoint loaded)."""
         locals_ = [local_part(p) for p in unit.params]
-        weights, unit.host_params = _flat(locals_, pin=self.cuda)
-        grads, unit.host_grads = _flat(locals_, pin=self.cuda)
-        unit.buffers = (weights, grads)
+        if not unit.host_params:
+            unit.host_params = [self.arena.take(t.shape) for t in locals_]
+            unit.host_grads = [self.arena.take(t.shape) for t in locals_]
         for host, param in zip(unit.host_params, locals_):
             host.copy_(param.detach())
+        unit.copied = True
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -243,7 +240,7 @@ class HostAdamW(Optimizer):
                 unit.pending = True
                 work.append((unit, _by_hyperparameters(unit, live, settings)))
                 continue
-            if not unit.buffers:
+            if not unit.copied:
                 self._host_copies(unit)
             live = self._live(unit, unit.host_params)
             if self.cuda:
@@ -307,7 +304,9 @@ class HostAdamW(Optimizer):
                 self.stepping += time.perf_counter() - copied
                 indices = [i for group in groups.values() for i in group]
                 if self.in_place:
-                    pass
+                    # stepped: let go of this step's gradients, which zero_grad then frees before the next backward
+                    # allocates its own (held, a 7B's offloaded gradients were on the host twice: 25 GiB more)
+                    unit.host_grads = []
                 elif self.cuda:
                     with torch.cuda.stream(self.to_device):
                         for i in indices:
@@ -350,7 +349,7 @@ class HostAdamW(Optimizer):
             where = local_part(param).device if id(param) in on_device else torch.device("cpu")
             self.state[param] = {name: self._placed(param, value, where) for name, value in saved.items()}
         for unit in self.units:
-            unit.buffers = ()  # the model's weights were loaded too: copied again at the next step
+            unit.copied = False  # the model's weights were loaded too: copied again at the next step
 
     @staticmethod
     def _placed(param: torch.Tensor, value, where: torch.device):

@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flame.optim.host import HostAdamW
+from flame.optim.pinned import arena_bytes
 from tests.conftest import (
     TINY_DECODER,
     base_args,
@@ -51,7 +52,11 @@ def test_every_unit_computes_with_its_updated_weights_while_the_host_steps_the_n
         host.step()  # returns at once; the host steps while the next forward starts
         host.zero_grad()
     host.settle()
-    assert host.waited > 0 and all(buffer.is_pinned() for unit in host.units for buffer in unit.buffers)
+    copied = [(*unit.host_params, *unit.host_grads) for unit in host.units[host.on_device :]]
+    assert host.waited > 0 and all(t.is_pinned() for tensors in copied for t in tensors)
+    # pinned in the arena's chunks, as many as the memory plan counts for them (flame.optim.pinned)
+    chunk = 4 * host.arena.chunk_elements
+    assert len(host.arena.chunks) * chunk == arena_bytes([t.numel() for tensors in copied for t in tensors], chunk)
     on_device = {id(p) for unit in host.units[: host.on_device] for p in unit.params}
     assert len(on_device) == (0 if not gpu_blocks else 1 + 3 * len(list(model.model.layers[0].parameters())))
     for param, state in host.state.items():

@@ -28,6 +28,7 @@ from flame.memory.estimate import (
     autocast_copies,
     estimate,
     gpu_bytes,
+    host_bytes,
 )
 from flame.memory.hardware import Hardware
 from flame.memory.layout import Layout
@@ -947,8 +948,26 @@ def test_transformer_7b_on_an_80_gb_gpu_steps_its_optimizer_on_the_host(monkeypa
                        tokens_per_row=32768, weight_shards=1, fsdp=True, alone=True, can_offload=True,
                        can_step_on_host=True, gpu_state_params=0, autocast_copies=False, fused_loss=True,
                        expandable_segments=True, dense_attention=False, tensor_parallel=1, pipelined=False, ema=False,
-                       activations=measured)
+                       activations=measured, offload_pinning=memory.offload_pinning(model, 1),
+                       host_copy_pinning=memory.host_copy_pinning(model, 1))
     rates = Hardware("NVIDIA H100 80GB HBM3", {256: 238.0, 1024: 537.0, 4096: 723.0, 16384: 763.0}, 54.9, 5.62e9, 1e-5)
     plan = choose(alone, Layout(), set(), 78.18 * GIB, 110 * GIB, lambda: rates)
     assert plan.fits and plan.layout.host_optimizer and not plan.layout.offload and plan.layout.micro_batches == 8
     assert plan.gpu_bytes >= 68.0 * GIB  # what the run reserved under that layout
+    # its pinned copies of the weights and gradients come in chunks: 3.6% over the 50.2 GiB they hold, where one
+    # pinned buffer a block took a third more (PyTorch's pinned allocator rounds up to a power of two)
+    assert alone.host_copy_pinning < 1.04 and host_bytes(plan.parts) < 103 * GIB
+    # One 128K row cannot be split into micro-batches: only the weights streamed from the host fit the GPU. FSDP
+    # pins each offloaded weight and gradient, rounded up (the MLP's 172 MiB to 256): 116 GiB with the optimizer's
+    # state. On the H100 (128.9 GiB of RAM) the machine's used memory peaked at 125.5 GiB under this layout, the
+    # process and its data workers beside it; the plan's default budget (90% of the available RAM) refuses it,
+    # and says what it would need
+    row = dataclasses.replace(alone, rows=1, tokens_per_row=131072)
+    streamed = Layout(ac="full", offload=True, host_optimizer=True)
+    assert gpu_bytes(estimate(row, streamed)) < 78.18 * GIB
+    assert 1.3 < row.offload_pinning < 1.33 and 115 * GIB < host_bytes(estimate(row, streamed)) < 118 * GIB
+    refused = choose(row, Layout(), set(), 78.18 * GIB, 110 * GIB, lambda: rates)
+    assert not refused.fits and "CPU offload, optimizer on the host would fit the GPU but needs 116." in refused.remark
+    assert "over the 110.0 GiB host budget (--memory.host_budget_gib" in refused.remark
+    given = choose(row, Layout(), set(), 78.18 * GIB, 120 * GIB, lambda: rates)  # --memory.host_budget_gib 120
+    assert given.fits and given.layout.offload and given.layout.host_optimizer and not given.remark

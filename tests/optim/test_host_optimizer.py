@@ -117,6 +117,42 @@ def test_a_failed_host_step_stops_the_next_forward_with_its_cause():
         model(input_ids=ids)
 
 
+def test_weights_stepped_in_place_let_go_of_their_gradients_for_zero_grad_to_free():
+    """Under FSDP's CPU offload the host steps the offloaded weights with the offloaded gradients. Once stepped the
+    optimizer must not hold those gradients: the next backward allocates its own beside any still referenced (a 7B's
+    25 GiB twice on a 128 GiB host, which the out-of-memory killer ended). One rank, gloo: FSDP's shards live on the
+    host as offloaded ones do."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_llama()
+        mesh = init_device_mesh("cpu", (1,))
+        for block in decoder_layers(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        host = HostAdamW(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        assert host.in_place
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        ids = torch.randint(0, 256, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.no_grad():  # the local shards themselves, as the host step reads them
+            gradients = [weakref.ref(p.grad.to_local()) for p in model.parameters()]
+        host.step()
+        host.settle()
+        host.zero_grad()
+        gc.collect()
+        assert all(p.detach().full_tensor().ne(b).any() for p, b in zip(model.parameters(), before))  # stepped
+        assert [ref() is None for ref in gradients] == [True] * len(gradients)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.background_runs(
     plain=train_job(4, *SINGLE),
     host=train_job(4, *SINGLE, "--optimizer.on_host"),
@@ -199,7 +235,8 @@ def test_the_plan_steps_the_optimizer_on_the_host_where_that_fits_and_costs_leas
     on_host = Layout(host_optimizer=True)
     parts = {part.name: part for part in estimate(job, on_host)}
     assert parts["optimizer state"].where == "host (stepped there)" and parts["parameters"].where == "GPU"
-    assert parts["host step buffers"].bytes == 8 * job.params  # pinned fp32 copies of the weights and gradients
+    # pinned fp32 copies of the weights and gradients, in the arena's chunks (flame.optim.pinned)
+    assert parts["host step buffers"].bytes == job.host_copy_pinning * 8 * job.params
     assert gpu_bytes(estimate(job, Layout())) - gpu_bytes(estimate(job, on_host)) == pytest.approx(1.1 * 8 * job.params)
     # both: the weights streamed, the offloaded weights stepped in place beside the next forward, no buffers of its own
     streamed = Layout(offload=True, host_optimizer=True)
@@ -236,5 +273,7 @@ def test_the_plan_counts_the_state_gpu_blocks_keeps_on_the_gpu(tiny_model, monke
     none, one = ({(p.name, p.where): p.bytes for p in estimate(job, Layout(host_optimizer=True))} for job in jobs)
     assert ("optimizer state", "GPU") not in none and one[("optimizer state", "GPU")] == 8 * first
     assert one[("optimizer state", "host (stepped there)")] == none[("optimizer state", "host (stepped there)")] - 8 * first
-    assert one[("host step buffers", "host (pinned)")] == none[("host step buffers", "host (pinned)")] - 8 * first
+    assert jobs[0].host_copy_pinning == jobs[1].host_copy_pinning
+    assert one[("host step buffers", "host (pinned)")] == pytest.approx(
+        none[("host step buffers", "host (pinned)")] - jobs[1].host_copy_pinning * 8 * first)
     assert host_step(jobs[1], H100, hidden_by=0.0) < host_step(jobs[0], H100, hidden_by=0.0)
