@@ -68,13 +68,15 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         held = lora.hold_base_in(model, dtype)
         logger.info(f"LoRA: the frozen base's {held:,} weights held in {str(dtype).removeprefix('torch.')}, the "
                     "dtype its matmuls read them in (they have no gradient or optimizer state)")
+    support = support_for(model.config)
+    compile_blocks = job_config.compile.enable and "model" in job_config.compile.components
     if (fp8 := float8.Float8Settings.of(job_config.float8)) is not None:  # before AC and compile wrap the blocks
         t = job_config.training
         tokens = t.local_batch_size * t.seq_len // job_config.parallelism.context_parallel_degree
-        logger.info(float8.convert(model, fp8, tokens, compiled=job_config.compile.enable, fsdp=parallel_dims.fsdp_enabled))
+        logger.info(float8.convert(model, fp8, tokens, blocks_compiled=compile_blocks and not support.compile_slower,
+                                   fsdp=parallel_dims.fsdp_enabled, backend=job_config.compile.backend))
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
-    support = support_for(model.config)
     if ac_config.mode == "memory_budget":  # the compiler chooses what compiled blocks recompute
         if not job_config.compile.enable:
             raise ConfigError("--activation_checkpoint.mode memory_budget needs --compile.enable (--training.compile)")
@@ -88,7 +90,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     elif ac_config.mode == "memory_budget":
         torch._functorch.config.activation_memory_budget = ac_config.memory_budget
 
-    if job_config.compile.enable and "model" in job_config.compile.components:
+    if compile_blocks:
         if support.compile_slower:  # the flag helps or does nothing: never a slower run
             logger.info(f"--training.compile: {support.name}'s decoder blocks stay eager ({support.compile_slower})")
         else:

@@ -91,7 +91,7 @@ def test_an_fla_mlps_converted_down_projection_is_called_not_read_by_the_fused_k
     mlps = [module for module in model.modules() if hasattr(module, "fuse_swiglu")]
     assert mlps and all(mlp.fuse_swiglu for mlp in mlps)  # fla's default
     settings = float8.Float8Settings(recipe="tensorwise", layers="all", skip=(), all_gather=False, precompute=False)
-    float8.convert(model, settings, tokens=64, compiled=False, fsdp=False)
+    float8.convert(model, settings, tokens=64, blocks_compiled=False, fsdp=False)
     assert all(type(mlp.down_proj).__name__ == "Float8Linear" and not mlp.fuse_swiglu for mlp in mlps)
     # LoRA's adapters on the same path: unfused where one wraps the down projection, else left fused
     for targets, fused in (("q_proj",), True), (("down_proj",), False):
@@ -117,6 +117,37 @@ def test_converted_layers_compute_what_fp8_rounding_allows_and_learn():
     expected.square().sum().backward()
     got.square().sum().backward()
     assert (converted[0].weight.grad - plain[0].weight.grad).norm() / plain[0].weight.grad.norm() < 0.1
+
+
+def test_layers_compiled_one_by_one_compute_as_before_in_one_graph_a_shape():
+    """Where the blocks run eager, each converted layer is compiled on its own (its casts fuse around the matmul):
+    the same outputs and gradients as the layers uncompiled, and layers of one shape share one graph, so a 7B's
+    224 layers stay far under dynamo's recompile limit (here the CPU's emulated FP8 and dynamo's eager backend)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    def stack():
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)],
+                                   *[torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+                                     for _ in range(5)])
+    compiled, plain = stack(), stack()
+    plain.load_state_dict(compiled.state_dict())
+    settings = float8.Float8Settings(recipe="tensorwise", layers="all", skip=(), all_gather=False, precompute=False)
+    for model in (compiled, plain):
+        float8._torchao_float8().convert_to_float8_training(model, config=float8.torchao_config(settings, fsdp=False))
+    names = {name for name, module in compiled.named_modules() if type(module).__name__ == "Float8Linear"}
+    assert len(names) == 16
+    torch._dynamo.reset()
+    counters.clear()
+    float8.compile_each(compiled, names, backend="eager")
+    rows = torch.randn(32, 64, requires_grad=True)  # as a block's hidden states
+    got, expected = compiled(rows), plain(rows)
+    assert torch.equal(got, expected)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    for mine, theirs in zip(compiled.parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+    assert counters["stats"]["unique_graphs"] == 3  # 64x64, 64x128 and 128x64
 
 
 @pytest.mark.background_runs(
