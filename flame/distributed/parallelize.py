@@ -73,8 +73,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if (fp8 := float8.Float8Settings.of(job_config.float8)) is not None:  # before AC and compile wrap the blocks
         t = job_config.training
         tokens = t.local_batch_size * t.seq_len // job_config.parallelism.context_parallel_degree
-        logger.info(float8.convert(model, fp8, tokens, blocks_compiled=compile_blocks and not support.compile_slower,
-                                   fsdp=parallel_dims.fsdp_enabled, backend=job_config.compile.backend))
+        compiled = (float8.EAGER if not compile_blocks else float8.LAYERS if support.compile_slower else float8.BLOCKS)
+        logger.info(float8.convert(model, fp8, tokens, compiled, fsdp=parallel_dims.fsdp_enabled,
+                                   backend=job_config.compile.backend))
     layers = decoder_layers(model)
     ac_config = job_config.activation_checkpoint
     if ac_config.mode == "memory_budget":  # the compiler chooses what compiled blocks recompute

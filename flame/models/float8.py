@@ -6,12 +6,12 @@ The rule: an FP8 matmul runs at up to twice bf16's rate on Hopper, but each one 
 casts its input, its weight and, in the backward, its output gradient to FP8: passes over memory
 that cost more than they save when the matmul is small (short rows, narrow layers). So with
 ``layers auto`` (the default) the model's linear layers are timed on this GPU, forward and backward
-at the job's tokens per micro-batch, in bf16 and in FP8, compiled, and only those FP8 makes faster
-are converted (``faster_in_fp8``; measured once per machine and cached like the memory plan's rates).
-Where the blocks are compiled, layers that read one input (an attention's q, k and v; a gated MLP's
-gate and up) are timed together, as one group: they share the input's cast. Where the blocks run
-eager (no --training.compile, or a model type whose blocks stay eager under it), each converted
-layer is compiled on its own (``compile_each``), since eager casts lose to bf16, and timed so.
+at the job's tokens per micro-batch, in bf16 and in FP8 (compiled under --training.compile), and
+only those FP8 makes faster are converted (``faster_in_fp8``; measured once per machine and cached
+like the memory plan's rates). Where the blocks are compiled, layers that read one input (an
+attention's q, k and v; a gated MLP's gate and up) are timed together, as one group: they share the
+input's cast. Under --training.compile a type whose blocks stay eager has each converted layer
+compiled on its own (``compile_each``): eager, the casts lost to bf16 at every shape measured.
 ``layers all`` converts every eligible layer.
 
 Eligible: every ``nn.Linear`` whose two dimensions are multiples of 16 (the FP8 GEMM's rule), except
@@ -137,41 +137,44 @@ def eligible_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, t
     return eligible
 
 
-def convert(model: nn.Module, settings: Float8Settings, tokens: int, blocks_compiled: bool, fsdp: bool,
+BLOCKS, LAYERS, EAGER = "blocks", "layers", "eager"  # what --training.compile compiles, as ``convert`` is told
+
+
+def convert(model: nn.Module, settings: Float8Settings, tokens: int, compiled: str, fsdp: bool,
             backend: str = "inductor") -> str:
     """Swap the chosen linear layers of ``model`` (built, not yet sharded) for Float8Linear; returns the log line.
 
     ``tokens``: rows x tokens a micro-batch, the matmuls' first dimension (what ``layers auto`` times them at).
-    ``blocks_compiled``: the decoder blocks will be compiled; where they run eager on a GPU, each converted layer is
-    compiled on its own with ``backend`` (``compile_each``).
+    ``compiled``: ``BLOCKS`` (the decoder blocks will be compiled), ``LAYERS`` (--training.compile, but the type's
+    blocks stay eager: each converted layer is compiled on its own with ``backend``, ``compile_each``) or ``EAGER``.
     """
     check_device()
     float8 = _torchao_float8()
     eligible = eligible_layers(model, settings.skip)
-    alone = device.CUDA and not blocks_compiled
     if settings.layers == "auto" and device.CUDA:
-        # layers compiled one by one cast their input each: grouped only where the blocks compile as a whole
-        grouped = [(name,) for name in eligible] if alone else input_groups(model, list(eligible))
+        # compiled blocks cast an input once for all its readers: grouped there, each layer alone otherwise
+        grouped = input_groups(model, list(eligible)) if compiled == BLOCKS else [(name,) for name in eligible]
         groups = {group: tuple(eligible[name] for name in group) for group in grouped}
-        faster = faster_in_fp8(sorted(set(groups.values())), tokens, settings.recipe)
+        faster = faster_in_fp8(sorted(set(groups.values())), tokens, settings.recipe, compiled != EAGER)
         chosen = {name for group, shapes in groups.items() if shapes in faster for name in group}
-        timed = "each compiled alone" if alone else "those reading one input timed together"
-        why = f"the layers FP8 ran faster at {tokens:,} tokens on this GPU ({timed})"
+        timed = {BLOCKS: "those reading one input timed together", LAYERS: "each compiled alone", EAGER: "eager"}
+        why = f"the layers FP8 ran faster at {tokens:,} tokens on this GPU ({timed[compiled]})"
     else:
         chosen = set(eligible)
         why = "every eligible layer" if device.CUDA else "every eligible layer (emulated on the CPU: numerics, not speed)"
     if not chosen:
-        return f"FP8 ({settings.recipe}): no linear layer converted ({why}: none of {len(eligible)} eligible)"
+        remedy = "; with --training.compile its casts fuse and FP8 can win" if compiled == EAGER else ""
+        return f"FP8 ({settings.recipe}): no linear layer converted ({why}: none of {len(eligible)} eligible){remedy}"
     float8.convert_to_float8_training(model, config=torchao_config(settings, fsdp),
                                       module_filter_fn=lambda module, name: name in chosen)
     # fla's fused SwiGLU+Linear would read a converted down projection's weight itself, in bf16
     compat.fla.down_projections_called(model, {id(module) for name, module in model.named_modules() if name in chosen})
-    if alone:
+    if compiled == LAYERS:
         compile_each(model, chosen, backend)
     gathered = " (weights all-gathered in FP8)" if settings.all_gather and fsdp else ""
-    compiled = "; the blocks run eager, so each converted layer is compiled on its own" if alone else ""
+    alone = "; the blocks stay eager, so each converted layer is compiled on its own" if compiled == LAYERS else ""
     return (f"FP8 ({settings.recipe}): {len(chosen)} of {len(eligible)} eligible linear layers{gathered}, {why}"
-            f"{compiled}; MFU counts their FLOPs at bf16's peak")
+            f"{alone}; MFU counts their FLOPs at bf16's peak")
 
 
 def compile_each(model: nn.Module, names: set[str], backend: str) -> None:
@@ -254,14 +257,14 @@ class GroupTimes:
 Shapes = tuple[tuple[int, int], ...]  # a group's layers as (in_features, out_features)
 
 
-def faster_in_fp8(groups: list[Shapes], tokens: int, recipe: str) -> set[Shapes]:
-    """The groups (layers reading one input, by shape) whose compiled forward and backward at ``tokens`` rows FP8
-    runs faster than bf16 on this GPU."""
-    key = json.dumps([torch.cuda.get_device_name(), torch.__version__, _torchao_version(), recipe, "compiled",
+def faster_in_fp8(groups: list[Shapes], tokens: int, recipe: str, compiled: bool) -> set[Shapes]:
+    """The groups (layers reading one input, by shape) whose forward and backward at ``tokens`` rows FP8 runs
+    faster than bf16 on this GPU (``compiled``: as torch.compile runs them)."""
+    key = json.dumps([torch.cuda.get_device_name(), torch.__version__, _torchao_version(), recipe, compiled,
                       tokens, groups])
     path = cache_dir() / "float8" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     measured = measured_once(path, lambda p: GroupTimes(**json.loads(p.read_text())),
-                             lambda: GroupTimes([[group, *_time_group(group, tokens, recipe)]
+                             lambda: GroupTimes([[group, *_time_group(group, tokens, recipe, compiled)]
                                                  for group in groups]))
     return {tuple((int(k), int(n)) for k, n in group) for group, bf16, fp8 in measured.times if fp8 <= FASTER_BY * bf16}
 
@@ -277,23 +280,24 @@ class _Readers(nn.Module):
         return tuple(layer(x) for layer in self.layers)
 
 
-def _time_group(shapes: Shapes, tokens: int, recipe: str) -> tuple[float, float]:
-    """(bf16 ms, FP8 ms): one compiled forward and backward of the group at ``tokens`` rows, bf16 weights and input,
-    as FSDP runs it; the median of 20 after a warm-up (which compiles)."""
+def _time_group(shapes: Shapes, tokens: int, recipe: str, compiled: bool) -> tuple[float, float]:
+    """(bf16 ms, FP8 ms): one forward and backward of the group at ``tokens`` rows, bf16 weights and input, as FSDP
+    runs it; the median of 20 after a warm-up (which compiles)."""
     settings = Float8Settings(recipe=recipe, layers="all", skip=(), all_gather=False, precompute=False)
-    times = tuple(_time_readers(shapes, tokens, settings if fp8 else None) for fp8 in (False, True))
+    times = tuple(_time_readers(shapes, tokens, compiled, settings if fp8 else None) for fp8 in (False, True))
     torch.cuda.empty_cache()
     return times
 
 
-def _time_readers(shapes: Shapes, tokens: int, fp8: Float8Settings | None) -> float:
+def _time_readers(shapes: Shapes, tokens: int, compiled: bool, fp8: Float8Settings | None) -> float:
     readers = _Readers(shapes)
     if fp8 is not None:
         _torchao_float8().convert_to_float8_training(readers, config=torchao_config(fp8, fsdp=False))
-    # each group is a new module for one code object: past dynamo's recompile limit (8) the rest would run eager and
-    # be timed so. The probe runs before the model's blocks or layers are compiled: nothing to lose
-    torch._dynamo.reset()
-    run = torch.compile(readers, dynamic=False)
+    if compiled:
+        # each group is a new module for one code object: past dynamo's recompile limit (8) the rest would run
+        # eager and be timed so. The probe runs before the model's blocks or layers are compiled: nothing to lose
+        torch._dynamo.reset()
+    run = torch.compile(readers, dynamic=False) if compiled else readers
     rows = torch.randn(tokens, shapes[0][0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grads = [torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16) for _, n in shapes]
     return _median_ms(lambda: torch.autograd.backward(run(rows), grads))

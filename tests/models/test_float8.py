@@ -91,7 +91,7 @@ def test_an_fla_mlps_converted_down_projection_is_called_not_read_by_the_fused_k
     mlps = [module for module in model.modules() if hasattr(module, "fuse_swiglu")]
     assert mlps and all(mlp.fuse_swiglu for mlp in mlps)  # fla's default
     settings = float8.Float8Settings(recipe="tensorwise", layers="all", skip=(), all_gather=False, precompute=False)
-    float8.convert(model, settings, tokens=64, blocks_compiled=False, fsdp=False)
+    float8.convert(model, settings, tokens=64, compiled=float8.EAGER, fsdp=False)
     assert all(type(mlp.down_proj).__name__ == "Float8Linear" and not mlp.fuse_swiglu for mlp in mlps)
     # LoRA's adapters on the same path: unfused where one wraps the down projection, else left fused
     for targets, fused in (("q_proj",), True), (("down_proj",), False):
@@ -120,9 +120,10 @@ def test_converted_layers_compute_what_fp8_rounding_allows_and_learn():
 
 
 def test_layers_compiled_one_by_one_compute_as_before_in_one_graph_a_shape():
-    """Where the blocks run eager, each converted layer is compiled on its own (its casts fuse around the matmul):
-    the same outputs and gradients as the layers uncompiled, and layers of one shape share one graph, so a 7B's
-    224 layers stay far under dynamo's recompile limit (here the CPU's emulated FP8 and dynamo's eager backend)."""
+    """Under --training.compile, where a type's blocks stay eager, each converted layer is compiled on its own (its
+    casts fuse around the matmul): the same outputs and gradients as the layers uncompiled, and layers of one shape
+    share one graph, so a 7B's 224 layers stay far under dynamo's recompile limit (here the CPU's emulated FP8 and
+    dynamo's eager backend)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
