@@ -181,10 +181,15 @@ def compile_each(model: nn.Module, names: set[str], backend: str) -> None:
     """Compile each of the named layers on its own. Eager, torchao scales and casts a layer's input, weight and output
     gradient in separate kernels, passes over memory that cost more than FP8's matmul saves (the 7B's 224 layers all
     lost at 131,072 rows, docs/perf-log.md 2026-12-07); compiled, they fuse into the kernels around the matmul.
-    Layers of one shape share a compiled graph (dynamo guards on shapes, not on the module)."""
-    for name, module in model.named_modules():
-        if name in names:
-            module.compile(backend=backend, dynamic=False)
+    Layers of one shape share a compiled graph (dynamo guards on shapes, not on the module); all of them are frames of
+    one function (``nn.Module._call_impl``), so dynamo's recompile limit (8 graphs a function, the rest left eager)
+    is raised to a graph for each shape, with and without an input gradient."""
+    layers = [module for name, module in model.named_modules() if name in names]
+    shapes = {(layer.in_features, layer.out_features) for layer in layers}
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(shapes))
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=False)
 
 
 def torchao_config(settings: Float8Settings, fsdp: bool):

@@ -149,6 +149,15 @@ def test_layers_compiled_one_by_one_compute_as_before_in_one_graph_a_shape():
     for mine, theirs in zip(compiled.parameters(), plain.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
     assert counters["stats"]["unique_graphs"] == 3  # 64x64, 64x128 and 128x64
+    # more shapes than dynamo's default limit of 8 graphs a function (which would leave the rest eager): all compiled
+    widths = [64 + 16 * i for i in range(12)]
+    many = torch.nn.Sequential(*[torch.nn.Linear(k, n) for k, n in zip(widths, widths[1:])])
+    float8._torchao_float8().convert_to_float8_training(many, config=float8.torchao_config(settings, fsdp=False))
+    torch._dynamo.reset()
+    counters.clear()
+    float8.compile_each(many, {name for name, _ in many.named_children()}, backend="eager")
+    many(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 11
 
 
 @pytest.mark.background_runs(
