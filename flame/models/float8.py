@@ -167,24 +167,24 @@ def convert(model: nn.Module, settings: Float8Settings, tokens: int, compiled: s
         return f"FP8 ({settings.recipe}): no linear layer converted ({why}: none of {len(eligible)} eligible){remedy}"
     float8.convert_to_float8_training(model, config=torchao_config(settings, fsdp),
                                       module_filter_fn=lambda module, name: name in chosen)
+    converted = [module for name, module in model.named_modules() if name in chosen]
     # fla's fused SwiGLU+Linear would read a converted down projection's weight itself, in bf16
-    compat.fla.down_projections_called(model, {id(module) for name, module in model.named_modules() if name in chosen})
+    compat.fla.down_projections_called(model, set(map(id, converted)))
     if compiled == LAYERS:
-        compile_each(model, chosen, backend)
+        compile_each(converted, backend)
     gathered = " (weights all-gathered in FP8)" if settings.all_gather and fsdp else ""
     alone = "; the blocks stay eager, so each converted layer is compiled on its own" if compiled == LAYERS else ""
     return (f"FP8 ({settings.recipe}): {len(chosen)} of {len(eligible)} eligible linear layers{gathered}, {why}"
             f"{alone}; MFU counts their FLOPs at bf16's peak")
 
 
-def compile_each(model: nn.Module, names: set[str], backend: str) -> None:
-    """Compile each of the named layers on its own. Eager, torchao scales and casts a layer's input, weight and output
+def compile_each(layers: list[nn.Module], backend: str) -> None:
+    """Compile each of ``layers`` (converted) on its own. Eager, torchao scales and casts a layer's input, weight and output
     gradient in separate kernels, passes over memory that cost more than FP8's matmul saves (the 7B's 224 layers all
     lost at 131,072 rows, docs/perf-log.md 2026-12-07); compiled, they fuse into the kernels around the matmul.
     Layers of one shape share a compiled graph (dynamo guards on shapes, not on the module); all of them are frames of
     one function (``nn.Module._call_impl``), so dynamo's recompile limit (8 graphs a function, the rest left eager)
     is raised to a graph for each shape, with and without an input gradient."""
-    layers = [module for name, module in model.named_modules() if name in names]
     shapes = {(layer.in_features, layer.out_features) for layer in layers}
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 2 * len(shapes))
