@@ -11,7 +11,7 @@ compile needs no GPU, only the target's name, and most of its time is CPU (MLIR 
 So the launcher starts ``warm`` beside the job's check (``start_warm_up``): a pool of processes,
 niced below the ranks, compiles every kernel shipped for this GPU and Triton version into
 Triton's cache while the ranks import, build the model and read their first batch; a rank's first
-call of a kernel then loads it from the cache. A kernel the list lacks compiles in the rank as
+call of a kernel then loads it from the cache. ``FLAME_WARM_KERNELS=0`` turns it off. A kernel the list lacks compiles in the rank as
 before; a listed kernel the run never calls costs background CPU time only. Triton writes each
 cache entry whole (a temporary file renamed), so a rank compiling the same kernel meanwhile is safe.
 
@@ -43,6 +43,8 @@ from flame.base.process import die_with_parent
 
 KERNELS = "kernels.jsonl"
 RECORD = "FLAME_RECORD_KERNELS"  # a file: every Triton kernel a rank compiles is appended to it
+NVIDIA_DEVICE = Path("/dev/nvidiactl")  # present where an NVIDIA driver is loaded
+SWITCH = "FLAME_WARM_KERNELS"  # "0": no warm-up (CPUs shared with other jobs, or timing a cold start)
 
 
 def record_compiled_kernels(path: str) -> None:
@@ -212,13 +214,15 @@ def first_gpu() -> str:
 
 def start_warm_up() -> subprocess.Popen | None:
     """Start ``warm`` in the background (the launcher, before the job's check); None where nothing is shipped for
-    this machine's Triton, or the machine has no NVIDIA GPU. Asks neither torch nor Triton: the launcher imports
-    neither before the ranks fork from it."""
+    this machine's Triton, the machine has no NVIDIA GPU, or FLAME_WARM_KERNELS=0. Asks neither torch nor Triton:
+    the launcher imports neither before the ranks fork from it."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
     try:
         version = metadata.version("triton")
     except metadata.PackageNotFoundError:
         return None
-    if not list((SHIPPED / version).glob(f"*/{KERNELS}")) or not Path("/dev/nvidiactl").exists():
+    if not list((SHIPPED / version).glob(f"*/{KERNELS}")) or not NVIDIA_DEVICE.exists():
         return None
     jobs = max(1, (os.cpu_count() or 2) - 2)
     return subprocess.Popen([sys.executable, "-m", "flame.base.triton_kernels", "warm", "--jobs", str(jobs),

@@ -2,17 +2,24 @@
 
     python -m scripts.bench.startup --config configs/transformer_340M.json --work /tmp/startup -- <train.sh flags>
 
-For each config, four launches of the same job (2 steps, every step logged):
-  cold     empty Triton and inductor caches: a fresh machine (what flame ships is installed, as always)
-  shipped  empty caches again, but with the autotune choices the cold run made: what shipping them saves
+For each config, launches of the same job (--steps steps, every step logged), by phase:
+  cold     empty Triton and inductor caches, no background compile of the shipped kernel list
+           (FLAME_WARM_KERNELS=0): a fresh machine without flame's warm-up (what flame ships is
+           installed, as always); the kernels the ranks compile are recorded (FLAME_RECORD_KERNELS)
+  ahead    empty caches again, the launcher's warm-up on, compiling the shipped list, which now
+           holds the cold run's kernels: a fresh machine once this config's list ships
+  shipped  empty caches holding only the autotune choices the cold run made: what shipping them saves
   warm     the caches the cold run filled: everything a machine caches
   bare     warm, started by bare torchrun instead of train.sh: the launcher's overhead
-Each prints the seconds from launch to "Training starts" and to step 1, and what the ranks
-spent compiling Triton kernels and benchmarking autotune configurations (a sitecustomize probe
-in the ranks: Triton's compilation listener and its autotuner's disk-cache check). At the end
-the cold run's choices are collected into flame/base/autotune_choices/ (python -m flame.base.autotune), and the
-Triton kernels it compiled (recorded under FLAME_RECORD_KERNELS) into the list the launcher compiles ahead of step 1
-on later machines (python -m flame.base.triton_kernels collect).
+Every phase but warm and bare also starts with its own empty flame cache (FLAME_CACHE: the memory
+plan's activation probes, FP8 timings), holding only the built-in corpus and the machine's measured
+rates from the usual cache (build them first: one run, or python -m flame.memory.hardware).
+Each prints the seconds from launch to "Training starts" and to step 1, tok/s at the last step,
+and what the ranks spent compiling Triton kernels and benchmarking autotune configurations (a
+sitecustomize probe in the ranks: Triton's compilation listener and its autotuner's disk-cache
+check). Right after a cold run its choices are collected into flame/base/autotune_choices/
+(python -m flame.base.autotune) and the Triton kernels it compiled into the list the launcher
+compiles ahead of step 1 (python -m flame.base.triton_kernels collect).
 """
 
 import argparse
@@ -30,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_1 = re.compile(r"\bstep +1/\d+")
+TOKENS_PER_S = re.compile(r"\bstep +\d+/\d+ .*tok/s/device ([\d,]+)")
 
 PROBE = '''
 import json, os, time
@@ -70,7 +78,7 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
     for old in work.glob(f"{name}.probe.*.json"):
         old.unlink()
     env = env | {"FLAME_STARTUP_PROBE": str(probe)}
-    result = {"phase": name.rsplit("-", 1)[-1], "training_starts_s": None, "step1_s": None}
+    result = {"phase": name.rsplit("-", 1)[-1], "training_starts_s": None, "step1_s": None, "last_tok_s": None}
     start = time.monotonic()
     with open(work / f"{name}.log", "w", buffering=1) as log:  # line by line: a stopped driver keeps its logs
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -86,6 +94,8 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
                 result["training_starts_s"] = round(now, 1)
             if result["step1_s"] is None and STEP_1.search(plain):
                 result["step1_s"] = round(now, 1)
+            if rate := TOKENS_PER_S.search(plain):
+                result["last_tok_s"] = int(rate.group(1).replace(",", ""))
         result["status"] = process.wait()
         timer.cancel()
     result["total_s"] = round(time.monotonic() - start, 1)
@@ -99,12 +109,34 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
     return result
 
 
+def collect(cache: Path, recorded: Path, env: dict[str, str]) -> None:
+    """Ship what a cold run chose and compiled: its autotune choices and its kernel list (the ``ahead`` phase reads
+    both, as a fresh machine would)."""
+    subprocess.run([sys.executable, "-m", "flame.base.autotune", "collect", "--cache", str(cache)], cwd=ROOT, env=env,
+                   check=False)
+    if recorded.exists():
+        subprocess.run([sys.executable, "-m", "flame.base.triton_kernels", "collect", str(recorded)], cwd=ROOT, env=env,
+                       check=False)
+
+
+def fresh_flame_cache(folder: Path, usual: Path) -> Path:
+    """An empty flame cache but for the usual one's built-in corpus and measured rates: a fresh machine whose one-time
+    set-up (building the corpus, measuring the machine) is done, so that no phase pays it for the others."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for kept in ("builtin", "hardware"):
+        if (usual / kept).is_dir():
+            (folder / kept).symlink_to(usual / kept)
+    return folder
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/flame-startup"))
     parser.add_argument("--limit", type=float, default=400, help="seconds per launch")
-    parser.add_argument("--phases", default="cold,shipped,warm,bare")
+    parser.add_argument("--phases", default="cold,ahead,shipped,warm,bare")
+    parser.add_argument("--steps", type=int, default=2, help="steps per launch (tok/s is the last one's)")
     parser.add_argument("flags", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
@@ -116,24 +148,30 @@ def main() -> int:
     base["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [base.get("PYTHONPATH")])])
     base.setdefault("FLAME_PYTHON", sys.executable)
     base.update(PYTHONUNBUFFERED="1", TRITON_CACHE_AUTOTUNING="1", NGPU="1")
+    usual_cache = Path(os.environ.get("FLAME_CACHE", Path.home() / ".cache" / "flame"))
     results = []
     for config in args.config:
         stem = Path(config).stem
         caches = {phase: (args.work / stem / f"triton-{phase}", args.work / stem / f"inductor-{phase}")
-                  for phase in ("cold", "shipped")}
+                  for phase in ("cold", "ahead", "shipped")}
         (args.work / stem / "kernels-cold.jsonl").unlink(missing_ok=True)  # a record appends
         for triton, inductor in caches.values():
             shutil.rmtree(triton, ignore_errors=True)
             shutil.rmtree(inductor, ignore_errors=True)
-        job = [*flags, "--model.config", config, "--training.steps", "2", "--metrics.log_freq", "1",
+        job = [*flags, "--model.config", config, "--training.steps", str(args.steps), "--metrics.log_freq", "1",
                "--checkpoint.no-enable"]
         for phase in args.phases.split(","):
-            triton, inductor = caches["shipped" if phase == "shipped" else "cold"]
+            triton, inductor = caches[phase if phase in caches else "cold"]
             if phase == "shipped":  # only the cold run's choices, none of its compiled kernels
                 for choice in caches["cold"][0].glob("*/*.autotune.json"):
                     (triton / choice.parent.name).mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(choice, triton / choice.parent.name / choice.name)
-            env = base | {"TRITON_CACHE_DIR": str(triton), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+            flame_cache = (fresh_flame_cache(args.work / stem / f"flame-{phase}", usual_cache) if phase in caches
+                           else args.work / stem / "flame-cold")
+            env = base | {"TRITON_CACHE_DIR": str(triton), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+                          "FLAME_CACHE": str(flame_cache)}
+            if phase in ("cold", "shipped"):  # neither compiles the shipped kernel list ahead
+                env["FLAME_WARM_KERNELS"] = "0"
             if phase == "cold":
                 env["FLAME_RECORD_KERNELS"] = str(args.work / stem / "kernels-cold.jsonl")
             dump = ["--job.dump_folder", str(args.work / stem / f"dump-{phase}")]
@@ -146,18 +184,14 @@ def main() -> int:
             result = launch(f"{stem}-{phase}", argv, env, args.work, args.limit) | {"config": stem}
             results.append(result)
             print(json.dumps(result), flush=True)
-        if "cold" in args.phases:
-            subprocess.run([sys.executable, "-m", "flame.base.autotune", "collect", "--cache", str(caches["cold"][0])],
-                           cwd=ROOT, env=base, check=False)
-            if (recorded := args.work / stem / "kernels-cold.jsonl").exists():
-                subprocess.run([sys.executable, "-m", "flame.base.triton_kernels", "collect", str(recorded)], cwd=ROOT,
-                               env=base, check=False)
+            if phase == "cold":
+                collect(caches["cold"][0], args.work / stem / "kernels-cold.jsonl", base)
     (args.work / "startup.json").write_text(json.dumps(results, indent=1))
     print(f"{'config':<20} {'phase':<8} {'starts':>7} {'step 1':>7} {'compiled':>9} {'compile s':>9} "
-          f"{'autotuned':>9} {'tune s':>7}")
+          f"{'autotuned':>9} {'tune s':>7} {'tok/s':>8}")
     for r in results:
         print(f"{r['config']:<20} {r['phase']:<8} {r['training_starts_s'] or '-':>7} {r['step1_s'] or '-':>7} "
-              f"{r['compiled']:>9} {r['compile_s']:>9} {r['autotuned']:>9} {r['autotune_s']:>7}")
+              f"{r['compiled']:>9} {r['compile_s']:>9} {r['autotuned']:>9} {r['autotune_s']:>7} {r['last_tok_s'] or '-':>8}")
     return 0
 
 

@@ -101,6 +101,21 @@ def test_the_launcher_starts_no_warm_up_without_a_list_for_its_triton_or_a_gpu(t
     assert triton_kernels.start_warm_up() is None  # this machine has no NVIDIA GPU
 
 
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_flame_warm_kernels_0_turns_the_warm_up_off(tmp_path, monkeypatch, switch):
+    monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
+    (tmp_path / triton.__version__ / "GPU-A").mkdir(parents=True)
+    (tmp_path / triton.__version__ / "GPU-A" / "kernels.jsonl").write_text("")
+    monkeypatch.setattr(triton_kernels, "NVIDIA_DEVICE", tmp_path / "nvidiactl")
+    (tmp_path / "nvidiactl").touch()  # as on a machine with an NVIDIA driver
+    monkeypatch.setenv("FLAME_WARM_KERNELS", switch)
+    warm_up = triton_kernels.start_warm_up()
+    if switch == "0":
+        assert warm_up is None
+    else:  # started; with no nvidia-smi answer here it compiles nothing and ends
+        assert warm_up.wait(timeout=60) == 0
+
+
 def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_found(monkeypatch):
     """Each compile framed by Triton's two hooks (a cache load, under LOADED_S, is not counted); while the step runs
     a line names the kernel compiling, and the how-many-th time for one that autotunes; a summary when it ends. A hook
