@@ -73,7 +73,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if (fp8 := float8.Float8Settings.of(job_config.float8)) is not None:  # before AC and compile wrap the blocks
         t = job_config.training
         tokens = t.local_batch_size * t.seq_len // job_config.parallelism.context_parallel_degree
-        compiled = (float8.EAGER if not compile_blocks else float8.LAYERS if support.compile_slower else float8.BLOCKS)
+        compiled = (float8.EAGER if not compile_blocks else float8.LAYERS if support.stays_eager else float8.BLOCKS)
         logger.info(float8.convert(model, fp8, tokens, compiled, fsdp=parallel_dims.fsdp_enabled,
                                    backend=job_config.compile.backend))
     layers = decoder_layers(model)
@@ -81,10 +81,10 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if ac_config.mode == "memory_budget":  # the compiler chooses what compiled blocks recompute
         if not job_config.compile.enable:
             raise ConfigError("--activation_checkpoint.mode memory_budget needs --compile.enable (--training.compile)")
-        if support.compile_slower:
+        if support.stays_eager:
             raise ConfigError(
                 f"--activation_checkpoint.mode memory_budget needs compiled blocks, and {support.name}'s stay eager "
-                f"({support.compile_slower}); use --activation_checkpoint.mode full or selective"
+                f"({support.stays_eager}); use --activation_checkpoint.mode full or selective"
             )
     if ac_config.mode in ("full", "selective"):
         checkpoint_blocks(layers, ac_config, job_config.compile.enable)
@@ -92,8 +92,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         torch._functorch.config.activation_memory_budget = ac_config.memory_budget
 
     if compile_blocks:
-        if support.compile_slower:  # the flag helps or does nothing: never a slower run
-            logger.info(f"--training.compile: {support.name}'s decoder blocks stay eager ({support.compile_slower})")
+        if support.stays_eager:  # the flag helps or does nothing: never a slower run
+            logger.info(f"--training.compile: {support.name}'s decoder blocks stay eager ({support.stays_eager})")
         else:
             backend = job_config.compile.backend
             _wrap_blocks(layers, lambda index, block: torch.compile(block, backend=backend))

@@ -312,10 +312,10 @@ def check_tensor_parallel(config: PretrainedConfig, job_config, meta: Callable[[
                 "add --training.compile (with 'model' in --compile.components)"
             )
         support = support_for(config)
-        if support.compile_slower:
+        if support.stays_eager:
             raise ConfigError(
                 f"--parallelism.enable_async_tensor_parallel overlaps TP communication in compiled blocks, and "
-                f"{support.name}'s stay eager under --training.compile ({support.compile_slower}); leave it off"
+                f"{support.name}'s stay eager under --training.compile ({support.stays_eager}); leave it off"
             )
     if tp <= 1:
         return

@@ -87,8 +87,7 @@ class ModelSupport:
     documents: Documents = Documents.ATTENTION
     not_isolated_because: str = ""  # ROWS_WHOLE: why its documents cannot be kept apart
     compile_fails: str | None = None  # why torch.compile fails on its blocks; None: it compiles
-    # why its compiled blocks train slower than eager (measured, or fla's default: FLA_COMPILED_SLOWER);
-    # --training.compile leaves them eager, and says so
+    # why its compiled blocks train slower than eager (measured, or fla's default: FLA_COMPILED_SLOWER)
     compile_slower: str | None = None
     tensor_parallel_plan: str | None = None  # its plan's name in flame.distributed.tensor_parallel.PLANS
     context_parallel: ContextParallelism = ContextParallelism.NONE
@@ -103,6 +102,13 @@ class ModelSupport:
     flash_attn_callers: tuple[FlashAttnCaller, ...] = ()  # its export loads without flame only with flash-attn
     exports_as_llama: bool = False  # llama's architecture computes it too (flame.checkpoint.llama_export)
     notes: str = ""
+
+    @property
+    def stays_eager(self) -> str | None:
+        """Why --training.compile leaves its decoder blocks eager (they fail to compile, or trained slower compiled),
+        said in the log; None: they are compiled. The flag helps or does nothing: a job file that compiles (the
+        standard run's) trains every type."""
+        return f"they do not compile: {self.compile_fails}" if self.compile_fails else self.compile_slower
 
     @property
     def name(self) -> str:
@@ -147,7 +153,7 @@ _HYBRID = {"flash_attn_callers": (_HYBRID_ATTENTION,)}  # the types whose model 
 
 
 def _fla(model_type: str, family: str, **fields) -> ModelSupport:
-    if fields.get("compile_fails"):  # refused outright: fla's default "compiles, but slower" does not apply
+    if fields.get("compile_fails"):  # fla's default "compiles, but slower" does not apply
         fields["compile_slower"] = None
     if fields.get("tilelang_on_hopper"):
         fields["notes"] = "; ".join(filter(None, (fields.get("notes"), _TILELANG_ON_HOPPER)))

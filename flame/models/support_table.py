@@ -33,7 +33,9 @@ LEGEND = """\
 - **compile**: `--training.compile` (**eager**: its compiled blocks train slower than eager, so the flag
   leaves them eager and the log says so. Every fla type: fla runs its token mixers outside the compiled
   graph, and each fla type measured at 340M trained slower compiled; the notes name the measured ones, and
-  [performance](performance.md#compiled-against-eager) gives their figures); **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
+  [performance](performance.md#compiled-against-eager) gives their figures; **no**: its blocks fail to
+  compile, so the flag leaves them eager too and the log says why: a job file that compiles, like the
+  standard run's, trains every type); **TP**, **CP**: `--parallelism.tensor_parallel_degree` and
   `--parallelism.context_parallel_degree` (softmax attention all-gathers K/V over the CP ranks; fla's CP
   kernels pass the recurrent state between them). What a type cannot do is refused at preflight.
 - **needs**: a CUDA GPU for fla's Triton kernels, bf16 compute for kernels that refuse float32 (on GPUs,
@@ -68,7 +70,7 @@ def row(record: ModelSupport) -> tuple[str, ...]:
     if record.documents is Documents.ROWS_WHOLE:
         notes.append(f"not isolated: {record.not_isolated_because}")
     if record.compile_fails:
-        notes.append(f"no compile: {record.compile_fails}")
+        notes.append(f"--training.compile leaves its blocks eager, they do not compile: {record.compile_fails}")
     if record.compile_slower and record.compile_slower is not FLA_COMPILED_SLOWER:  # fla's default: under the table
         notes.append(f"--training.compile leaves its blocks eager: {record.compile_slower}")
     if spikes := record.gradient_spikes:

@@ -122,10 +122,6 @@ def check_model_options(model: ModelUnderCheck, job_config) -> None:
     check_expert_parallel(config, job_config)
     if job_config.training.router_bias_rate:
         moe.check_selection_bias(model.meta, job_config.training.router_bias_rate)
-    if job_config.compile.enable and support.compile_fails:
-        raise ConfigError(
-            f"--training.compile: {support.name} does not compile ({support.compile_fails}); train it without compile"
-        )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if support.float32_refused_by and (reason := float32_compute(job_config, world_size)):
         raise ConfigError(

@@ -48,12 +48,6 @@ def test_bad_model_input_is_refused_before_training(tmp_path, capsys):
     assert "attn_logit_softcapping needs eager/flash-attn attention" in error and "set it to null" in error
     error = preflight_error(tmp_path, capsys, {**llama, "attention_dropout": 0.1})
     assert "attention_dropout 0.1 is not supported" in error
-    rwkv7 = {"model_type": "rwkv7", "hidden_size": 64, "num_hidden_layers": 1, "head_dim": 16, "vocab_size": 4096}
-    error = preflight_error(tmp_path, capsys, rwkv7, "--training.compile")
-    assert "fla's rwkv7 does not compile" in error and "without compile" in error
-    deltaformer = json.loads((ROOT / "configs/tiny/deltaformer.json").read_text())
-    error = preflight_error(tmp_path, capsys, deltaformer, "--training.compile")
-    assert "fla's deltaformer does not compile" in error and "parallel_deltaformer_fwd_kernel" in error
     error = preflight_error(tmp_path, capsys, {"model_type": "llama_xl", "vocab_size": 4096})
     assert "unknown model_type 'llama_xl'" in error and "custom_models/" in error
 
