@@ -103,8 +103,8 @@ class CompileWatch:
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = starts, ends
 
-    def report(self, log, done) -> None:
-        """Log progress every EVERY_S seconds until ``done()`` (the first step has ended), then a summary line."""
+    def report(self, log, done, what: str = "step 1") -> None:
+        """Log progress every EVERY_S seconds until ``done()`` (``what`` has ended), then a summary line."""
         import threading
 
         def run() -> None:
@@ -114,14 +114,14 @@ class CompileWatch:
                 if done() or (self.compiled == said and self.now is None):
                     continue
                 said = self.compiled
-                line = f"step 1 is compiling Triton kernels: {self.compiled} so far ({self.seconds:.0f} s)"
+                line = f"{what} is compiling Triton kernels: {self.compiled} so far ({self.seconds:.0f} s)"
                 if self.now is not None:
                     tries = self.per_kernel.get(self.now[0], 0)
                     line += f", now {self.now[0]}" + (f" for the {tries + 1}th time (autotuning: one compile per "
                                                       "configuration it tries)" if tries >= 2 else "")
                 log(line + "; Triton's cache keeps them, so later runs on this machine skip this")
             if self.compiled:
-                log(f"the first step compiled {self.compiled} Triton kernels ({self.seconds:.0f} s of it)")
+                log(f"{what} compiled {self.compiled} Triton kernels ({self.seconds:.0f} s of it)")
 
         threading.Thread(target=run, name="flame-compile-watch", daemon=True).start()
 

@@ -134,8 +134,17 @@ def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int
     die_with_parent(signal.SIGTERM, parent)
     from flame.launch import preflight
 
+    # the memory plan's GPU probe runs fla's kernels at its own rows: the first on a machine compiles (and may tune)
+    # them here, so they are recorded for the shipped list, and said, like step 1's (flame.base.triton_kernels)
+    if recorded := os.environ.get(triton_kernels.RECORD):
+        triton_kernels.record_compiled_kernels(recorded)
+    checked = False
+    if triton_kernels.NVIDIA_DEVICE.exists():
+        triton_kernels.CompileWatch().report(lambda line: print(f"flame: {line}", file=sys.stderr, flush=True),
+                                            done=lambda: checked, what="the job's check (its memory plan's GPU probe)")
     try:
         send.send(preflight.check(train_args, world_size, node_rank))
+        checked = True
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr, flush=True)
         os.kill(parent, JobCheck.REFUSED)

@@ -156,4 +156,4 @@ def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_fo
         time.sleep(0.01)
     assert lines[0].startswith("step 1 is compiling Triton kernels: 3 so far") and \
         "now chunk_fwd_kernel for the 4th time (autotuning" in lines[0]
-    assert lines[-1].startswith("the first step compiled 3 Triton kernels")
+    assert lines[-1].startswith("step 1 compiled 3 Triton kernels")
