@@ -36,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     arrange_stack_dumps()
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
-    if recorded := os.environ.get(triton_kernels.RECORD):  # the kernels this run compiles, to ship (its module doc)
-        triton_kernels.record_compiled_kernels(recorded)
     on_rank0_gpu = os.environ.get("RANK", "0") == "0" and torch.cuda.is_available()
     compiling = triton_kernels.CompileWatch() if on_rank0_gpu else None  # said in the log while step 1 waits for it
     try:
         job = parse(sys.argv[1:] if argv is None else argv)
+        if recorded := os.environ.get(triton_kernels.RECORD):  # the kernels this run compiles, to ship (its module doc)
+            triton_kernels.record_compiled_kernels(recorded, triton_kernels.model_type_of(job.config.model.config))
         from flame.prepare import prepare  # after parsing: `-h` and parsing errors stay fast
 
         prepare(job, int(os.environ.get("WORLD_SIZE", "1")))  # train.sh checked it all already; bare torchrun did not

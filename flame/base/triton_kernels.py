@@ -5,23 +5,28 @@
     python -m flame.base.triton_kernels list                what is shipped, per Triton version and GPU
 
 The rule: fla's Triton kernels compile the first time each runs, one after another, inside the
-training process: a 340M fla model compiles 70-230 of them before its first step ends, 53-100 s
-on an H100 even with every autotune choice shipped (flame.base.autotune; docs/perf-log.md). A
-compile needs no GPU, only the target's name, and most of its time is CPU (MLIR passes, ptxas).
-So the launcher starts ``warm`` beside the job's check (``start_warm_up``): a pool of processes,
-niced below the ranks, compiles every kernel shipped for this GPU and Triton version into
-Triton's cache while the ranks import, build the model and read their first batch; a rank's first
-call of a kernel then loads it from the cache. ``FLAME_WARM_KERNELS=0`` turns it off. A kernel the list lacks compiles in the rank as
+process that runs them: a 340M fla model compiles 70-230 of them in the memory plan's GPU probe
+and its first step, 53-100 s on an H100 even with every autotune choice shipped
+(flame.base.autotune; docs/perf-log.md). A compile needs no GPU, only the target's name, and most
+of its time is CPU (MLIR passes, ptxas). So the launcher starts ``warm`` before the job's check
+(``start_warm_up``): it imports the kernels' modules, learns the job's model type from the check
+once the check has parsed the job (a pipe: ``WarmUp``), and a pool of processes forked from it,
+niced below the job, compiles that type's kernels shipped for this GPU and Triton version into
+Triton's cache while the check probes and the ranks import, build the model and read their first
+batch; the probe's and the ranks' first calls of a kernel then load it from the cache
+(``FLAME_WARM_KERNELS=0`` turns it off). A kernel the list lacks compiles where it runs, as
 before; a listed kernel the run never calls costs background CPU time only. Triton writes each
-cache entry whole (a temporary file renamed), so a rank compiling the same kernel meanwhile is safe.
+cache entry whole (a temporary file renamed), so a process compiling the same kernel meanwhile is
+safe.
 
 What is shipped: flame/base/autotune_choices/<triton version>/<gpu>/kernels.jsonl, beside the
-autotune choices, one line a kernel: its module, its name, the GPU target and Triton's own
-specialization record (what ``JITFunction.preload`` reads: signature, constants, options).
-Record them by running the standard jobs once on that GPU with ``FLAME_RECORD_KERNELS=<file>``
-(each rank appends every kernel it compiles: ``record_compiled_kernels``), then ``collect`` the
-file. Like the autotune choices, a list goes stale with a new Triton or fla (the kernels' source
-changes their cache key): ``python -m flame.base.autotune collect --replace`` drops it with them.
+autotune choices, one line a kernel: its module, its name, the model types that compiled it, the
+GPU target and Triton's own specialization record (what ``JITFunction.preload`` reads: signature,
+constants, options). Record them by running the standard jobs once on that GPU with
+``FLAME_RECORD_KERNELS=<file>`` (the job's check and each rank append every kernel they compile:
+``record_compiled_kernels``), then ``collect`` the file. Like the autotune choices, a list goes
+stale with a new Triton or fla (the kernels' source changes their cache key):
+``python -m flame.base.autotune collect --replace`` drops it with them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -48,23 +54,37 @@ NVIDIA_DEVICE = Path("/dev/nvidiactl")  # present where an NVIDIA driver is load
 SWITCH = "FLAME_WARM_KERNELS"  # "0": no warm-up (CPUs shared with other jobs, or timing a cold start)
 
 
-def record_compiled_kernels(path: str) -> None:
-    """Append every Triton kernel this process compiles from now on to ``path`` (JSON lines), as ``collect`` reads it.
+def record_compiled_kernels(path: str, model_type: str) -> None:
+    """Append every Triton kernel this process compiles from now on to ``path`` (JSON lines), as ``collect`` reads it,
+    each marked as ``model_type``'s (the warm-up compiles only the job's type's kernels).
 
     Triton calls ``knobs.runtime.jit_post_compile_hook`` after compiling a kernel or loading it from its cache,
-    with its specialization record; the GPU target is this process's.
+    with its specialization record; the GPU target is this process's. A hook already there (a compile watch's) is
+    called too.
     """
     import triton
 
-    def hook(*, fn, compile, **_) -> bool:
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, compile, **rest) -> bool:
         target = _current_target()
-        line = {"module": fn.module, "name": fn.name, "spec": compile["specialization_data"],
+        line = {"module": fn.module, "name": fn.name, "spec": compile["specialization_data"], "models": [model_type],
                 "target": {"backend": target.backend, "arch": target.arch, "warp_size": target.warp_size}}
         with open(path, "a") as file:  # one write a line: the ranks of a run may share the file
             file.write(json.dumps(line) + "\n")
-        return False
+        return bool(previous and previous(fn=fn, compile=compile, **rest))
 
     triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+def model_type_of(model_config: str) -> str:
+    """The ``model_type`` of the model config a job names (a JSON file, or a folder holding config.json); "" where it
+    cannot be read here, e.g. a hub name (the warm-up then compiles every kernel shipped for the GPU)."""
+    path = Path(model_config)
+    try:
+        return str(json.loads((path / "config.json" if path.is_dir() else path).read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 class CompileWatch:
@@ -143,22 +163,26 @@ def read(path: Path) -> list[dict]:
 
 def collect(recorded: list[Path], gpu: str, root: Path = SHIPPED) -> Path:
     """Add the kernels in the ``recorded`` files to those shipped for ``gpu`` under this Triton version, each once (in
-    the order first seen: the order runs need them), leaving out kernels no process could import again (torch's
-    inductor writes its own to temporary modules). Returns the shipped file."""
+    the order first seen: the order runs need them) with every model type that compiled it, leaving out kernels no
+    process could import again (torch's inductor writes its own to temporary modules). Returns the shipped file."""
     target = root / triton_version() / gpu / KERNELS
-    kernels = read(target) if target.exists() else []
-    seen = {(k["module"], k["name"], k["spec"]) for k in kernels}
-    for path in recorded:
-        for kernel in read(path):
-            key = (kernel["module"], kernel["name"], kernel["spec"])
-            if key not in seen and not kernel["module"].startswith("torch._inductor"):
-                seen.add(key)
-                kernels.append(kernel)
+    kernels: dict[tuple[str, str, str], dict] = {}
+    for kernel in [*(read(target) if target.exists() else []), *(k for path in recorded for k in read(path))]:
+        if kernel["module"].startswith("torch._inductor"):
+            continue
+        key = (kernel["module"], kernel["name"], kernel["spec"])
+        known = kernels.setdefault(key, {**kernel, "models": []})
+        known["models"] = sorted({*known["models"], *kernel.get("models", [])})
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{KERNELS}.{os.getpid()}.partial")
-    partial.write_text("".join(json.dumps(kernel) + "\n" for kernel in kernels))
+    partial.write_text("".join(json.dumps(kernel) + "\n" for kernel in kernels.values()))
     os.replace(partial, target)
     return target
+
+
+def for_model(kernels: list[dict], model_type: str) -> list[dict]:
+    """The kernels a job of ``model_type`` compiles: those recorded for it (all, where the type is not known)."""
+    return [kernel for kernel in kernels if not model_type or model_type in kernel.get("models", [model_type])]
 
 
 def compile_kernel(kernel: dict) -> str | None:
@@ -198,8 +222,9 @@ def _worker_start(parent: int) -> None:
     die_with_parent(signal.SIGKILL, parent)
 
 
-def warm(kernels: list[dict], jobs: int) -> tuple[int, list[str]]:
-    """Compile ``kernels`` on ``jobs`` processes; (how many compiled, why the others did not).
+def warm(kernels: list[dict], jobs: int, model_type: Callable[[], str] = str) -> tuple[int, int, list[str]]:
+    """Compile those of ``kernels`` that are ``model_type()``'s (asked once the modules are imported: the job's check
+    tells it meanwhile) on ``jobs`` processes; (how many were the type's, how many compiled, why the others did not).
 
     The kernels' modules (fla imports torch and transformers: seconds of CPU) are imported once, here, and the pool
     forks from this process with them loaded: 14 processes importing them side by side, beside the ranks doing the
@@ -211,10 +236,11 @@ def warm(kernels: list[dict], jobs: int) -> tuple[int, list[str]]:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 -- compile_kernel says why, for each of its kernels
             pass
+    kernels = for_model(kernels, model_type())
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start,
                              initargs=(os.getpid(),)) as pool:
         failures = [failure for failure in pool.map(compile_kernel, kernels, chunksize=1) if failure]
-    return len(kernels) - len(failures), failures
+    return len(kernels), len(kernels) - len(failures), failures
 
 
 def first_gpu() -> str:
@@ -225,7 +251,35 @@ def first_gpu() -> str:
     return answer.replace(" ", "-").replace("/", "-")
 
 
-def start_warm_up() -> subprocess.Popen | None:
+class WarmUp:
+    """The launcher's background compile: its process, and the pipe on which the job's check, a process forked from the
+    launcher, tells it the job's model type once the config is parsed (the launcher itself parses nothing)."""
+
+    def __init__(self, process: subprocess.Popen, told: int):
+        self.process, self._told = process, told
+
+    def tell(self, model_type: str) -> None:
+        """In the job's check: name the job's model type ("": every kernel), once."""
+        try:
+            os.write(self._told, (model_type + "\n").encode())
+        except OSError:  # it has ended (no kernel for this machine): nothing to tell
+            pass
+        self.release()
+
+    def release(self) -> None:
+        """In the launcher, once the check holds its own end: a check that ends without telling then means "every
+        kernel" (the read sees the end), and the ranks, forked later, hold no end that keeps it waiting."""
+        if self._told >= 0:
+            os.close(self._told)
+            self._told = -1
+
+    def stop(self) -> None:
+        self.release()
+        if self.process.poll() is None:  # the run ended before it: its work is of no more use
+            self.process.terminate()
+
+
+def start_warm_up() -> WarmUp | None:
     """Start ``warm`` in the background (the launcher, before the job's check); None where nothing is shipped for
     this machine's Triton, the machine has no NVIDIA GPU, or FLAME_WARM_KERNELS=0. Asks neither torch nor Triton:
     the launcher imports neither before the ranks fork from it."""
@@ -238,8 +292,12 @@ def start_warm_up() -> subprocess.Popen | None:
     if not list((SHIPPED / version).glob(f"*/{KERNELS}")) or not NVIDIA_DEVICE.exists():
         return None
     jobs = max(1, (os.cpu_count() or 2) - 2)
-    return subprocess.Popen([sys.executable, "-m", "flame.base.triton_kernels", "warm", "--jobs", str(jobs),
-                             "--parent", str(os.getpid())], stdin=subprocess.DEVNULL)
+    read, told = os.pipe()
+    process = subprocess.Popen([sys.executable, "-m", "flame.base.triton_kernels", "warm", "--jobs", str(jobs),
+                                "--parent", str(os.getpid()), "--model_from", str(read)], stdin=subprocess.DEVNULL,
+                               pass_fds=(read,))
+    os.close(read)
+    return WarmUp(process, told)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recorded", nargs="*", type=Path, help="collect: files written under FLAME_RECORD_KERNELS")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2), help="warm: processes")
     parser.add_argument("--parent", type=int, help="warm: stop when this process (the launcher) ends")
+    parser.add_argument("--model_from", type=int, help="warm: a pipe on which the job's model type comes (WarmUp)")
     parser.add_argument("--gpu", help="collect: the GPU the files were recorded on, as autotune names it (e.g. "
                                       "NVIDIA-H100-80GB-HBM3; default: this machine's)")
     args = parser.parse_args(argv)
@@ -261,9 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         if not path.exists():
             return 0
         started, kernels = time.monotonic(), read(path)
-        compiled, failures = warm(kernels, args.jobs)
-        print(f"flame: {compiled} of the {len(kernels)} Triton kernels shipped for this GPU are in Triton's cache "
-              f"({time.monotonic() - started:.0f} s on {args.jobs} processes beside the ranks' start)"
+        told = (lambda: os.fdopen(args.model_from).readline().strip()) if args.model_from is not None else str
+        mine, compiled, failures = warm(kernels, args.jobs, told)
+        if not mine:  # a model type no shipped run recorded: its ranks compile as before
+            return 0
+        print(f"flame: {compiled} of the {mine} Triton kernels shipped for this GPU and model type are in Triton's "
+              f"cache ({time.monotonic() - started:.0f} s on {args.jobs} processes beside the ranks' start)"
               + (f"; {len(failures)} left to the ranks, e.g. {failures[0]}" if failures else ""), flush=True)
     elif args.action == "collect":
         if not args.recorded:

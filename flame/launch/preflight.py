@@ -19,6 +19,7 @@ are built here once, not by every rank. What the launcher needs from the job com
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 if __name__ == "__main__":  # before the imports below load transformers' model classes
@@ -52,8 +53,10 @@ class LaunchPlan:
         return os.path.join(logs, f"node{node_rank}") if nodes > 1 else logs
 
 
-def check(train_args: list[str], world_size: int, node_rank: int = 0) -> LaunchPlan:
-    """Check the job ``train_args`` describes for ``world_size`` processes; raise ConfigError on bad input."""
+def check(train_args: list[str], world_size: int, node_rank: int = 0,
+          parsed: Callable[[object], None] | None = None) -> LaunchPlan:
+    """Check the job ``train_args`` describes for ``world_size`` processes; raise ConfigError on bad input.
+    ``parsed`` is called with the job's config once it is read, before the slow parts (sources, the memory plan)."""
     os.environ["WORLD_SIZE"] = str(world_size)
     # first: the memory plan's GPU probe (flame.prepare) runs fla's kernels and reads their choices too
     try:  # a cache that cannot be written only costs the benchmarks the choices would have saved
@@ -64,6 +67,8 @@ def check(train_args: list[str], world_size: int, node_rank: int = 0) -> LaunchP
               "on first use instead", file=sys.stderr)
     job = parse(train_args)
     config = job.config
+    if parsed is not None:
+        parsed(config)
     if node_rank == 0 and config.job.dump_folder.strip():  # the other nodes join node 0's run, which holds the lock
         dump_folder.check_free(config.job.dump_folder)
     compat.check(config)

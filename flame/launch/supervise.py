@@ -107,12 +107,13 @@ class JobCheck:
 
     REFUSED = signal.SIGUSR2
 
-    def __init__(self, train_args: list[str], world_size: int, node_rank: int):
+    def __init__(self, train_args: list[str], world_size: int, node_rank: int,
+                 kernels: triton_kernels.WarmUp | None = None):
         signal.signal(self.REFUSED, lambda *_: os._exit(2))  # the check has printed the error: nothing to clean up
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         self._process = context.Process(target=_check_in_child, name="flame-check",
-                                        args=(send, train_args, world_size, node_rank, os.getpid()))
+                                        args=(send, train_args, world_size, node_rank, os.getpid(), kernels))
         self._process.start()
         send.close()
 
@@ -128,22 +129,29 @@ class JobCheck:
         return outcome
 
 
-def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int, parent: int) -> None:
+def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int, parent: int,
+                    kernels: triton_kernels.WarmUp | None) -> None:
     signal.signal(JobCheck.REFUSED, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops, and this check with it (SIGTERM)
     die_with_parent(signal.SIGTERM, parent)
     from flame.launch import preflight
 
     # the memory plan's GPU probe runs fla's kernels at its own rows: the first on a machine compiles (and may tune)
-    # them here, so they are recorded for the shipped list, and said, like step 1's (flame.base.triton_kernels)
-    if recorded := os.environ.get(triton_kernels.RECORD):
-        triton_kernels.record_compiled_kernels(recorded)
+    # them here, so they are said, like step 1's, and recorded for the shipped list (flame.base.triton_kernels)
     checked = False
     if triton_kernels.NVIDIA_DEVICE.exists():
         triton_kernels.CompileWatch().report(lambda line: print(f"flame: {line}", file=sys.stderr, flush=True),
                                             done=lambda: checked, what="the job's check (its memory plan's GPU probe)")
+
+    def parsed(config) -> None:  # before the probe
+        model_type = triton_kernels.model_type_of(config.model.config)
+        if kernels is not None:
+            kernels.tell(model_type)
+        if recorded := os.environ.get(triton_kernels.RECORD):
+            triton_kernels.record_compiled_kernels(recorded, model_type)
+
     try:
-        send.send(preflight.check(train_args, world_size, node_rank))
+        send.send(preflight.check(train_args, world_size, node_rank, parsed))
         checked = True
     except ConfigError as error:
         print(f"flame: error: {error}", file=sys.stderr, flush=True)
@@ -244,15 +252,18 @@ def launch(args: argparse.Namespace, torchrun_args: list[str], script: int) -> i
     import_config()
     kernels = triton_kernels.start_warm_up()  # fla's kernels compile on the spare CPUs meanwhile (its module doc)
     try:
-        return _checked_and_run(args, torchrun_args, script)
+        return _checked_and_run(args, torchrun_args, script, kernels)
     finally:
-        if kernels is not None and kernels.poll() is None:  # the run ended before it: its work is of no more use
-            kernels.terminate()
+        if kernels is not None:
+            kernels.stop()
 
 
-def _checked_and_run(args: argparse.Namespace, torchrun_args: list[str], script: int) -> int:
+def _checked_and_run(args: argparse.Namespace, torchrun_args: list[str], script: int,
+                     kernels: triton_kernels.WarmUp | None) -> int:
     train_args = torchrun_args[script + 2:]
-    check = JobCheck(train_args, args.world_size, args.node_rank)
+    check = JobCheck(train_args, args.world_size, args.node_rank, kernels)
+    if kernels is not None:
+        kernels.release()  # the check holds its own end of the pipe now
     start_method = warm_up()
     plan = check.outcome()
     if isinstance(plan, int):

@@ -1,8 +1,11 @@
 """flame.base.triton_kernels: a kernel recorded as a rank compiles it is compiled from its record, on a machine without
 a GPU (the target is named), under the very cache key the rank's own compile of it uses; collect keeps each kernel
-once; warm compiles on a pool of processes; a record that cannot compile is left to the ranks with its reason."""
+once with every model type that compiled it; warm compiles the job's model type's on a pool of processes, told the
+type through a pipe; a record that cannot compile is left to the ranks with its reason."""
 
 import json
+import os
+import subprocess
 import time
 
 import pytest
@@ -49,7 +52,7 @@ def _recorded(tmp_path, monkeypatch, *calls: dict) -> tuple[list[dict], list]:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(triton_kernels, "_current_target", lambda: H100)
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
-    triton_kernels.record_compiled_kernels(str(recorded))
+    triton_kernels.record_compiled_kernels(str(recorded), "gla")
     x, y, out = (torch.zeros(4096) for _ in range(3))
     compiles = [_as_a_rank_calls_it(triton.knobs.runtime.jit_post_compile_hook, x, y, out, 4096, 0.5, **call)
                 for call in calls]
@@ -59,7 +62,7 @@ def _recorded(tmp_path, monkeypatch, *calls: dict) -> tuple[list[dict], list]:
 def test_a_recorded_kernel_compiles_ahead_under_the_key_the_rank_looks_up(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     [kernel], [(source, options)] = _recorded(tmp_path, monkeypatch, dict(BLOCK=1024, DTYPE=tl.float32, num_warps=4))
-    assert (kernel["module"], kernel["name"], kernel["target"]) == (__name__, "scaled_sum", {
+    assert (kernel["module"], kernel["name"], kernel["models"], kernel["target"]) == (__name__, "scaled_sum", ["gla"], {
         "backend": "cuda", "arch": 90, "warp_size": 32})
 
     assert triton_kernels.compile_kernel(kernel) is None
@@ -69,27 +72,57 @@ def test_a_recorded_kernel_compiles_ahead_under_the_key_the_rank_looks_up(tmp_pa
     assert _cache_entries(cache) == compiled
 
 
-def test_collect_keeps_each_kernel_once_in_first_seen_order_and_no_inductor_kernel(tmp_path, monkeypatch):
+def test_collect_keeps_each_kernel_once_in_first_seen_order_with_its_model_types_and_no_inductor_kernel(tmp_path,
+                                                                                                      monkeypatch):
     monkeypatch.setattr(triton_kernels, "triton_version", lambda: "3.6.0")
     first, second = tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"
-    a, b = ({"module": "fla.ops.x", "name": name, "spec": "{}", "target": {}} for name in ("a", "b"))
-    inductor = {"module": "torch._inductor.generated", "name": "triton_poi_0", "spec": "{}", "target": {}}
+    a, b = ({"module": "fla.ops.x", "name": name, "spec": "{}", "models": ["gla"], "target": {}} for name in "ab")
+    inductor = {"module": "torch._inductor.generated", "name": "triton_poi_0", "spec": "{}", "models": ["gla"],
+                "target": {}}
     first.write_text("".join(json.dumps(k) + "\n" for k in (a, inductor, b)))
-    second.write_text(json.dumps(b) + "\n" + json.dumps(a) + "\n")
+    second.write_text(json.dumps({**b, "models": ["delta_net"]}) + "\n" + json.dumps(a) + "\n")
     shipped = triton_kernels.collect([first, second], "GPU-A", root=tmp_path / "shipped")
     assert shipped == tmp_path / "shipped" / "3.6.0" / "GPU-A" / "kernels.jsonl"
-    assert triton_kernels.read(shipped) == [a, b]
-    assert triton_kernels.read(triton_kernels.collect([second], "GPU-A", root=tmp_path / "shipped")) == [a, b]
+    both = {**b, "models": ["delta_net", "gla"]}
+    assert triton_kernels.read(shipped) == [a, both]
+    assert triton_kernels.read(triton_kernels.collect([second], "GPU-A", root=tmp_path / "shipped")) == [a, both]
+    assert triton_kernels.for_model([a, both], "delta_net") == [both]
+    assert triton_kernels.for_model([a, both], "") == [a, both]  # a job whose type could not be read: all
 
 
-def test_warm_compiles_on_a_pool_and_names_what_it_left_to_the_ranks(tmp_path, monkeypatch):
-    kernels, _ = _recorded(tmp_path, monkeypatch, *(dict(BLOCK=block, DTYPE=tl.bfloat16) for block in (256, 512)))
+def test_warm_compiles_the_jobs_model_types_kernels_on_a_pool_and_names_what_it_left_to_the_ranks(tmp_path,
+                                                                                                  monkeypatch):
+    kernels, _ = _recorded(tmp_path, monkeypatch, *(dict(BLOCK=block, DTYPE=tl.bfloat16) for block in (256, 512, 128)))
     cache = tmp_path / "cache"
     missing = {**kernels[0], "name": "no_such_kernel"}
-    compiled, failures = triton_kernels.warm([*kernels, missing], jobs=2)
-    assert compiled == 2 and len(failures) == 1
+    another_types = {**kernels[2], "models": ["mamba2"]}
+    mine, compiled, failures = triton_kernels.warm([kernels[0], kernels[1], another_types, missing], jobs=2,
+                                                   model_type=lambda: "gla")
+    assert (mine, compiled, len(failures)) == (3, 2, 1)
     assert failures[0].startswith(f"{__name__}.no_such_kernel: AttributeError")
-    assert len(_cache_entries(cache)) >= 2
+    assert len([path for path in cache.rglob("*.cubin")]) == 2  # the other type's kernel was not compiled
+
+
+def test_the_check_tells_the_warm_up_the_model_type_through_a_pipe_or_ends_it_with_every_kernel(tmp_path):
+    for told in ("gla", None):
+        read, write = os.pipe()
+        warm_up = triton_kernels.WarmUp(subprocess.Popen(["sleep", "60"]), write)
+        if told:
+            warm_up.tell(told)  # the job's check, forked from the launcher, once it has parsed the job
+        warm_up.release()  # the launcher's end: a check that ended without a word reads as "every kernel"
+        with os.fdopen(read) as pipe:
+            assert pipe.readline().strip() == (told or "")
+        warm_up.stop()
+        assert warm_up.process.wait(timeout=10) != 0  # terminated: the run no longer needs it
+
+
+def test_a_jobs_model_type_is_read_from_its_config_file_or_folder(tmp_path):
+    from tests.conftest import ROOT
+
+    assert triton_kernels.model_type_of(str(ROOT / "configs" / "gla_340M.json")) == "gla"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
+    assert triton_kernels.model_type_of(str(tmp_path)) == "mamba2"
+    assert triton_kernels.model_type_of("fla-hub/gla-340M-15B") == ""  # a hub name: every kernel
 
 
 @pytest.mark.parametrize("shipped", [False, True])
@@ -113,7 +146,8 @@ def test_flame_warm_kernels_0_turns_the_warm_up_off(tmp_path, monkeypatch, switc
     if switch == "0":
         assert warm_up is None
     else:  # started; with no nvidia-smi answer here it compiles nothing and ends
-        assert warm_up.wait(timeout=60) == 0
+        assert warm_up.process.wait(timeout=60) == 0
+        warm_up.stop()
 
 
 def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_found(monkeypatch):

@@ -22,7 +22,7 @@ from flame.base import triton_kernels
 from flame.models import load_model_config
 from flame.models.builder import FlameModelArgs, build_model
 if len(sys.argv) > 2:
-    triton_kernels.record_compiled_kernels(sys.argv[2])
+    triton_kernels.record_compiled_kernels(sys.argv[2], "gla")
 path = sys.argv[1]
 args = FlameModelArgs(config_path=path)
 args._config = load_model_config(path)
@@ -56,7 +56,8 @@ def test_a_warmed_cache_holds_every_kernel_the_run_compiles(tmp_path):
     os.environ["TRITON_CACHE_DIR"] = str(warmed)
     try:
         started = time.monotonic()
-        compiled, failures = triton_kernels.warm(kernels, jobs=max(1, (os.cpu_count() or 2) - 2))
+        _, compiled, failures = triton_kernels.warm(kernels, jobs=max(1, (os.cpu_count() or 2) - 2),
+                                                    model_type=lambda: "gla")
         warming = time.monotonic() - started
     finally:
         os.environ.pop("TRITON_CACHE_DIR")
