@@ -35,7 +35,7 @@ from flame.memory.layout import (
     dtype_bytes,
     first_blocks,
 )
-from flame.memory.plan import HOST_SHARE, choose, table
+from flame.memory.plan import HOST_SHARE, Plan, choose, table
 from flame.models import lora, moe
 from flame.models.inputs import is_fla_config
 from flame.models.kernels.attention import backend_for
@@ -197,23 +197,34 @@ def layout_of(config) -> Layout:
                   host_optimizer=config.optimizer.on_host, park_inputs=ac.offload)
 
 
+# the layout's fields and the settings that give each: a job that gives one (job file or command line) keeps it
+LAYOUT_SETTINGS = {
+    "ac": ("activation_checkpoint.mode", "activation_checkpoint.selective_ac_option", "activation_checkpoint.blocks"),
+    "reshard": ("parallelism.fsdp_reshard_after_forward",),
+    "offload": ("training.enable_cpu_offload",),
+    "host_optimizer": ("optimizer.on_host",),
+    "park_inputs": ("activation_checkpoint.offload",),
+    "micro_batches": ("training.gradient_accumulation_steps",),
+}
+
+
 def fixed_settings(config, given: dict[str, int]) -> set[str]:
     """The layout's fields the job gives itself (job file or command line), which the plan keeps."""
-    fixed = set()
-    if {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option", "activation_checkpoint.blocks"} & set(given):
-        fixed.add("ac")
-    if "parallelism.fsdp_reshard_after_forward" in given:
-        fixed.add("reshard")
-    if "training.enable_cpu_offload" in given:
-        fixed.add("offload")
-    if "optimizer.on_host" in given:
-        fixed.add("host_optimizer")
-    if "activation_checkpoint.offload" in given:
-        fixed.add("park_inputs")
+    fixed = {field for field, settings in LAYOUT_SETTINGS.items() if set(settings) & set(given)}
     # a pipeline schedule splits the batch itself; one varlen row cannot be split without changing the data
-    if "training.gradient_accumulation_steps" in given or config.parallelism.pipeline_parallel_degree > 1:
+    if config.parallelism.pipeline_parallel_degree > 1:
         fixed.add("micro_batches")
     return fixed
+
+
+def kept_settings(given: dict[str, int], fitting: Callable[[], Plan]) -> str:
+    """For a refused job that gives layout settings itself: the remedy of leaving them out where the plan then fits
+    (``fitting``: the plan without them), else ""."""
+    flags = [f"--{setting}" for settings in LAYOUT_SETTINGS.values() for setting in settings if setting in given]
+    if not flags or not (plan := fitting()).fits:
+        return ""
+    return (f"; or leave {', '.join(flags)} out of the job file and the command line: the plan keeps what the job "
+            f"gives, and without it fits the job ({plan.layout.describe()})")
 
 
 # Under the memory plan, CUDA's caching allocator grows its segments in place instead of reserving fixed
@@ -263,14 +274,16 @@ def apply(config, world_size: int, given: dict[str, int], model_config=None,
         hardware,  # `python -m flame.memory.hardware` runs it: not imported with the package
     )
 
-    plan = choose(job, layout_of(config), fixed_settings(config, given), gpu, host,
-                  rates=lambda: hardware.load(device.compute_dtype(config)))
+    rates = lambda: hardware.load(device.compute_dtype(config))  # noqa: E731
+    plan = choose(job, layout_of(config), fixed_settings(config, given), gpu, host, rates=rates)
     if not plan.fits:
         raise ConfigError(
             f"the job does not fit the {gpu / GIB:.2f} GiB GPU budget even with {plan.layout.describe()} "
             f"(the most memory-saving plan that keeps the settings given): that needs --memory.gpu_budget_gib {math.ceil(plan.gpu_bytes / GIB * 100) / 100:.2f}; "
             "use more GPUs (FSDP), a shorter --training.seq_len or fewer --training.batch_size rows"
             + plan.remark
+            + kept_settings(given, lambda: choose(job, Layout(reshard=config.parallelism.pipeline_parallel_degree <= 1),
+                                                  fixed_settings(config, {}), gpu, host, rates=rates))
         )
     set_layout(config, plan.start, plan.layout)
     if announce:

@@ -813,9 +813,13 @@ def test_settings_given_are_kept(long_model, monkeypatch, h100_rates):
                                                 "--training.gradient_accumulation_steps=1"))
     assert (given.activation_checkpoint.mode, given.activation_checkpoint.blocks) == ("full", 1)
     assert given.training.local_batch_size == 8
-    with pytest.raises(ConfigError, match="does not fit"):  # the only way left would be micro-batches
+    with pytest.raises(ConfigError, match="does not fit") as refused:  # the only way left would be micro-batches
         parse_job(monkeypatch, 1, *job_args(long_model, f"--memory.gpu_budget_gib={full * 0.9:.6f}",
                                             "--training.gradient_accumulation_steps=1"))
+    # which the refusal names as the remedy: the setting the job gives, which the plan kept
+    assert str(refused.value).endswith("; or leave --training.gradient_accumulation_steps out of the job file and the "
+                                       "command line: the plan keeps what the job gives, and without it fits the job "
+                                       "(no AC, 2 micro-batches)"), str(refused.value)
 
 
 def test_plan_off_changes_nothing_and_takes_no_budget(long_model, monkeypatch):
