@@ -5,7 +5,8 @@
 For each config, launches of the same job (--steps steps, every step logged), by phase:
   cold     empty Triton and inductor caches, no background compile of the shipped kernel list
            (FLAME_WARM_KERNELS=0): a fresh machine without flame's warm-up (what flame ships is
-           installed, as always); the kernels the ranks compile are recorded (FLAME_RECORD_KERNELS)
+           installed, as always); the kernels the job's check and the ranks compile are recorded
+           (FLAME_RECORD_KERNELS)
   ahead    empty caches again, the launcher's warm-up on, compiling the shipped list, which now
            holds the cold run's kernels: a fresh machine once this config's list ships
   shipped  empty caches holding only the autotune choices the cold run made: what shipping them saves
@@ -15,11 +16,12 @@ Every phase but warm and bare also starts with its own empty flame cache (FLAME_
 plan's activation probes, FP8 timings), holding only the built-in corpus and the machine's measured
 rates from the usual cache (build them first: one run, or python -m flame.memory.hardware).
 Each prints the seconds from launch to "Training starts" and to step 1, tok/s at the last step,
-and what the ranks spent compiling Triton kernels and benchmarking autotune configurations (a
-sitecustomize probe in the ranks: Triton's compilation listener and its autotuner's disk-cache
-check). Right after a cold run its choices are collected into flame/base/autotune_choices/
-(python -m flame.base.autotune) and the Triton kernels it compiled into the list the launcher
-compiles ahead of step 1 (python -m flame.base.triton_kernels collect).
+how many shipped kernels the launcher's warm-up put in the cache and when, and what every process
+of the run (the job's check, the ranks, the warm-up's pool) spent compiling Triton kernels and
+benchmarking autotune configurations (a sitecustomize probe: Triton's compilation listener and
+its autotuner's disk-cache check). Right after a cold run its choices are collected into
+flame/base/autotune_choices/ (python -m flame.base.autotune) and the Triton kernels it compiled
+into the list the launcher compiles ahead (python -m flame.base.triton_kernels collect).
 """
 
 import argparse
@@ -37,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_1 = re.compile(r"\bstep +1/\d+")
+WARMED = re.compile(r"flame: (\d+) of the (\d+) Triton kernels shipped")
 TOKENS_PER_S = re.compile(r"\bstep +\d+/\d+ .*tok/s/device ([\d,]+)")
 
 PROBE = '''
@@ -78,7 +81,8 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
     for old in work.glob(f"{name}.probe.*.json"):
         old.unlink()
     env = env | {"FLAME_STARTUP_PROBE": str(probe)}
-    result = {"phase": name.rsplit("-", 1)[-1], "training_starts_s": None, "step1_s": None, "last_tok_s": None}
+    result = {"phase": name.rsplit("-", 1)[-1], "training_starts_s": None, "step1_s": None, "last_tok_s": None,
+              "warmed": None}
     start = time.monotonic()
     with open(work / f"{name}.log", "w", buffering=1) as log:  # line by line: a stopped driver keeps its logs
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -94,6 +98,8 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
                 result["training_starts_s"] = round(now, 1)
             if result["step1_s"] is None and STEP_1.search(plain):
                 result["step1_s"] = round(now, 1)
+            if warmed := WARMED.search(plain):  # the launcher's warm-up: kernels in the cache, and when
+                result["warmed"] = f"{warmed.group(1)}/{warmed.group(2)} at {now:.0f} s"
             if rate := TOKENS_PER_S.search(plain):
                 result["last_tok_s"] = int(rate.group(1).replace(",", ""))
         result["status"] = process.wait()
@@ -188,10 +194,10 @@ def main() -> int:
                 collect(caches["cold"][0], args.work / stem / "kernels-cold.jsonl", base)
     (args.work / "startup.json").write_text(json.dumps(results, indent=1))
     print(f"{'config':<20} {'phase':<8} {'starts':>7} {'step 1':>7} {'compiled':>9} {'compile s':>9} "
-          f"{'autotuned':>9} {'tune s':>7} {'tok/s':>8}")
+          f"{'autotuned':>9} {'tune s':>7} {'tok/s':>8}  warm-up")
     for r in results:
         print(f"{r['config']:<20} {r['phase']:<8} {r['training_starts_s'] or '-':>7} {r['step1_s'] or '-':>7} "
-              f"{r['compiled']:>9} {r['compile_s']:>9} {r['autotuned']:>9} {r['autotune_s']:>7} {r['last_tok_s'] or '-':>8}")
+              f"{r['compiled']:>9} {r['compile_s']:>9} {r['autotuned']:>9} {r['autotune_s']:>7} {r['last_tok_s'] or '-':>8}  {r['warmed'] or '-'}")
     return 0
 
 
