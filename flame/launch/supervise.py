@@ -14,7 +14,9 @@ One process per node does the whole launch, so that what every rank imports is i
   fla is imported by the check and the ranks, never here); if something did, the ranks are
   spawned (started fresh, as bare torchrun starts them) and the launcher says why;
 - where flame ships a list of fla's Triton kernels for this GPU, it starts their compilation on the
-  spare CPUs first (flame.base.triton_kernels), so that the ranks find them in Triton's cache;
+  spare CPUs first (flame.base.triton_kernels); the check tells it the job's model type once it has
+  parsed the job, so that the check's memory-plan probe and the ranks find that type's kernels in
+  Triton's cache;
 - the run's processes end with train.sh, however it ends: this process asks the kernel for
   SIGTERM when train.sh (its parent) exits, and torchrun's own handler then stops the ranks;
   every rank asks for SIGKILL when the agent exits (flame.train.run_rank calls
