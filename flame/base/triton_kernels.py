@@ -2,7 +2,7 @@
 
     python -m flame.base.triton_kernels warm [--jobs N]     compile the kernels shipped for this GPU into Triton's cache
     python -m flame.base.triton_kernels collect RECORDED... [--gpu NAME]   add recorded kernels to those shipped
-    python -m flame.base.triton_kernels list                what is shipped, per Triton version and GPU
+    python -m flame.base.triton_kernels list                what is shipped, per Triton version, GPU and model type
 
 The rule: fla's Triton kernels compile the first time each runs, one after another, inside the
 process that runs them: a 340M fla model compiles 70-230 of them in the memory plan's GPU probe
@@ -334,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flame: {len(read(path))} kernels now shipped in {path}")
     else:
         for folder in shipped_folders():
-            print(f"triton {folder.parent.name}, {folder.name}: {len(read(folder / KERNELS))} kernels")
+            kernels = read(folder / KERNELS)
+            types = sorted({model for kernel in kernels for model in kernel.get("models", [])})
+            per_type = ", ".join(f"{model} {len(for_model(kernels, model))}" for model in types)
+            print(f"triton {folder.parent.name}, {folder.name}: {len(kernels)} kernels" + (f" ({per_type})" if types else ""))
     return 0
 
 

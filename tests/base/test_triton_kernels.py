@@ -191,3 +191,13 @@ def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_fo
     assert lines[0].startswith("step 1 is compiling Triton kernels: 3 so far") and \
         "now chunk_fwd_kernel for the 4th time (autotuning" in lines[0]
     assert lines[-1].startswith("step 1 compiled 3 Triton kernels")
+
+
+def test_list_counts_the_kernels_shipped_per_gpu_and_model_type(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
+    kernels = [{"module": "m", "name": name, "spec": "{}", "models": models, "target": {}}
+               for name, models in (("a", ["gla"]), ("b", ["gla", "delta_net"]), ("c", ["delta_net"]))]
+    (tmp_path / "3.6.0" / "GPU-A").mkdir(parents=True)
+    (tmp_path / "3.6.0" / "GPU-A" / "kernels.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kernels))
+    assert triton_kernels.main(["list"]) == 0
+    assert capsys.readouterr().out == "triton 3.6.0, GPU-A: 3 kernels (delta_net 2, gla 2)\n"
