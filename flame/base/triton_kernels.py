@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         path = collect(args.recorded, args.gpu or gpu_name())
         print(f"flame: {len(read(path))} kernels now shipped in {path}")
     else:
-        for folder in shipped_folders():
+        for folder in shipped_folders(SHIPPED):
             kernels = read(folder / KERNELS)
             types = sorted({model for kernel in kernels for model in kernel.get("models", [])})
             per_type = ", ".join(f"{model} {len(for_model(kernels, model))}" for model in types)
