@@ -1,6 +1,6 @@
 """Triton kernels compiled ahead of step 1, on the machine's spare CPUs, from a shipped list of those runs use.
 
-    python -m flame.base.triton_kernels warm [--jobs N]     compile the kernels shipped for this GPU into Triton's cache
+    python -m flame.base.triton_kernels warm [--jobs N]     compile the kernels shipped for this GPU's architecture
     python -m flame.base.triton_kernels collect RECORDED... [--gpu NAME]   add recorded kernels to those shipped
     python -m flame.base.triton_kernels list                what is shipped, per Triton version, GPU and model type
 
@@ -11,7 +11,8 @@ and its first step, 53-100 s on an H100 even with every autotune choice shipped
 of its time is CPU (MLIR passes, ptxas). So the launcher starts ``warm`` before the job's check
 (``start_warm_up``): it imports the kernels' modules, learns the job's model type from the check
 once the check has parsed the job (a pipe: ``WarmUp``), and a pool of processes forked from it,
-niced below the job, compiles that type's kernels shipped for this GPU and Triton version into
+niced below the job, compiles that type's kernels shipped for this Triton version and the GPU's
+architecture (recorded on this GPU or another of its kind: H100 and H200 are both sm_90) into
 Triton's cache while the check probes and the ranks import, build the model and read their first
 batch; the probe's and the ranks' first calls of a kernel then load it from the cache
 (``FLAME_WARM_KERNELS=0`` turns it off). A kernel the list lacks compiles where it runs, as
@@ -243,12 +244,34 @@ def warm(kernels: list[dict], jobs: int, model_type: Callable[[], str] = str) ->
     return len(kernels), len(kernels) - len(failures), failures
 
 
-def first_gpu() -> str:
-    """This machine's first GPU as autotune.gpu_name names it, asked of nvidia-smi (no CUDA in this process: the pool
-    forks from it)."""
-    answer = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    return answer.replace(" ", "-").replace("/", "-")
+def first_gpu() -> tuple[str, int | None]:
+    """This machine's first GPU: its name as autotune.gpu_name writes it, and its architecture as Triton's target
+    names it (compute capability 9.0: 90; None where the driver does not say), asked of nvidia-smi (no CUDA in this
+    process: the pool forks from it)."""
+    def ask(field: str) -> str:
+        return subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader", "-i", "0"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    name = ask("name").replace(" ", "-").replace("/", "-")
+    try:
+        major, minor = ask("compute_cap").split(".")
+        return name, int(major) * 10 + int(minor)
+    except (subprocess.CalledProcessError, ValueError):
+        return name, None
+
+
+def shipped_for(gpu: str, arch: int | None, root: Path = SHIPPED) -> list[dict]:
+    """The kernels shipped for this Triton version that compile for this GPU, each once: its own folder's, then those
+    recorded on any other GPU of its architecture (a compile names only the target: an H200 compiles an H100's list,
+    both sm_90, and reads the H100's autotune choices, which flame.base.autotune installs for both)."""
+    folders = sorted((root / triton_version()).glob(f"*/{KERNELS}"), key=lambda path: path.parent.name != gpu)
+    kernels: dict[tuple[str, str, str], dict] = {}
+    for path in folders:
+        if path.parent.name == gpu or arch is not None:
+            for kernel in read(path):
+                if path.parent.name == gpu or kernel["target"].get("arch") == arch:
+                    kernels.setdefault((kernel["module"], kernel["name"], kernel["spec"]), kernel)
+    return list(kernels.values())
 
 
 class WarmUp:
@@ -314,18 +337,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.parent:
             die_with_parent(signal.SIGTERM, args.parent)
         try:
-            path = SHIPPED / triton_version() / first_gpu() / KERNELS
+            kernels = shipped_for(*first_gpu(), root=SHIPPED)
         except (OSError, subprocess.CalledProcessError):  # no nvidia-smi answer: the ranks compile as before
             return 0
-        if not path.exists():
+        if not kernels:
             return 0
-        started, kernels = time.monotonic(), read(path)
+        started = time.monotonic()
         told = (lambda: os.fdopen(args.model_from).readline().strip()) if args.model_from is not None else str
         mine, compiled, failures = warm(kernels, args.jobs, told)
         if not mine:  # a model type no shipped run recorded: its ranks compile as before
             return 0
-        print(f"flame: {compiled} of the {mine} Triton kernels shipped for this GPU and model type are in Triton's "
-              f"cache ({time.monotonic() - started:.0f} s on {args.jobs} processes beside the ranks' start)"
+        print(f"flame: {compiled} of the {mine} Triton kernels shipped for this GPU's architecture and model type are "
+              f"in Triton's cache ({time.monotonic() - started:.0f} s on {args.jobs} processes beside the ranks' start)"
               + (f"; {len(failures)} left to the ranks, e.g. {failures[0]}" if failures else ""), flush=True)
     elif args.action == "collect":
         if not args.recorded:
@@ -337,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             kernels = read(folder / KERNELS)
             types = sorted({model for kernel in kernels for model in kernel.get("models", [])})
             per_type = ", ".join(f"{model} {len(for_model(kernels, model))}" for model in types)
-            print(f"triton {folder.parent.name}, {folder.name}: {len(kernels)} kernels" + (f" ({per_type})" if types else ""))
+            print(f"triton {folder.parent.name}, {folder.name}: {len(kernels)} kernels"
+                  + (f" ({per_type})" if types else ""))
     return 0
 
 

@@ -201,3 +201,23 @@ def test_list_counts_the_kernels_shipped_per_gpu_and_model_type(tmp_path, monkey
     (tmp_path / "3.6.0" / "GPU-A" / "kernels.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kernels))
     assert triton_kernels.main(["list"]) == 0
     assert capsys.readouterr().out == "triton 3.6.0, GPU-A: 3 kernels (delta_net 2, gla 2)\n"
+
+
+def test_a_gpu_warms_its_own_list_then_those_of_its_architecture_each_kernel_once(tmp_path, monkeypatch):
+    """A compile names only the target: an H200 compiles the kernels recorded on an H100 (both sm_90), not an A100's."""
+    monkeypatch.setattr(triton_kernels, "triton_version", lambda: "3.6.0")
+
+    def kernel(name: str, arch: int) -> dict:
+        return {"module": "m", "name": name, "spec": "{}", "models": ["gla"], "target": {"backend": "cuda", "arch": arch,
+                                                                                      "warp_size": 32}}
+
+    lists = {"NVIDIA-H100-80GB-HBM3": [kernel("a", 90), kernel("b", 90)], "NVIDIA-H200": [kernel("b", 90)],
+             "NVIDIA-A100-SXM4-80GB": [kernel("c", 80)]}
+    for gpu, kernels in lists.items():
+        (tmp_path / "3.6.0" / gpu).mkdir(parents=True)
+        (tmp_path / "3.6.0" / gpu / "kernels.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kernels))
+    names = lambda kernels: [k["name"] for k in kernels]  # noqa: E731
+    assert names(triton_kernels.shipped_for("NVIDIA-H200", 90, root=tmp_path)) == ["b", "a"]
+    assert names(triton_kernels.shipped_for("NVIDIA-A100-SXM4-80GB", 80, root=tmp_path)) == ["c"]
+    assert names(triton_kernels.shipped_for("NVIDIA-H200", None, root=tmp_path)) == ["b"]  # arch unknown: its own
+    assert triton_kernels.shipped_for("NVIDIA-L4", 89, root=tmp_path) == []
