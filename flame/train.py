@@ -27,6 +27,7 @@ from torchtitan.tools.logging import init_logger, logger
 from flame.base import autotune, triton_kernels
 from flame.base.errors import ConfigError, DataError, SaveFailedError, UpdatesFailingError, failure_line, worker_message
 from flame.base.process import arrange_stack_dumps, die_with_parent
+from flame.compat import triton as compat_triton
 from flame.config.manager import parse
 from flame.training import stop
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     arrange_stack_dumps()
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
     on_rank0_gpu = os.environ.get("RANK", "0") == "0" and torch.cuda.is_available()
-    compiling = triton_kernels.CompileWatch() if on_rank0_gpu else None  # said in the log while step 1 waits for it
+    compiling = compat_triton.compile_watch() if on_rank0_gpu else None  # said in the log while step 1 waits for it
     try:
         job = parse(sys.argv[1:] if argv is None else argv)
         if recorded := os.environ.get(triton_kernels.RECORD):  # the kernels this run compiles, to ship (its module doc)

@@ -51,6 +51,7 @@ flame.launch.supervise              flame.base.autotune                        t
 flame.launch.supervise              flame.compat.transformers                  the launcher's first stage, before transformers' models load
 flame.launch.supervise              flame.config.manager                       the launcher's first stage: what parsing needs
 flame.launch.supervise              flame.launch.preflight                     in the forked check only: its imports stay out of the ranks' parent
+flame.launch.supervise              flame.compat.triton                        in the forked check only, on GPUs: its compile watch imports torch and Triton
 flame.launch.supervise              flame.train                                the second stage: what every rank imports, while the check runs
 flame.launch.supervise              flame.training.trainer                     the second stage: what every rank imports, while the check runs
 flame.launch.supervise              flame.tools.plot                           after training: matplotlib only for the curves

@@ -1,5 +1,5 @@
-"""triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism, and
-forwards in which no kernel may launch.
+"""triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism, how
+many configurations it is about to try, and forwards in which no kernel may launch.
 
 Written for triton 3.6.0 (3rdparty/requirements.txt).
 """
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from flame.base.triton_kernels import CompileWatch
 from flame.compat.guard import Library, Target, patch
 
 TRITON = Library("triton", "triton", "3.6.0")
@@ -43,6 +44,38 @@ def autotune_on_the_current_stream() -> None:
     """
     driver = importlib.import_module(_DEVICE_INTERFACE.module)
     driver.CudaDriver.get_device_interface = lambda self: _CurrentStreamCuda()
+
+
+_PRUNE = Target(TRITON, "triton.runtime.autotuner", "Autotuner.prune_configs", ("self", "kwargs"))
+# kernel name -> how many configurations its autotuner tries for its newest shape (autotuning_sizes_noted)
+tuning_sizes: dict[str, int] = {}
+
+
+@patch(TRITON, _PRUNE)
+def autotuning_sizes_noted() -> None:
+    """Note, per kernel, how many configurations Triton's autotuner is about to compile and time.
+
+    Upstream: for a shape it has no choice for, the autotuner compiles and benchmarks every
+    configuration ``prune_configs`` leaves, silently; a first step can spend minutes there.
+    flame: the count is kept in ``tuning_sizes`` under the kernel's name, so that the log's compile
+    watch (flame.base.triton_kernels.CompileWatch) can say "configuration 4 of 32, about 50 s left".
+    Applied with the watch, on GPUs (flame.train, and the job's check for its memory-plan probe).
+    """
+    autotuner = importlib.import_module(_PRUNE.module).Autotuner
+    prune_configs = autotuner.prune_configs
+
+    def noted(self, kwargs):
+        configs = prune_configs(self, kwargs)
+        tuning_sizes[self.base_fn.__name__] = len(configs)
+        return configs
+
+    autotuner.prune_configs = noted
+
+
+def compile_watch() -> CompileWatch:
+    """flame.base.triton_kernels.CompileWatch for this process, told how many configurations each kernel tunes."""
+    autotuning_sizes_noted()
+    return CompileWatch(tuning_sizes)
 
 
 class KernelLaunchRefused(RuntimeError):

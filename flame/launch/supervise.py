@@ -142,8 +142,10 @@ def _check_in_child(send, train_args: list[str], world_size: int, node_rank: int
     # them here, so they are said, like step 1's, and recorded for the shipped list (flame.base.triton_kernels)
     checked = False
     if triton_kernels.NVIDIA_DEVICE.exists():
-        triton_kernels.CompileWatch().report(lambda line: print(f"flame: {line}", file=sys.stderr, flush=True),
-                                            done=lambda: checked, what="the job's check (its memory plan's GPU probe)")
+        from flame.compat import triton
+
+        triton.compile_watch().report(lambda line: print(f"flame: {line}", file=sys.stderr, flush=True),
+                                      done=lambda: checked, what="the job's check (its memory plan's GPU probe)")
 
     def parsed(config) -> None:  # before the probe
         model_type = triton_kernels.model_type_of(config.model.config)

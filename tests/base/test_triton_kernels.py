@@ -5,6 +5,7 @@ type through a pipe; a record that cannot compile is left to the ranks with its 
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -191,6 +192,29 @@ def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_fo
     assert lines[0].startswith("step 1 is compiling Triton kernels: 3 so far") and \
         "now chunk_fwd_kernel for the 4th time (autotuning" in lines[0]
     assert lines[-1].startswith("step 1 compiled 3 Triton kernels")
+    # with the autotuner's count (flame.compat.triton): how far, and about how long is left at the pace so far
+    watch.tuning_sizes["chunk_fwd_kernel"] = 9
+    assert re.fullmatch(r": autotuning, configuration 4 of 9 \(each compiled and timed once\), about 0 s left",
+                        watch.tuning("chunk_fwd_kernel")), watch.tuning("chunk_fwd_kernel")
+    assert watch.per_kernel_s["chunk_fwd_kernel"] / 3 * 6 < 0.5  # three compiles of ~0.05 s: six more, ~0.3 s
+
+
+def test_the_autotuners_configuration_count_is_noted_per_kernel():
+    """flame.compat.triton's change to Triton's autotuner: how many configurations a kernel is about to try, after
+    its pruning, under the kernel's name (what the compile watch reads)."""
+    from flame.compat import triton as compat_triton
+
+    @triton.autotune(configs=[triton.Config({"BLOCK": block}) for block in (16, 32, 64)], key=["n"],
+                     prune_configs_by={"early_config_prune": lambda configs, named_args, **_: configs[:2]})
+    @triton.jit
+    def tuned_copy(x, out, n, BLOCK: tl.constexpr):
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + index, tl.load(x + index, mask=index < n), mask=index < n)
+
+    compat_triton.autotuning_sizes_noted()
+    tuned_copy.nargs = {"x": None, "out": None, "n": 4}
+    assert len(tuned_copy.prune_configs({})) == 2
+    assert compat_triton.tuning_sizes["tuned_copy"] == 2
 
 
 def test_list_counts_the_kernels_shipped_per_gpu_and_model_type(tmp_path, monkeypatch, capsys):
