@@ -55,6 +55,10 @@ def test_the_loss_with_the_router_term_is_transformers_own(model_type):
     theirs = reference(inputs, labels=inputs, shift_labels=labels.contiguous(), output_router_logits=True)
     assert theirs.aux_loss > 0 and reference.router_aux_loss_coef > 0
     torch.testing.assert_close(ours, theirs.loss, rtol=1e-6, atol=1e-6)  # mean CE + coefficient x aux
+    ours.backward()
+    theirs.loss.backward()
+    for router, reference_router in zip(moe.routers(model), moe.routers(reference)):  # the term's gradient reaches them
+        torch.testing.assert_close(router.weight.grad, reference_router.weight.grad, rtol=1e-4, atol=1e-7)
     counts, aux_sum = moe.take_router_load()
     assert counts.shape == (2, moe.expert_count(model.config))
     assert counts.sum(dim=1).tolist() == [64 * model.config.num_experts_per_tok] * 2  # every token's top_k choices
