@@ -50,7 +50,7 @@ from flame.base.autotune import SHIPPED, gpu_name, triton_version
 from flame.base.process import die_with_parent
 
 KERNELS = "kernels.jsonl"
-RECORD = "FLAME_RECORD_KERNELS"  # a file: every Triton kernel a rank compiles is appended to it
+RECORD = "FLAME_RECORD_KERNELS"  # a file: every Triton kernel the job's check or a rank compiles is appended to it
 NVIDIA_DEVICE = Path("/dev/nvidiactl")  # present where an NVIDIA driver is loaded
 SWITCH = "FLAME_WARM_KERNELS"  # "0": no warm-up (CPUs shared with other jobs, or timing a cold start)
 
@@ -80,7 +80,7 @@ def record_compiled_kernels(path: str, model_type: str) -> None:
 
 def model_type_of(model_config: str) -> str:
     """The ``model_type`` of the model config a job names (a JSON file, or a folder holding config.json); "" where it
-    cannot be read here, e.g. a hub name (the warm-up then compiles every kernel shipped for the GPU)."""
+    cannot be read here, e.g. a hub name (the warm-up then compiles every kernel shipped for the GPU's architecture)."""
     path = Path(model_config)
     try:
         return str(json.loads((path / "config.json" if path.is_dir() else path).read_text()).get("model_type", ""))
