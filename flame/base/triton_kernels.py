@@ -252,6 +252,8 @@ def warm(kernels: list[dict], jobs: int, model_type: Callable[[], str] = str) ->
         except Exception:  # noqa: BLE001 -- compile_kernel says why, for each of its kernels
             pass
     kernels = for_model(kernels, model_type())
+    if not kernels:  # none recorded for this type: no pool to start
+        return 0, 0, []
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start,
                              initargs=(os.getpid(),)) as pool:
         failures = [failure for failure in pool.map(compile_kernel, kernels, chunksize=1) if failure]

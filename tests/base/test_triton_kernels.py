@@ -245,3 +245,10 @@ def test_a_gpu_warms_its_own_list_then_those_of_its_architecture_each_kernel_onc
     assert names(triton_kernels.shipped_for("NVIDIA-A100-SXM4-80GB", 80, root=tmp_path)) == ["c"]
     assert names(triton_kernels.shipped_for("NVIDIA-H200", None, root=tmp_path)) == ["b"]  # arch unknown: its own
     assert triton_kernels.shipped_for("NVIDIA-L4", 89, root=tmp_path) == []
+
+
+def test_warm_starts_no_pool_for_a_model_type_with_no_kernels_shipped(tmp_path, monkeypatch):
+    kernels, _ = _recorded(tmp_path, monkeypatch, dict(BLOCK=256, DTYPE=tl.bfloat16))
+    monkeypatch.setattr(triton_kernels, "ProcessPoolExecutor", None)  # a pool would fail here
+    assert triton_kernels.warm(kernels, jobs=2, model_type=lambda: "mamba2") == (0, 0, [])
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.cubin"))
