@@ -52,7 +52,7 @@ from flame.base.process import die_with_parent
 KERNELS = "kernels.jsonl"
 RECORD = "FLAME_RECORD_KERNELS"  # a file: every Triton kernel the job's check or a rank compiles is appended to it
 NVIDIA_DEVICE = Path("/dev/nvidiactl")  # present where an NVIDIA driver is loaded
-SWITCH = "FLAME_WARM_KERNELS"  # "0": no warm-up (CPUs shared with other jobs, or timing a cold start)
+SWITCH = "FLAME_WARM_KERNELS"  # "0" (or false/no/off): no warm-up (CPUs shared with other jobs, or timing a cold start)
 
 
 def record_compiled_kernels(path: str, model_type: str) -> None:
@@ -322,7 +322,7 @@ def start_warm_up() -> WarmUp | None:
     """Start ``warm`` in the background (the launcher, before the job's check); None where nothing is shipped for
     this machine's Triton, the machine has no NVIDIA GPU, or FLAME_WARM_KERNELS=0. Asks neither torch nor Triton:
     the launcher imports neither before the ranks fork from it."""
-    if os.environ.get(SWITCH, "1") == "0":
+    if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
         version = metadata.version("triton")

@@ -135,7 +135,7 @@ def test_the_launcher_starts_no_warm_up_without_a_list_for_its_triton_or_a_gpu(t
     assert triton_kernels.start_warm_up() is None  # this machine has no NVIDIA GPU
 
 
-@pytest.mark.parametrize("switch", ["0", "1"])
+@pytest.mark.parametrize("switch", ["0", "off", "1"])
 def test_flame_warm_kernels_0_turns_the_warm_up_off(tmp_path, monkeypatch, switch):
     monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
     (tmp_path / triton.__version__ / "GPU-A").mkdir(parents=True)
@@ -144,7 +144,7 @@ def test_flame_warm_kernels_0_turns_the_warm_up_off(tmp_path, monkeypatch, switc
     (tmp_path / "nvidiactl").touch()  # as on a machine with an NVIDIA driver
     monkeypatch.setenv("FLAME_WARM_KERNELS", switch)
     warm_up = triton_kernels.start_warm_up()
-    if switch == "0":
+    if switch in ("0", "off"):
         assert warm_up is None
     else:  # started; with no nvidia-smi answer here it compiles nothing and ends
         assert warm_up.process.wait(timeout=60) == 0
