@@ -79,6 +79,7 @@ class ActivationProfile:
     rest: Quadratic  # embeddings, final norm, head input
     method: str  # how it was found, for the plan's table
     backward: Quadratic = Quadratic()  # what a block's backward allocates beyond what it kept (GPU probe only)
+    triton_kernels: bool = False  # the forward launches Triton kernels of its own (fla's), which tune on a new machine
 
     def scaled(self, blocks: int) -> ActivationProfile:
         """The same blocks, ``blocks`` of them (the first ones, repeated): for tests of the scaling."""
@@ -270,9 +271,11 @@ def _measure(config: PretrainedConfig, dtype: torch.dtype, fused: bool, autocast
         refused = isinstance(error, compat.triton.KernelLaunchRefused)
         why = f"reached {error}" if refused else f"failed: {type(error).__name__}"
         if (where := probe.probe_device()) is None:
-            return _formula(config, dtype, blocks, why)
-        return probe.probed(config, dtype, where, autocast, fused, adapters,
-                            otherwise=lambda failed: _formula(config, dtype, blocks, f"{why}; {failed}"))
+            profile = _formula(config, dtype, blocks, why)
+        else:
+            profile = probe.probed(config, dtype, where, autocast, fused, adapters,
+                                   otherwise=lambda failed: _formula(config, dtype, blocks, f"{why}; {failed}"))
+        return dataclasses.replace(profile, triton_kernels=refused)
     if autocast and (where := probe.probe_device()) is not None:
         # autocast does not reach meta tensors, so that forward kept every tensor in ``dtype``, where the job
         # keeps its residual stream and the norm inputs saved from it in float32: measured as the job runs

@@ -33,6 +33,12 @@ ONE_GPU, FSDP, FSDP_ALONE = "one GPU", "FSDP", "FSDP over one rank"
 # (transformer 7B and 1B on an H100). docs/perf-log.md 2026-11-27, -28
 MARGINS = {(True, ONE_GPU): 0.05, (False, ONE_GPU): 0.10, (True, FSDP): 0.20, (False, FSDP): 0.35,
            (True, FSDP_ALONE): 0.15, (False, FSDP_ALONE): 0.35}
+# A model whose forward launches fla's Triton kernels: on a new machine (or a new shape) each kernel times its
+# candidate configurations at its first call, and the CUDA memory those load stays outside PyTorch's allocator,
+# beyond the budget's reserve for the CUDA context. gla 340M's first steps on a fresh H100 held 2.8 GiB there, 1.8 GiB
+# over that reserve, and ran out of memory at step 2 under a plan 0.8 GiB inside its budget (docs/perf-log.md,
+# 2026-12-07)
+KERNEL_TUNING_BYTES = 2 * 1024**3
 FUSED_LOSS_CHUNK = 8192  # flame.models.loss's fused cross entropy computes this many tokens' logits at a time
 
 
@@ -125,6 +131,9 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     allocator = "expandable segments" if job.expandable_segments else "the allocator's default segments"
     allocator += {ONE_GPU: "", FSDP: ", FSDP's streams", FSDP_ALONE: ", FSDP's streams over one rank"}[streams]
     parts.append(Part("allocator margin", margin * gpu_bytes(parts), "GPU", f"{margin:.0%} fragmentation ({allocator})"))
+    if job.activations.triton_kernels:
+        parts.append(Part("kernels' tuning", KERNEL_TUNING_BYTES, "GPU",
+                          "outside PyTorch's allocator: fla's kernels load every configuration they time"))
     return parts
 
 
