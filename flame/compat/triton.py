@@ -1,5 +1,5 @@
 """triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism, how
-many configurations it is about to try, and forwards in which no kernel may launch.
+many configurations it is about to try, runs that skip its benchmarks, and forwards in which no kernel may launch.
 
 Written for triton 3.6.0 (3rdparty/requirements.txt).
 """
@@ -49,6 +49,7 @@ def autotune_on_the_current_stream() -> None:
 _PRUNE = Target(TRITON, "triton.runtime.autotuner", "Autotuner.prune_configs", ("self", "kwargs"))
 # kernel name -> how many configurations its autotuner tries for its newest shape (autotuning_sizes_noted)
 tuning_sizes: dict[str, int] = {}
+_UNTIMED = {"active": False}  # inside untimed_autotuning
 
 
 @patch(TRITON, _PRUNE)
@@ -66,7 +67,7 @@ def autotuning_sizes_noted() -> None:
 
     def noted(self, kwargs):
         configs = prune_configs(self, kwargs)
-        tuning_sizes[self.base_fn.__name__] = len(configs)
+        tuning_sizes[self.base_fn.__name__] = 1 if _UNTIMED["active"] else len(configs)  # untimed: the first that runs
         return configs
 
     autotuner.prune_configs = noted
@@ -76,6 +77,78 @@ def compile_watch() -> CompileWatch:
     """flame.base.triton_kernels.CompileWatch for this process, told how many configurations each kernel tunes."""
     autotuning_sizes_noted()
     return CompileWatch(tuning_sizes)
+
+
+_BENCH = Target(TRITON, "triton.runtime.autotuner", "Autotuner._bench", ("self",))
+_DISK_CACHE = Target(TRITON, "triton.runtime.autotuner", "Autotuner.check_disk_cache",
+                     ("self", "tuning_key", "configs", "bench_fn"))
+_NOT_TIMED = [0.0, 0.0, 0.0]  # what _bench returns: the median and the 20% and 80% quantiles, in ms
+_FAILED = [float("inf")] * 3
+
+
+class _NoChoiceCached(Exception):
+    """Raised in place of Triton's benchmark to learn that no choice is cached for a kernel's key."""
+
+
+def _no_choice_cached() -> None:
+    raise _NoChoiceCached
+
+
+@patch(TRITON, _PRUNE, _BENCH, _DISK_CACHE)
+def first_config_where_untimed() -> None:
+    """Let ``untimed_autotuning`` skip the benchmarks of kernels with no choice cached (installed once, inactive
+    outside that block).
+
+    Upstream: an autotuned kernel called with a key it has no choice for compiles and times every
+    configuration (135 for fla rwkv7's ``chunk_dplr_bwd_kernel_dv``) and writes the winner to Triton's cache.
+    flame, inside the block: a choice cached on disk is read as upstream reads it; without one the configurations
+    are tried in order, each compiled and run once, untimed, until one runs (those that fail to compile are passed
+    over as upstream passes them over), and that one is used without being written to the cache, so no later run
+    reads it as a measured choice.
+    """
+    autotuner = importlib.import_module(_BENCH.module).Autotuner
+    prune_configs, bench, check_disk_cache = autotuner.prune_configs, autotuner._bench, autotuner.check_disk_cache
+
+    def pruned(self, kwargs):
+        self._flame_ran_one = False  # a new key: its benchmark starts over
+        return prune_configs(self, kwargs)
+
+    def first_that_runs(self, *args, config, **meta):
+        if not _UNTIMED["active"]:
+            return bench(self, *args, config=config, **meta)
+        if getattr(self, "_flame_ran_one", False):
+            return _FAILED  # one ran already: the rest are neither compiled nor run
+        self.__dict__["do_bench"] = lambda kernel_call, quantiles: (kernel_call(), _NOT_TIMED)[1]
+        try:
+            result = bench(self, *args, config=config, **meta)
+        finally:
+            self.__dict__.pop("do_bench")  # Triton's own (a cached property) again
+        self._flame_ran_one = result is _NOT_TIMED
+        return result
+
+    def read_only(self, tuning_key, configs, bench_fn):
+        if not _UNTIMED["active"]:
+            return check_disk_cache(self, tuning_key, configs, bench_fn)
+        try:
+            return check_disk_cache(self, tuning_key, configs, _no_choice_cached)  # upstream reads a cached choice
+        except _NoChoiceCached:  # upstream would benchmark, then write: only the first that runs, nothing written
+            bench_fn()
+            return False
+
+    autotuner.prune_configs, autotuner._bench, autotuner.check_disk_cache = pruned, first_that_runs, read_only
+
+
+@contextlib.contextmanager
+def untimed_autotuning() -> Iterator[None]:
+    """Within the block, a Triton kernel autotuned for a key with no cached choice runs its first configuration that
+    compiles, untimed, and caches no choice (``first_config_where_untimed``): for runs that measure memory, not
+    speed (the memory plan's GPU probe), which then compile one configuration a kernel instead of every one."""
+    first_config_where_untimed()
+    _UNTIMED["active"] = True
+    try:
+        yield
+    finally:
+        _UNTIMED["active"] = False
 
 
 class KernelLaunchRefused(RuntimeError):

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from flame import compat
 from flame.base import device
 from flame.data import builtin
 from flame.memory.activations import (
@@ -149,7 +150,10 @@ def probe(config: PretrainedConfig, dtype: torch.dtype, where: torch.device | st
         precision = f"float32 weights under {dtype_name(dtype)} autocast" if autocast else f"{dtype_name(dtype)} weights"
         precision += ", flame's fused norms and MLPs" if fused else ""
         try:
-            with torch.autocast(where.type, dtype) if autocast else nullcontext():
+            # memory, not speed, is measured: fla's kernels run their first configuration that compiles instead of
+            # timing every one (the compiles were most of a new machine's probe: rwkv7 340M's passed 150 s)
+            untimed = compat.triton.untimed_autotuning() if where.type == "cuda" else nullcontext()
+            with untimed, torch.autocast(where.type, dtype) if autocast else nullcontext():
                 backward = ", the last block's backward" if where.type == "cuda" else ""  # memory read on CUDA only
                 return fitted_profile(model, lengths, where, f"on the {_device_name(where)}, {precision}: forward at "
                                 f"{', '.join(map(str, lengths))} tokens, saved tensors{backward}")
