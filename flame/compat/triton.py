@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from flame.base.triton_kernels import CompileWatch
+from flame.base.compile_watch import CompileWatch
 from flame.compat.guard import Library, Target, patch
 
 TRITON = Library("triton", "triton", "3.6.0")
@@ -59,7 +59,7 @@ def autotuning_sizes_noted() -> None:
     Upstream: for a shape it has no choice for, the autotuner compiles and benchmarks every
     configuration ``prune_configs`` leaves, silently; a first step can spend minutes there.
     flame: the count is kept in ``tuning_sizes`` under the kernel's name, so that the log's compile
-    watch (flame.base.triton_kernels.CompileWatch) can say "configuration 4 of 32, about 50 s left".
+    watch (flame.base.compile_watch.CompileWatch) can say "configuration 4 of 32, about 50 s left".
     Applied with the watch, on GPUs (flame.train, and the job's check for its memory-plan probe).
     """
     autotuner = importlib.import_module(_PRUNE.module).Autotuner
@@ -74,7 +74,7 @@ def autotuning_sizes_noted() -> None:
 
 
 def compile_watch() -> CompileWatch:
-    """flame.base.triton_kernels.CompileWatch for this process, told how many configurations each kernel tunes."""
+    """flame.base.compile_watch.CompileWatch for this process, told how many configurations each kernel tunes."""
     autotuning_sizes_noted()
     return CompileWatch(tuning_sizes)
 
