@@ -25,7 +25,8 @@ autotune choices, one line a kernel: its module, its name, the model types that 
 GPU target and Triton's own specialization record (what ``JITFunction.preload`` reads: signature,
 constants, options). Record them by running the standard jobs once on that GPU with
 ``FLAME_RECORD_KERNELS=<file>`` (the job's check and each rank append every kernel they compile:
-``record_compiled_kernels``), then ``collect`` the file. Like the autotune choices, a list goes
+``record_compiled_kernels``), then ``collect`` the file (after ``python -m flame.base.autotune collect``: the
+configurations an autotuner timed and did not choose are left out by the choices shipped beside the list). Like the autotune choices, a list goes
 stale with a new Triton or fla (the kernels' source changes their cache key):
 ``python -m flame.base.autotune collect --replace`` drops it with them.
 """
@@ -46,7 +47,7 @@ from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
-from flame.base.autotune import SHIPPED, gpu_name, triton_version
+from flame.base.autotune import CHOICE_SUFFIX, SHIPPED, gpu_name, triton_version
 from flame.base.process import die_with_parent
 
 KERNELS = "kernels.jsonl"
@@ -88,79 +89,6 @@ def model_type_of(model_config: str) -> str:
         return ""
 
 
-class CompileWatch:
-    """What Triton compiles in this process, said in the log while the first step waits for it.
-
-    Triton compiles a kernel on its first call, inside the step, silently: a first step that takes
-    minutes looks stuck. Triton's hooks frame each compile (``jit_cache_hook`` before, the post-compile
-    hook after; a kernel loaded from the cache takes milliseconds and is not counted), and a thread
-    says every ``EVERY_S`` seconds how many compiled so far and which one is compiling now (an
-    autotuned kernel compiles once per configuration it tries), then one line when the step is done.
-    """
-
-    EVERY_S = 20.0
-    LOADED_S = 0.1  # at most this long: read from Triton's cache, not compiled
-
-    def __init__(self, tuning_sizes: dict[str, int] | None = None):
-        """``tuning_sizes``: kernel name -> how many configurations its autotuner tries (flame.compat.triton keeps it
-        filled), for the lines to say how far a kernel's tuning is and about how long it has left."""
-        import triton
-
-        self.tuning_sizes = {} if tuning_sizes is None else tuning_sizes
-        self.compiled, self.seconds, self.per_kernel, self.per_kernel_s = 0, 0.0, {}, {}
-        self.now: tuple[str, float] | None = None  # the kernel compiling and since when
-        runtime = triton.knobs.runtime
-        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook  # kept: a recorder's, for one
-
-        def starts(**hook) -> bool:
-            self.now = (hook["fn"].name, time.monotonic())
-            return bool(before and before(**hook))
-
-        def ends(**hook) -> bool:
-            if self.now is not None:
-                name, since = self.now
-                if (took := time.monotonic() - since) > self.LOADED_S:
-                    self.compiled, self.seconds = self.compiled + 1, self.seconds + took
-                    self.per_kernel[name] = self.per_kernel.get(name, 0) + 1
-                    self.per_kernel_s[name] = self.per_kernel_s.get(name, 0.0) + took
-                self.now = None
-            return bool(after and after(**hook))
-
-        runtime.jit_cache_hook, runtime.jit_post_compile_hook = starts, ends
-
-    def report(self, log, done, what: str = "step 1") -> None:
-        """Log progress every EVERY_S seconds until ``done()`` (``what`` has ended), then a summary line."""
-        import threading
-
-        def run() -> None:
-            said = 0
-            while not done():
-                time.sleep(self.EVERY_S)
-                if done() or (self.compiled == said and self.now is None):
-                    continue
-                said = self.compiled
-                line = f"{what} is compiling Triton kernels: {self.compiled} so far ({self.seconds:.0f} s)"
-                if self.now is not None:
-                    line += f", now {self.now[0]}" + self.tuning(self.now[0])
-                log(line + "; Triton's cache keeps them, so later runs on this machine skip this")
-            if self.compiled:
-                log(f"{what} compiled {self.compiled} Triton kernels ({self.seconds:.0f} s of it)")
-
-        threading.Thread(target=run, name="flame-compile-watch", daemon=True).start()
-
-    def tuning(self, name: str) -> str:
-        """How far ``name``'s autotuning is, where it compiles for the third time or more: the configuration and, with
-        the autotuner's count, about how long is left at the pace of its compiles so far."""
-        tries = self.per_kernel.get(name, 0)
-        if tries < 2:
-            return ""
-        if not (total := self.tuning_sizes.get(name)) or total <= tries:
-            return f" for the {tries + 1}th time (autotuning: one compile per configuration it tries)"
-        left = self.per_kernel_s[name] / tries * (total - tries)
-        return (f": autotuning, configuration {tries + 1} of {total} (each compiled and timed once), about "
-                f"{left:.0f} s left")
-
-
 def _current_target():
     from triton.runtime.driver import driver
 
@@ -179,8 +107,10 @@ def read(path: Path) -> list[dict]:
 def collect(recorded: list[Path], gpu: str, root: Path = SHIPPED) -> Path:
     """Add the kernels in the ``recorded`` files to those shipped for ``gpu`` under this Triton version, each once (in
     the order first seen: the order runs need them) with every model type that compiled it, leaving out kernels no
-    process could import again (torch's inductor writes its own to temporary modules). Returns the shipped file."""
-    target = root / triton_version() / gpu / KERNELS
+    process could import again (torch's inductor writes its own to temporary modules) and the configurations an
+    autotuner timed and did not choose (``autotune_losers``). Returns the shipped file."""
+    version = triton_version()
+    target = root / version / gpu / KERNELS
     kernels: dict[tuple[str, str, str], dict] = {}
     for kernel in [*(read(target) if target.exists() else []), *(k for path in recorded for k in read(path))]:
         if kernel["module"].startswith("torch._inductor"):
@@ -188,11 +118,53 @@ def collect(recorded: list[Path], gpu: str, root: Path = SHIPPED) -> Path:
         key = (kernel["module"], kernel["name"], kernel["spec"])
         known = kernels.setdefault(key, {**kernel, "models": []})
         known["models"] = sorted({*known["models"], *kernel.get("models", [])})
+    losing = autotune_losers(root / version)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{KERNELS}.{os.getpid()}.partial")
-    partial.write_text("".join(json.dumps(kernel) + "\n" for kernel in kernels.values()))
+    partial.write_text("".join(json.dumps(kernel) + "\n" for kernel in kernels.values() if not losing(kernel)))
     os.replace(partial, target)
     return target
+
+
+def autotune_losers(choices: Path) -> Callable[[dict], bool]:
+    """Whether a recorded kernel is a configuration its autotuner timed and chose for none of its keys, by the choices
+    shipped under ``choices`` (one Triton version's folders, every GPU's).
+
+    A cold run compiles every configuration of each kernel it tunes (up to 135 for fla rwkv7's): its record lists
+    them all, while a run with the choices shipped compiles only the chosen one. Compiling the losers ahead would
+    spend the warm-up's CPUs on kernels no run loads (459 of the 874 recorded for the H100's 340M runs). A kernel
+    whose autotuner has no shipped choice keeps all of its configurations: which one a run needs is not known yet.
+    """
+    timed: dict[str, list[tuple]] = {}
+    chosen: dict[str, list[tuple]] = {}
+    for path in sorted(choices.glob(f"*/*/*{CHOICE_SUFFIX}")):
+        name = path.name.removesuffix(CHOICE_SUFFIX)
+        timings = json.loads(path.read_text())["configs_timings"]  # [[config, [median, p20, p80] ms], ...]
+        timed.setdefault(name, []).extend(_config(config) for config, _ in timings)
+        chosen.setdefault(name, []).append(_config(min(timings, key=lambda pair: pair[1])[0]))
+
+    def losing(kernel: dict) -> bool:
+        if kernel["name"] not in timed:
+            return False
+        spec = json.loads(kernel["spec"])
+        names = list(spec.get("signature", {}))
+        constants = {names[at[0]]: value for at, value in zip(spec.get("constant_keys", []), spec.get("constant_vals", []))
+                     if len(at) == 1}
+        options = spec.get("options", {})
+
+        def compiled(config: tuple) -> bool:  # the kernel is this configuration, compiled
+            arguments, warps, stages = config
+            return (warps == options.get("num_warps") and stages == options.get("num_stages")
+                    and all(constants.get(name) == value for name, value in arguments))
+
+        return any(map(compiled, timed[kernel["name"]])) and not any(map(compiled, chosen[kernel["name"]]))
+
+    return losing
+
+
+def _config(config: dict) -> tuple:
+    """An autotune choice file's configuration: (its constexpr arguments, num_warps, num_stages)."""
+    return tuple(sorted(config["kwargs"].items())), config["num_warps"], config["num_stages"]
 
 
 def for_model(kernels: list[dict], model_type: str) -> list[dict]:

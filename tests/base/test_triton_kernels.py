@@ -5,9 +5,7 @@ type through a pipe; a record that cannot compile is left to the ranks with its 
 
 import json
 import os
-import re
 import subprocess
-import time
 
 import pytest
 import torch
@@ -91,6 +89,32 @@ def test_collect_keeps_each_kernel_once_in_first_seen_order_with_its_model_types
     assert triton_kernels.for_model([a, both], "") == [a, both]  # a job whose type could not be read: all
 
 
+def test_collect_leaves_out_the_configurations_an_autotuner_timed_and_did_not_choose(tmp_path, monkeypatch):
+    """A cold run's record holds every configuration its autotuners compiled to time; with their choices shipped a
+    run loads only the chosen ones, so only those (and kernels with no shipped choice) are compiled ahead."""
+    monkeypatch.setattr(triton_kernels, "triton_version", lambda: "3.6.0")
+    chosen, lost, untimed = (dict(BLOCK=block, DTYPE=tl.float32, num_warps=4) for block in (1024, 2048, 4096))
+    records, _ = _recorded(tmp_path, monkeypatch, chosen, lost, untimed)
+    other = {"module": "fla.ops.x", "name": "not_tuned", "spec": "{}", "models": ["gla"], "target": {}}
+    recorded = tmp_path / "recorded.jsonl"
+    recorded.write_text("".join(json.dumps(kernel) + "\n" for kernel in (*records, other)))
+    choice = tmp_path / "shipped" / "3.6.0" / "GPU-B" / "SOMEKEY" / "scaled_sum.autotune.json"  # another GPU's
+    choice.parent.mkdir(parents=True)
+    config = lambda block: {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_ctas": 1, "num_stages": 3,  # noqa: E731
+                            "maxnreg": None, "pre_hook": None, "ir_override": None}
+    choice.write_text(json.dumps({"key": [4096], "configs_timings": [[config(2048), [2.0, 1.9, 2.1]],
+                                                                     [config(1024), [1.0, 0.9, 1.1]]]}))
+    shipped = triton_kernels.read(triton_kernels.collect([recorded], "GPU-A", root=tmp_path / "shipped"))
+
+    def block(kernel: dict) -> int:
+        spec = json.loads(kernel["spec"])
+        names = list(spec["signature"])
+        return dict((names[at[0]], value) for at, value in zip(spec["constant_keys"], spec["constant_vals"]))["BLOCK"]
+
+    assert [block(kernel) for kernel in shipped[:2]] == [1024, 4096]  # 2048 was timed and lost
+    assert shipped[2:] == [other]
+
+
 def test_warm_compiles_the_jobs_model_types_kernels_on_a_pool_and_names_what_it_left_to_the_ranks(tmp_path,
                                                                                                   monkeypatch):
     kernels, _ = _recorded(tmp_path, monkeypatch, *(dict(BLOCK=block, DTYPE=tl.bfloat16) for block in (256, 512, 128)))
@@ -149,72 +173,6 @@ def test_flame_warm_kernels_0_turns_the_warm_up_off(tmp_path, monkeypatch, switc
     else:  # started; with no nvidia-smi answer here it compiles nothing and ends
         assert warm_up.process.wait(timeout=60) == 0
         warm_up.stop()
-
-
-def test_the_compile_watch_says_what_step_one_compiles_and_keeps_the_hooks_it_found(monkeypatch):
-    """Each compile framed by Triton's two hooks (a cache load, under LOADED_S, is not counted); while the step runs
-    a line names the kernel compiling, and the how-many-th time for one that autotunes; a summary when it ends. A hook
-    installed before (the kernel recorder) still gets every call."""
-    import threading
-    from types import SimpleNamespace
-
-    runtime = triton.knobs.runtime
-    monkeypatch.setattr(runtime, "jit_cache_hook", None)
-    recorded = []
-    monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda **hook: recorded.append(hook["fn"].name) and False)
-    monkeypatch.setattr(triton_kernels.CompileWatch, "EVERY_S", 0.05)
-    monkeypatch.setattr(triton_kernels.CompileWatch, "LOADED_S", 0.02)
-    watch = triton_kernels.CompileWatch()
-
-    def call(name: str, seconds: float, finish: bool = True) -> None:
-        hook = {"fn": SimpleNamespace(name=name), "key": None, "repr": name, "compile": {}, "is_manual_warmup": False,
-                "already_compiled": False}
-        assert runtime.jit_cache_hook(**hook) is False
-        time.sleep(seconds)
-        if finish:
-            assert runtime.jit_post_compile_hook(**hook) is False
-
-    for _ in range(3):
-        call("chunk_fwd_kernel", 0.05)  # an autotuned kernel: one compile per configuration
-    call("rms_norm_kernel", 0.0)  # loaded from the cache
-    assert (watch.compiled, watch.per_kernel) == (3, {"chunk_fwd_kernel": 3})
-    assert recorded == ["chunk_fwd_kernel"] * 3 + ["rms_norm_kernel"]
-
-    lines, done = [], threading.Event()
-    call("chunk_fwd_kernel", 0.0, finish=False)  # its 4th configuration, compiling now
-    watch.report(lines.append, done.is_set)
-    deadline = time.monotonic() + 5
-    while not lines and time.monotonic() < deadline:
-        time.sleep(0.01)
-    done.set()
-    while len(lines) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert lines[0].startswith("step 1 is compiling Triton kernels: 3 so far") and \
-        "now chunk_fwd_kernel for the 4th time (autotuning" in lines[0]
-    assert lines[-1].startswith("step 1 compiled 3 Triton kernels")
-    # with the autotuner's count (flame.compat.triton): how far, and about how long is left at the pace so far
-    watch.tuning_sizes["chunk_fwd_kernel"] = 9
-    assert re.fullmatch(r": autotuning, configuration 4 of 9 \(each compiled and timed once\), about 0 s left",
-                        watch.tuning("chunk_fwd_kernel")), watch.tuning("chunk_fwd_kernel")
-    assert watch.per_kernel_s["chunk_fwd_kernel"] / 3 * 6 < 0.5  # three compiles of ~0.05 s: six more, ~0.3 s
-
-
-def test_the_autotuners_configuration_count_is_noted_per_kernel():
-    """flame.compat.triton's change to Triton's autotuner: how many configurations a kernel is about to try, after
-    its pruning, under the kernel's name (what the compile watch reads)."""
-    from flame.compat import triton as compat_triton
-
-    @triton.autotune(configs=[triton.Config({"BLOCK": block}) for block in (16, 32, 64)], key=["n"],
-                     prune_configs_by={"early_config_prune": lambda configs, named_args, **_: configs[:2]})
-    @triton.jit
-    def tuned_copy(x, out, n, BLOCK: tl.constexpr):
-        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out + index, tl.load(x + index, mask=index < n), mask=index < n)
-
-    compat_triton.autotuning_sizes_noted()
-    tuned_copy.nargs = {"x": None, "out": None, "n": 4}
-    assert len(tuned_copy.prune_configs({})) == 2
-    assert compat_triton.tuning_sizes["tuned_copy"] == 2
 
 
 def test_list_counts_the_kernels_shipped_per_gpu_and_model_type(tmp_path, monkeypatch, capsys):
