@@ -20,20 +20,21 @@ before; a listed kernel the run never calls costs background CPU time only. Trit
 cache entry whole (a temporary file renamed), so a process compiling the same kernel meanwhile is
 safe.
 
-What is shipped: flame/base/autotune_choices/<triton version>/<gpu>/kernels.jsonl, beside the
-autotune choices, one line a kernel: its module, its name, the model types that compiled it, the
+What is shipped: flame/base/autotune_choices/<triton version>/<gpu>/kernels.jsonl.gz, beside the
+autotune choices, one line a kernel (gzipped JSON lines): its module, its name, the model types that compiled it, the
 GPU target and Triton's own specialization record (what ``JITFunction.preload`` reads: signature,
 constants, options). Record them by running the standard jobs once on that GPU with
 ``FLAME_RECORD_KERNELS=<file>`` (the job's check and each rank append every kernel they compile:
 ``record_compiled_kernels``), then ``collect`` the file (after ``python -m flame.base.autotune collect``: the
-configurations an autotuner timed and did not choose are left out by the choices shipped beside the list). Like the autotune choices, a list goes
-stale with a new Triton or fla (the kernels' source changes their cache key):
+configurations an autotuner timed and did not choose are left out by the choices shipped beside the list).
+Like the autotune choices, a list goes stale with a new Triton or fla (the kernels' source changes their cache key):
 ``python -m flame.base.autotune collect --replace`` drops it with them.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib
 import json
 import multiprocessing
@@ -50,7 +51,7 @@ from pathlib import Path
 from flame.base.autotune import CHOICE_SUFFIX, SHIPPED, gpu_name, triton_version
 from flame.base.process import die_with_parent
 
-KERNELS = "kernels.jsonl"
+KERNELS = "kernels.jsonl.gz"  # shipped gzipped: each line's specialization record is long and alike (1.3 MB -> 33 KB)
 RECORD = "FLAME_RECORD_KERNELS"  # a file: every Triton kernel the job's check or a rank compiles is appended to it
 NVIDIA_DEVICE = Path("/dev/nvidiactl")  # present where an NVIDIA driver is loaded
 SWITCH = "FLAME_WARM_KERNELS"  # "0" (or false/no/off): no warm-up (CPUs shared with other jobs, or timing a cold start)
@@ -100,7 +101,8 @@ def shipped_folders(root: Path = SHIPPED) -> list[Path]:
 
 
 def read(path: Path) -> list[dict]:
-    with open(path) as file:
+    """The kernels in a shipped list (gzipped) or a recorded file (plain JSON lines)."""
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as file:
         return [json.loads(line) for line in file if line.strip()]
 
 
@@ -121,7 +123,8 @@ def collect(recorded: list[Path], gpu: str, root: Path = SHIPPED) -> Path:
     losing = autotune_losers(root / version)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{KERNELS}.{os.getpid()}.partial")
-    partial.write_text("".join(json.dumps(kernel) + "\n" for kernel in kernels.values() if not losing(kernel)))
+    lines = "".join(json.dumps(kernel) + "\n" for kernel in kernels.values() if not losing(kernel))
+    partial.write_bytes(gzip.compress(lines.encode(), mtime=0))  # no timestamp: the same list, the same bytes
     os.replace(partial, target)
     return target
 

@@ -3,6 +3,7 @@ a GPU (the target is named), under the very cache key the rank's own compile of 
 once with every model type that compiled it; warm compiles the job's model type's on a pool of processes, told the
 type through a pipe; a record that cannot compile is left to the ranks with its reason."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -38,6 +39,12 @@ def _as_a_rank_calls_it(hook, *args, **kwargs):
     options, signature, constants, attrs = scaled_sum._pack_args(backend, kwargs, bound, specialization, options)
     scaled_sum._call_hook(hook, key, signature, 0, constants, options, [attrs], False)
     return ASTSource(scaled_sum, signature, constants, attrs), options
+
+
+def _ship(folder, kernels: list[dict]) -> None:
+    """A shipped list of ``kernels`` in ``folder`` (a <triton version>/<gpu> folder), as ``collect`` writes it."""
+    folder.mkdir(parents=True)
+    (folder / triton_kernels.KERNELS).write_bytes(gzip.compress("".join(json.dumps(k) + "\n" for k in kernels).encode()))
 
 
 def _cache_entries(cache) -> set[str]:
@@ -81,7 +88,7 @@ def test_collect_keeps_each_kernel_once_in_first_seen_order_with_its_model_types
     first.write_text("".join(json.dumps(k) + "\n" for k in (a, inductor, b)))
     second.write_text(json.dumps({**b, "models": ["delta_net"]}) + "\n" + json.dumps(a) + "\n")
     shipped = triton_kernels.collect([first, second], "GPU-A", root=tmp_path / "shipped")
-    assert shipped == tmp_path / "shipped" / "3.6.0" / "GPU-A" / "kernels.jsonl"
+    assert shipped == tmp_path / "shipped" / "3.6.0" / "GPU-A" / "kernels.jsonl.gz"
     both = {**b, "models": ["delta_net", "gla"]}
     assert triton_kernels.read(shipped) == [a, both]
     assert triton_kernels.read(triton_kernels.collect([second], "GPU-A", root=tmp_path / "shipped")) == [a, both]
@@ -154,16 +161,14 @@ def test_a_jobs_model_type_is_read_from_its_config_file_or_folder(tmp_path):
 def test_the_launcher_starts_no_warm_up_without_a_list_for_its_triton_or_a_gpu(tmp_path, monkeypatch, shipped):
     monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
     if shipped:
-        (tmp_path / triton.__version__ / "GPU-A").mkdir(parents=True)
-        (tmp_path / triton.__version__ / "GPU-A" / "kernels.jsonl").write_text("")
+        _ship(tmp_path / triton.__version__ / "GPU-A", [])
     assert triton_kernels.start_warm_up() is None  # this machine has no NVIDIA GPU
 
 
 @pytest.mark.parametrize("switch", ["0", "off", "1"])
 def test_flame_warm_kernels_0_turns_the_warm_up_off(tmp_path, monkeypatch, switch):
     monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
-    (tmp_path / triton.__version__ / "GPU-A").mkdir(parents=True)
-    (tmp_path / triton.__version__ / "GPU-A" / "kernels.jsonl").write_text("")
+    _ship(tmp_path / triton.__version__ / "GPU-A", [])
     monkeypatch.setattr(triton_kernels, "NVIDIA_DEVICE", tmp_path / "nvidiactl")
     (tmp_path / "nvidiactl").touch()  # as on a machine with an NVIDIA driver
     monkeypatch.setenv("FLAME_WARM_KERNELS", switch)
@@ -179,8 +184,7 @@ def test_list_counts_the_kernels_shipped_per_gpu_and_model_type(tmp_path, monkey
     monkeypatch.setattr(triton_kernels, "SHIPPED", tmp_path)
     kernels = [{"module": "m", "name": name, "spec": "{}", "models": models, "target": {}}
                for name, models in (("a", ["gla"]), ("b", ["gla", "delta_net"]), ("c", ["delta_net"]))]
-    (tmp_path / "3.6.0" / "GPU-A").mkdir(parents=True)
-    (tmp_path / "3.6.0" / "GPU-A" / "kernels.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kernels))
+    _ship(tmp_path / "3.6.0" / "GPU-A", kernels)
     assert triton_kernels.main(["list"]) == 0
     assert capsys.readouterr().out == "triton 3.6.0, GPU-A: 3 kernels (delta_net 2, gla 2)\n"
 
@@ -196,8 +200,7 @@ def test_a_gpu_warms_its_own_list_then_those_of_its_architecture_each_kernel_onc
     lists = {"NVIDIA-H100-80GB-HBM3": [kernel("a", 90), kernel("b", 90)], "NVIDIA-H200": [kernel("b", 90)],
              "NVIDIA-A100-SXM4-80GB": [kernel("c", 80)]}
     for gpu, kernels in lists.items():
-        (tmp_path / "3.6.0" / gpu).mkdir(parents=True)
-        (tmp_path / "3.6.0" / gpu / "kernels.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kernels))
+        _ship(tmp_path / "3.6.0" / gpu, kernels)
     names = lambda kernels: [k["name"] for k in kernels]  # noqa: E731
     assert names(triton_kernels.shipped_for("NVIDIA-H200", 90, root=tmp_path)) == ["b", "a"]
     assert names(triton_kernels.shipped_for("NVIDIA-A100-SXM4-80GB", 80, root=tmp_path)) == ["c"]
