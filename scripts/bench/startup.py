@@ -87,9 +87,13 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
     with open(work / f"{name}.log", "w", buffering=1) as log:  # line by line: a stopped driver keeps its logs
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                    text=True, start_new_session=True)
-        # a job that tunes kernels prints nothing for minutes: the limit cannot wait for a line
-        timer = threading.Timer(limit, os.killpg, (process.pid, signal.SIGTERM))
-        timer.start()
+        # a job that tunes kernels prints nothing for minutes: the limit cannot wait for a line. flame's first signal
+        # finishes the current step, which on a cold machine is the one still compiling for minutes: a second one
+        # stops at once, and a rank that still lingers is killed
+        timers = [threading.Timer(limit + delay, _signal_group, (process.pid, sig))
+                  for delay, sig in ((0, signal.SIGTERM), (10, signal.SIGTERM), (40, signal.SIGKILL))]
+        for timer in timers:
+            timer.start()
         for line in process.stdout:
             now = time.monotonic() - start
             log.write(f"[{now:7.1f}] {line}")
@@ -103,7 +107,8 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
             if rate := TOKENS_PER_S.search(plain):
                 result["last_tok_s"] = int(rate.group(1).replace(",", ""))
         result["status"] = process.wait()
-        timer.cancel()
+        for timer in timers:
+            timer.cancel()
     result["total_s"] = round(time.monotonic() - start, 1)
     for key in ("compiled", "compile_s", "autotuned", "autotune_s"):
         result[key] = 0
@@ -113,6 +118,13 @@ def launch(name: str, argv: list[str], env: dict[str, str], work: Path, limit: f
     result["compile_s"] = round(result["compile_s"], 1)
     result["autotune_s"] = round(result["autotune_s"], 1)
     return result
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # ended meanwhile
+        pass
 
 
 def collect(cache: Path, recorded: Path, env: dict[str, str]) -> None:
