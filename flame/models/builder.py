@@ -27,7 +27,7 @@ from flame.base import device
 from flame.models.loss import use_fused_cross_entropy
 from flame.base.errors import ConfigError
 from flame.models.kernels import attention
-from flame.models import experts, hybrid, lora, moe
+from flame.models import constructor_init, experts, hybrid, lora, moe
 from flame.models.flops import model_flops
 from flame.models.kernels.fused import prepare_kernels, use_fused_kernels
 from flame.models.inputs import is_fla_config
@@ -83,9 +83,11 @@ def reinitialize(model: nn.Module) -> None:
         if hasattr(tensor, "_is_hf_initialized"):
             del tensor._is_hf_initialized
     hf_class = getattr(type(model), "_hf_class", type(model))
+    constructor_init.poison(model)  # what no init below writes stays NaN, and is found
     with torch.no_grad():
         hf_class.init_weights(model)
         lora.reset_adapters(model)  # HF's init gave their Linears its own
+    constructor_init.repeat_constructor_init(model)  # what only the constructor sets (fla's rwkv7, samba, hgrn, ...)
 
 
 @functools.cache
