@@ -173,12 +173,41 @@ def outside_compiled_graphs() -> None:
         setattr(layer, name, eager)
 
 
+# fla layer module -> the layer class whose constructor initializes its weights itself (``_initialize_weights``)
+_CONSTRUCTOR_INITS = {"fla.layers.rwkv7": "RWKV7Attention", "fla.layers.rwkv6": "RWKV6Attention",
+                      "fla.layers.mom": "MomAttention", "fla.layers.gated_deltaproduct": "GatedDeltaProduct"}
+
+
+@patch(FLA, *(Target(FLA, module, f"{name}._initialize_weights", ("self", "module"))
+              for module, name in _CONSTRUCTOR_INITS.items()))
+def constructor_inits_skipped_on_meta() -> None:
+    """Skip these layers' own weight init while they are built on the meta device.
+
+    Upstream: each layer's constructor initializes its weights in Python; rwkv7's walks the hidden size element by
+    element, and on the meta device (where flame builds every model, several times per run) that computes nothing
+    and took 10 s a build of the 340M. flame: on meta tensors the init returns at once; the values come later,
+    where the model is materialized (flame.models.constructor_init builds such blocks again for real).
+    """
+    for module_name, name in _CONSTRUCTOR_INITS.items():
+        layer_class = getattr(importlib.import_module(module_name), name)
+        original = layer_class._initialize_weights
+
+        @functools.wraps(original)
+        def initialize(self, module, _original=original):
+            if any(parameter.is_meta for parameter in self.parameters(recurse=False)):
+                return None
+            return _original(self, module)
+
+        layer_class._initialize_weights = initialize
+
+
 def apply(flash_attn: FlashAttn) -> None:
     """The changes every fla model gets, right after fla's import (flame.models.registry.import_fla)."""
     flash_attn_stand_ins(flash_attn)
     tune_once_per_shape()
     level_scales_in_query_dtype()
     outside_compiled_graphs()
+    constructor_inits_skipped_on_meta()
 
 
 def _takes(parameter: str) -> Callable[[Callable], bool]:

@@ -77,3 +77,15 @@ def test_a_tensor_no_build_can_give_stops_with_its_name(tmp_path):
         model.model.norm.weight.fill_(float("nan"))  # as if no init wrote it; a norm module cannot be built alone
     with pytest.raises(ConfigError, match=r"llama: 1 tensors \(model\.norm\.weight\) are initialized by the model's"):
         constructor_init.repeat_constructor_init(model)
+
+
+def test_on_the_meta_device_fla_layers_skip_their_own_init(monkeypatch):
+    # rwkv7's walks the hidden size element by element: 10 s a meta build of the 340M, for no values at all
+    import fla.layers.rwkv7  # noqa: F401  (imported by the build below anyway)
+
+    calls, constant = [], torch.nn.init.constant_
+    monkeypatch.setattr(torch.nn.init, "constant_", lambda tensor, value: calls.append(tensor.device.type) or constant(tensor, value))
+    meta_model(load_model_config(str(ROOT / "configs" / "tiny" / "rwkv7.json")))
+    assert calls == []  # its init sets k_a and r_k with constant_, layer by layer
+    _built_as_flame_builds("rwkv7")
+    assert calls and set(calls) == {"cpu"}  # built again for real, where the values are computed
