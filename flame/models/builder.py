@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from flame.base import device
 from flame.models.loss import use_fused_cross_entropy
 from flame.base.errors import ConfigError
-from flame.models.kernels import attention
+from flame.models.kernels import attention, fla_norms
 from flame.models import constructor_init, experts, hybrid, lora, moe
 from flame.models.flops import model_flops
 from flame.models.kernels.fused import prepare_kernels, use_fused_kernels
@@ -106,6 +106,7 @@ class FlameModelArgs(BaseModelArgs):
     fused_cross_entropy: bool = False
     fused_cross_entropy_required: bool = False
     fused_kernels: bool = True
+    compiled_fla_norms: bool = False
     seed: int | None = None
     lora: LoraSettings | None = None
 
@@ -121,6 +122,10 @@ class FlameModelArgs(BaseModelArgs):
         self.fused_cross_entropy = device.fused_cross_entropy_enabled(job_config, getattr(config, "vocab_size", 0))
         self.fused_cross_entropy_required = job_config.training.fused_cross_entropy == "on"
         self.fused_kernels = job_config.model.fused_kernels and not is_fla_config(config)  # fla's have theirs
+        if job_config.model.compiled_fla_norms and not is_fla_config(config):
+            raise ConfigError(f"--model.compiled_fla_norms compiles fla's RMSNorms; {config.model_type} is a transformers "
+                              "model, whose norms --model.fused_kernels handles: drop the flag")
+        self.compiled_fla_norms = job_config.model.compiled_fla_norms
         if self.fused_kernels:
             prepare_kernels()
 
@@ -165,6 +170,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
             logger.info(f"Experts of {layers} MoE layers: flame's grouped GEMM (flame.models.experts)")
     if model_args.fused_kernels and not is_fla_config(config):  # fla's models have theirs
         logger.info(use_fused_kernels(model).describe())
+    if model_args.compiled_fla_norms:
+        logger.info(fla_norms.compile_norms(model))
     if model_args.fused_cross_entropy:
         try:
             use_fused_cross_entropy(model)

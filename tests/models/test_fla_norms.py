@@ -1,0 +1,53 @@
+"""--model.compiled_fla_norms on CPU: the compiled function's computation against fla's reference, the swap, the
+refusal (the compiled kernel against fla's on a GPU: tests/gpu/test_fla_norms_gpu.py)."""
+
+import pytest
+import torch
+from fla.modules.norm.layernorm import rms_norm_ref
+
+import flame
+from flame.base.errors import ConfigError
+from flame.models import load_model_config
+from flame.models.builder import FlameModelArgs
+from flame.models.kernels import fla_norms
+from flame.models.registry import meta_model
+from tests.conftest import ROOT, parse_job
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_function_computes_flas_norm_and_hands_back_the_sum(dtype, with_residual):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 64, generator=generator).to(dtype).requires_grad_()
+    residual = torch.randn(3, 7, 64, generator=generator).requires_grad_() if with_residual else None  # fp32 stream
+    weight = (1 + 0.1 * torch.randn(64, generator=generator)).requires_grad_()
+    normed, summed = fla_norms._add_and_norm(x, residual, weight, None, 1e-6, True, False)
+    expected, expected_sum = rms_norm_ref(x, weight, None, residual, 1e-6, prenorm=True, upcast=True)
+    assert normed.dtype == dtype and summed.dtype == (torch.float32 if with_residual else dtype)  # as fla's kernel
+    torch.testing.assert_close(normed, expected.to(dtype))
+    torch.testing.assert_close(summed.float(), expected_sum.float())
+    grads = torch.autograd.grad((normed.float().square().sum() + summed.float().sum()),
+                                [t for t in (x, residual, weight) if t is not None])
+    expected_grads = torch.autograd.grad((expected.to(dtype).float().square().sum() + expected_sum.float().sum()),
+                                         [t for t in (x, residual, weight) if t is not None])
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_fla_rms_norms_are_swapped_and_keep_their_class_name_and_weights():
+    flame.register()
+    model = meta_model(load_model_config(str(ROOT / "configs" / "tiny" / "gla.json")))
+    before = {name for name, module in model.named_modules() if type(module).__name__ == "RMSNorm"}
+    line = fla_norms.compile_norms(model)
+    after = {name for name, module in model.named_modules() if type(module).__name__ == "RMSNorm"
+             and type(module).forward is fla_norms._forward}
+    assert before and after == before and f"{len(before)} of fla's RMSNorms" in line
+    assert all(name.endswith("norm") for name in after)  # the gated output norms (another class) are not among them
+
+
+def test_a_transformers_model_is_refused_in_one_line(monkeypatch):
+    job_config = parse_job(monkeypatch, 1, "--model.config", "configs/tiny/llama.json", "--model.compiled_fla_norms",
+                           "--model.tokenizer_path", "builtin:python-stdlib-bpe", "--training.dataset",
+                           "builtin:python-stdlib")
+    with pytest.raises(ConfigError, match="--model.compiled_fla_norms compiles fla's RMSNorms; llama is a transformers"):
+        FlameModelArgs().update_from_config(job_config)
