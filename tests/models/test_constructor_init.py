@@ -12,7 +12,7 @@ from flame.base.errors import ConfigError
 from flame.models import constructor_init, load_model_config
 from flame.models.builder import reinitialize
 from flame.models.registry import meta_model
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SCRIPTS, torchrun
 
 TINY_CONFIGS = sorted(path.stem for path in (ROOT / "configs" / "tiny").glob("*.json"))
 
@@ -96,3 +96,12 @@ def test_on_the_meta_device_fla_layers_skip_their_own_init(monkeypatch):
     assert calls == []
     _built_as_flame_builds("rwkv7")
     assert calls and set(calls) == {"cpu"}  # built again for real, where the values are computed
+
+
+def test_sharded_models_get_the_constructors_values_in_every_ranks_shards():
+    # FSDP2's DTensors, initialized in place as on GPUs (on CPUs flame initializes a full copy and shards it)
+    result = torchrun([], nproc=2, module=str(SCRIPTS / "sharded_constructor_init.py"), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for name in ("rwkv7", "hgrn2"):
+        for rank in (0, 1):
+            assert f"{name} rank {rank}: left [] differ []" in result.stdout
