@@ -48,24 +48,28 @@ def repeat_constructor_init(model: nn.Module) -> None:
     blocks = decoder_layers(model)
     block_prefix = {id(block): name for name, block in model.named_modules() if _is_block(block, blocks)}
     by_block: dict[int, list[str]] = {}
-    outside: list[str] = []
+    by_owner: dict[str, list[str]] = {}  # outside the blocks: by the module holding them
     for name in missing:
-        index = _block_index(name, blocks, block_prefix)
-        (by_block.setdefault(index, []) if index is not None else outside).append(name)
+        if (index := _block_index(name, blocks, block_prefix)) is not None:
+            by_block.setdefault(index, []).append(name)
+        else:
+            by_owner.setdefault(name.rpartition(".")[0], []).append(name.rpartition(".")[2])
     with torch.no_grad():
         for index, names in by_block.items():
             _from_fresh_block(model, blocks, index, block_prefix[id(blocks[index])], names)
-        for name in outside:
-            _from_fresh_owner(model, blocks, name)
+        for owner, names in by_owner.items():
+            _from_fresh_owner(model.get_submodule(owner), type(blocks[0]), names)
     if left := _left_nan(model):
         raise ConfigError(
             f"{model.config.model_type}: {len(left)} tensors ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}) "
-            "are initialized by the model's constructor alone, and flame could not build it again to read them: "
-            "start from trained weights (--model.init_from), or report the model type")
+            "are initialized by the model's constructor alone, and flame could not build it again to read them "
+            "(training would start from leftover memory there): give the model an _init_weights that sets them "
+            "(docs/models.md, Add your own model), or report the model type")
 
 
 def _floating(model: nn.Module):
-    return [tensor for tensor in [*model.parameters(), *model.buffers()] if tensor is not None and tensor.is_floating_point()]
+    tensors = [*model.parameters(), *model.buffers()]
+    return [tensor for tensor in tensors if tensor is not None and tensor.is_floating_point()]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,20 +128,19 @@ def _unadapted(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _from_fresh_owner(model: nn.Module, blocks: nn.ModuleList, name: str) -> None:
-    """A tensor outside the blocks: from its module built anew (a model of its own, ``config``-built) with its
-    decoder blocks left out (they would be built for real, the whole model's weights)."""
-    owner_name, _, tensor_name = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
+def _from_fresh_owner(owner: nn.Module, block_class: type, names: list[str]) -> None:
+    """Tensors outside the blocks: from their module built anew (one built from a ``config``) with its decoder blocks
+    left out (they would be built for real: the whole model's weights)."""
     config = getattr(owner, "config", None)
     if config is None:
-        return  # left NaN: repeat_constructor_init names it
-    with _blocks_left_out(type(owner), type(blocks[0])), torch.device(_device_of(owner)):
+        return  # left NaN: repeat_constructor_init names them
+    with _blocks_left_out(type(owner), block_class), torch.device(_device_of(owner)):
         fresh = type(owner)(config)
     source = {**dict(fresh.named_parameters(recurse=False)), **dict(fresh.named_buffers(recurse=False))}
     target = {**dict(owner.named_parameters(recurse=False)), **dict(owner.named_buffers(recurse=False))}
-    if tensor_name in source:
-        _assign(target[tensor_name], source[tensor_name])
+    for name in names:
+        if name in source:
+            _assign(target[name], source[name])
 
 
 @contextmanager

@@ -49,5 +49,6 @@ def test_a_transformers_model_is_refused_in_one_line(monkeypatch):
     job_config = parse_job(monkeypatch, 1, "--model.config", "configs/tiny/llama.json", "--model.compiled_fla_norms",
                            "--model.tokenizer_path", "builtin:python-stdlib-bpe", "--training.dataset",
                            "builtin:python-stdlib")
-    with pytest.raises(ConfigError, match="--model.compiled_fla_norms compiles fla's RMSNorms; llama is a transformers"):
+    refused = "--model.compiled_fla_norms compiles fla's RMSNorms; llama is a transformers"
+    with pytest.raises(ConfigError, match=refused):
         FlameModelArgs().update_from_config(job_config)
