@@ -6,6 +6,8 @@ A packed batch's document layout has to reach code that flame does not call itse
   kernel sizes its grid by it; finding the exact value on the GPU would cost a sync per layer);
 - under context parallelism, fla's rotary embeddings, short convolutions and kernels, which
   need this rank's share of the documents (flame.distributed.context_parallel);
+- fla's chunk kernels, which size their outputs by the documents' chunk count and read it from
+  a GPU tensor (a sync per call); the host's copy of ``cu_seqlens`` spares that (flame.compat.fla);
 - a fused loss head (flame.models.loss.LossHead) inside the model's forward: HF's forward
   hands its lm_head the hidden states only, so the targets cannot travel as an argument.
 
@@ -37,6 +39,7 @@ class BatchContext:
     """One batch as the model's layers see it (device tensors; Python ints for kernel grids)."""
 
     cu_seqlens: torch.Tensor | None = None  # the attention segments' starts over the flattened batch (+ total)
+    cu_seqlens_host: list[int] | None = None  # the same as Python ints, read before the batch left the CPU
     max_seqlen: int | None = None  # the longest segment
     targets: torch.Tensor | None = None  # the labels, for a fused loss head (None: the model returns logits)
     global_valid_tokens: torch.Tensor | None = None  # the step's real targets over all data-parallel ranks
@@ -44,7 +47,11 @@ class BatchContext:
     masks: dict = field(default_factory=dict)  # attention masks, built by the first layer that needs one
 
     def replace(self, **changes) -> "BatchContext":
-        """A context for part of this batch (a pipeline micro-batch): the given fields replaced, no masks."""
+        """A context for part of this batch (a pipeline micro-batch): the given fields replaced, no masks.
+
+        New ``cu_seqlens`` without their host copy leave none: the old one describes other documents."""
+        if "cu_seqlens" in changes:
+            changes.setdefault("cu_seqlens_host", None)
         return dataclasses.replace(self, **changes, masks={})
 
 
@@ -65,6 +72,15 @@ def computing(batch: BatchContext) -> Iterator[BatchContext]:
 def current() -> BatchContext | None:
     """The batch being computed, or None outside any."""
     return _current
+
+
+def host_cu_seqlens(cu_seqlens: torch.Tensor) -> list[int] | None:
+    """``cu_seqlens`` as Python ints when they are the active batch's and the host kept a copy (reading a GPU
+    tensor's values would wait for the GPU); None otherwise."""
+    batch = _current
+    if batch is None or batch.cu_seqlens is not cu_seqlens:
+        return None
+    return batch.cu_seqlens_host
 
 
 def documents_of(cu_seqlens: torch.Tensor) -> BatchContext | None:

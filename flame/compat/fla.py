@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from triton.runtime.autotuner import Autotuner
 
+from flame.base import batch_context
 from flame.compat.guard import Library, Target, patch
 
 FLA = Library("fla", "fla-core", "0.6.0")
@@ -201,6 +202,61 @@ def constructor_inits_skipped_on_meta() -> None:
         layer_class._initialize_weights = initialize
 
 
+class ChunkOffsets(torch.Tensor):
+    """fla's chunk offsets of a batch's documents (a GPU tensor) whose last element, the chunk total, is known on
+    the host: ``offsets[-1]`` is a CPU tensor of it, so fla's ``.item()`` on it does not wait for the GPU. Any other
+    use is the plain tensor's (no ``__torch_function__``: ops return plain tensors, as for ``nn.Parameter``)."""
+
+    host_total: int
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index == -1:
+            return torch.tensor(self.host_total, dtype=self.dtype)
+        return super().__getitem__(index)
+
+
+def offsets_with_host_total(prepare_chunk_offsets: Callable) -> Callable:
+    """``prepare_chunk_offsets`` returning ``ChunkOffsets`` for the active batch's ``cu_seqlens`` when the host has
+    them (flame.base.batch_context)."""
+
+    @functools.wraps(prepare_chunk_offsets)
+    def prepare(cu_seqlens, chunk_size):
+        offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+        bounds = batch_context.host_cu_seqlens(cu_seqlens)
+        if bounds is None or len(bounds) != len(cu_seqlens):
+            return offsets
+        known = offsets.as_subclass(ChunkOffsets)
+        known.host_total = sum(-((start - end) // chunk_size) for start, end in zip(bounds, bounds[1:]))  # ceil
+        return known
+
+    prepare.reads_host_total = True
+    return prepare
+
+
+# fla modules whose chunk functions size their outputs by ``prepare_chunk_offsets(cu_seqlens, size)[-1].item()``
+_CHUNK_TOTAL_READERS = ("fla.ops.common.chunk_h", "fla.ops.mesa_net.chunk_h_fwd",
+                        "fla.ops.path_attn.cumprod_householder_bwd")
+
+
+@patch(FLA, *(Target(FLA, module, "prepare_chunk_offsets", ("cu_seqlens", "chunk_size"))
+              for module in _CHUNK_TOTAL_READERS))
+def chunk_totals_read_on_host() -> None:
+    """Let fla's chunked state passes take the documents' chunk count from the host.
+
+    Upstream: ``chunk_fwd_h`` and ``chunk_bwd_dh`` (gla, gsa, simple_gla, hgrn2's chunk path and others; mesa_net
+    and path_attn alike) read the number of chunks over a packed row's documents from a GPU tensor
+    (``split_offsets[-1].item()``) to size their outputs: the host waits for the GPU to drain, once per layer in the
+    forward and twice in the backward, and the GPU then idles until the next launches come (22 ms of a gla 340M
+    step of 257 ms on an H100, docs/perf-log.md). flame: the loader's batch keeps ``cu_seqlens`` as Python ints
+    (flame.base.batch_context); for the active batch's own ``cu_seqlens`` the offsets carry their total computed
+    from them, the same number. Any other ``cu_seqlens`` (a context-parallel share, a layer's own) reads it as fla does.
+    """
+    for module_name in _CHUNK_TOTAL_READERS:
+        module = importlib.import_module(module_name)
+        module.prepare_chunk_offsets = offsets_with_host_total(module.prepare_chunk_offsets)
+
+
 def apply(flash_attn: FlashAttn) -> None:
     """The changes every fla model gets, right after fla's import (flame.models.registry.import_fla)."""
     flash_attn_stand_ins(flash_attn)
@@ -208,6 +264,7 @@ def apply(flash_attn: FlashAttn) -> None:
     level_scales_in_query_dtype()
     outside_compiled_graphs()
     constructor_inits_skipped_on_meta()
+    chunk_totals_read_on_host()
 
 
 def _takes(parameter: str) -> Callable[[Callable], bool]:

@@ -219,6 +219,7 @@ class PipelineStageModel:
         # this microbatch's documents and targets, inside the step's context (its loss normalization)
         microbatch = (batch_context.current() or BatchContext()).replace(
             cu_seqlens=batch["cu_seqlens"],
+            cu_seqlens_host=cu_seqlens.tolist(),
             max_seqlen=longest,
             targets=(labels.reshape(1, -1) if flatten else labels) if fused_loss else None,
         )

@@ -68,6 +68,16 @@ def segments_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, i
     return cu_seqlens, int(cu_seqlens.diff().max())
 
 
+def to_device(batch: dict, device: torch.device, keep_on_cpu: frozenset[str] = frozenset()) -> dict:
+    """The loader's batch with its tensors on ``device`` (but ``keep_on_cpu``'s), and ``cu_seqlens_host``: the
+    documents' boundaries as Python ints, read here while they are still on the CPU (no sync)."""
+    moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k not in keep_on_cpu else v
+             for k, v in batch.items()}
+    if torch.is_tensor(batch.get("cu_seqlens")) and batch["cu_seqlens"].device.type == "cpu":
+        moved["cu_seqlens_host"] = batch["cu_seqlens"].tolist()
+    return moved
+
+
 def model_inputs(model: nn.Module, batch: dict, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(input ids, labels, keyword inputs) for ``model(input_ids, **kwargs)``.
 
@@ -99,6 +109,6 @@ def batch_inputs(
     fused_loss = isinstance(model.get_output_embeddings(), LossHead)  # the head returns the loss (fused CE)
     context = step.replace(
         cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"], targets=labels if fused_loss else None,
-        context_parallel=layout,
+        context_parallel=layout, cu_seqlens_host=batch.get("cu_seqlens_host") if layout is None else None,
     )
     return inputs, labels, kwargs, context

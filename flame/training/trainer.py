@@ -71,7 +71,7 @@ from flame.distributed.pipeline import pipeline_model
 from flame.base.dump_folder import ATTEMPTS, next_attempt, record_attempt
 from flame.models import float8, lora, moe
 from flame.models.builder import AnyFlavor, build_model
-from flame.models.inputs import batch_inputs
+from flame.models.inputs import batch_inputs, to_device
 
 
 def register_flame_train_spec() -> None:
@@ -293,14 +293,11 @@ class Trainer(TorchtitanTrainer):
 
         losses = []
         # pipeline stages find each microbatch's documents in its position ids, read on the CPU
-        on_cpu = {"position_ids"} if self.parallel_dims.pp_enabled else set()
+        on_cpu = frozenset({"position_ids"} if self.parallel_dims.pp_enabled else ())
         for input_dict, labels in microbatches:
             documents = input_dict["cu_seqlens"].diff().tolist()  # on CPU still: no sync
             self.metrics_processor.flops_since_last_log += self.model_args.flops.batch_flops(documents)
-            input_dict = {
-                k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k not in on_cpu else v
-                for k, v in input_dict.items()
-            }
+            input_dict = to_device(input_dict, self.device, on_cpu)
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens
             )

@@ -31,7 +31,7 @@ from flame.base import batch_context, device
 from flame.base.batch_context import BatchContext
 from flame.data.validation import ValidationSet
 from flame.distributed.context_parallel import ContextParallel
-from flame.models.inputs import batch_inputs
+from flame.models.inputs import batch_inputs, to_device
 
 
 class Validator(BaseValidator):
@@ -77,7 +77,7 @@ class Validator(BaseValidator):
         losses = torch.zeros(len(self.set.names), dtype=torch.float64, device=self.device)
         try:
             for batch in self.set.batches:
-                inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
+                inputs = to_device(batch.inputs, self.device)
                 loss = self._summed_loss(model_parts, inputs, batch.labels.to(self.device))
                 if batch.source >= 0:
                     losses[batch.source] += loss.double()

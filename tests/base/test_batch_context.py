@@ -52,3 +52,34 @@ def test_document_attention_builds_a_batch_mask_once_and_computes_the_same_witho
     k2, v2 = k.clone(), v.clone()
     k2[:3], v2[:3] = 5.0, 5.0
     torch.testing.assert_close(attention.document_attention(q2, k2, v2, cu_seqlens, 16)[3:], alone[3:])
+
+
+def test_the_host_copy_of_cu_seqlens_is_found_only_for_the_batch_s_own_tensor():
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    step = BatchContext(cu_seqlens=cu_seqlens, cu_seqlens_host=[0, 5, 12])
+    assert batch_context.host_cu_seqlens(cu_seqlens) is None  # no batch
+    with batch_context.computing(step):
+        assert batch_context.host_cu_seqlens(cu_seqlens) == [0, 5, 12]
+        assert batch_context.host_cu_seqlens(cu_seqlens.clone()) is None  # same values, another tensor: read it
+    # a microbatch's new documents drop the step's copy, which describes other documents
+    microbatch = step.replace(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+    assert microbatch.cu_seqlens_host is None
+    assert step.replace(max_seqlen=7).cu_seqlens_host == [0, 5, 12]  # the same documents keep it
+
+
+def test_the_trainer_s_batch_reaches_the_model_with_its_host_copy():
+    from transformers import AutoModelForCausalLM
+
+    from flame.models import load_model_config
+    from flame.models.inputs import batch_inputs, to_device
+    from tests.conftest import ROOT
+
+    model = AutoModelForCausalLM.from_config(load_model_config(ROOT / "configs/tiny/gla.json"))
+    loader_batch = {"input": torch.zeros(2, 6, dtype=torch.long), "position_ids": torch.zeros(2, 6, dtype=torch.long),
+                    "cu_seqlens": torch.tensor([0, 4, 6, 12], dtype=torch.int32), "max_seqlen": 6}
+    batch = to_device(loader_batch, torch.device("cpu"))
+    assert batch["cu_seqlens_host"] == [0, 4, 6, 12]
+    _, _, kwargs, context = batch_inputs(model, batch, torch.zeros(2, 6, dtype=torch.long), BatchContext())
+    assert kwargs["cu_seqlens"] is context.cu_seqlens  # the tensor fla's kernels get is the context's
+    with batch_context.computing(context):
+        assert batch_context.host_cu_seqlens(kwargs["cu_seqlens"]) == [0, 4, 6, 12]

@@ -51,7 +51,9 @@ Autotuner.do_bench = property(lambda self: lambda call, quantiles: (call(), [0.0
 torch.cuda.device = lambda index: contextlib.nullcontext()
 torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=2)
 
-from flame.compat import mamba_ssm
+from flame.base import batch_context
+from flame.base.batch_context import BatchContext
+from flame.compat import fla as fla_compat, mamba_ssm
 from flame.models.kernels import mamba2
 from flame.models import registry
 from tests.scripts.torch_kernels import _rms_norm_gated
@@ -75,9 +77,20 @@ def main() -> None:
     # kernel; fla's GLA kernel, its mixer recomputed in the backward), mamba_ssm's SSD kernel giving
     # the cache's per-document states (a prompt before generation: no backward), PyTorch
     paths = (("chunk_simple_gla", True, False, True), ("chunk_gla", True, True, True),
+             ("chunk_gla, chunk totals from the host", True, True, True),
              ("mamba_ssm SSD", True, False, False), ("chunk_gla recomputed", True, True, False),
              ("mamba_ssm SSD, states", True, False, True), ("pytorch", False, False, True))
     results, ssd_scan = {}, mamba_ssm.ssd_scan
+    host_totals = []  # the chunk totals fla's chunk_h read from the host's cu_seqlens (flame.compat.fla.ChunkOffsets)
+    take_total = fla_compat.ChunkOffsets.__getitem__
+
+    def counted(self, index):
+        value = take_total(self, index)
+        if index == -1:
+            host_totals.append(int(value))
+        return value
+
+    fla_compat.ChunkOffsets.__getitem__ = counted
     assert ssd_scan() is not None, "mamba_ssm is not installed (3rdparty/install.sh installs it)"
     for name, kernels, per_key_decay, use_cache in paths:
         mamba2.gated_chunk_backward_refused = lambda refused=per_key_decay: refused
@@ -85,14 +98,20 @@ def main() -> None:
         backward = name != "mamba_ssm SSD, states"
         layer.zero_grad()
         hidden.grad = None
-        with torch.set_grad_enabled(backward):
+        batch = BatchContext(cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens.tolist()) if "host" in name else None
+        with torch.set_grad_enabled(backward), batch_context.computing(batch) if batch else contextlib.nullcontext():
             out, conv_state, ssm_state = mamba2.prefill(layer, hidden, cu_seqlens=cu_seqlens, use_cache=use_cache,
                                                             kernels=kernels)
         states = {"conv_state": conv_state, "ssm_state": ssm_state} if use_cache else {}
         results[name] = {"output": out.detach(), **states}
         if backward:
-            (out * weights).sum().backward()
+            with batch_context.computing(batch) if batch else contextlib.nullcontext():
+                (out * weights).sum().backward()
             results[name] |= {"input grad": hidden.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+    # chunk_gla's forward sizes its states by the chunk total, its backward twice (the states again, their gradients);
+    # only inside the batch that holds the host's copy, and the same count fla reads from the GPU
+    chunks = sum(-(-length // 64) for length in lengths)
+    assert host_totals == [chunks] * 3, (host_totals, chunks)
     pytorch = results.pop("pytorch")
     for kernel, got in results.items():
         for quantity, got_value in got.items():
