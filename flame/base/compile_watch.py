@@ -26,21 +26,31 @@ class CompileWatch:
 
         self.tuning_sizes = {} if tuning_sizes is None else tuning_sizes
         self.compiled, self.seconds, self.per_kernel, self.per_kernel_s = 0, 0.0, {}, {}
-        self.now: tuple[str, float] | None = None  # the kernel compiling and since when
+        self.now: tuple[str, float] | None = None  # the kernel that started compiling last, and since when
+        # compiles in flight, (kernel, Triton's key) -> since when: an autotuner's configurations compile side by side
+        # (flame.compat.triton.configurations_compiled_together), so ``seconds`` is the time any was compiling
+        self.in_flight: dict[tuple[str, str], float] = {}
+        self.busy_since = 0.0
         runtime = triton.knobs.runtime
         before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook  # kept: a recorder's, for one
 
         def starts(**hook) -> bool:
-            self.now = (hook["fn"].name, time.monotonic())
+            name, now = hook["fn"].name, time.monotonic()
+            if not self.in_flight:
+                self.busy_since = now
+            self.in_flight[name, hook["compile"].get("key")] = now
+            self.now = (name, now)
             return bool(before and before(**hook))
 
         def ends(**hook) -> bool:
-            if self.now is not None:
-                name, since = self.now
-                if (took := time.monotonic() - since) > self.LOADED_S:
-                    self.compiled, self.seconds = self.compiled + 1, self.seconds + took
-                    self.per_kernel[name] = self.per_kernel.get(name, 0) + 1
-                    self.per_kernel_s[name] = self.per_kernel_s.get(name, 0.0) + took
+            name, now = hook["fn"].name, time.monotonic()
+            since = self.in_flight.pop((name, hook["compile"].get("key")), None)
+            if since is not None and (took := now - since) > self.LOADED_S:
+                self.compiled += 1
+                self.per_kernel[name] = self.per_kernel.get(name, 0) + 1
+                self.per_kernel_s[name] = self.per_kernel_s.get(name, 0.0) + took
+            if since is not None and not self.in_flight:
+                self.seconds += now - self.busy_since if now - self.busy_since > self.LOADED_S else 0.0
                 self.now = None
             return bool(after and after(**hook))
 

@@ -4,13 +4,14 @@
                      training; traces that cannot be written warn; the private names flame uses
     transformers.py  flame's document attention in transformers' attention registry; fused rotary embeddings;
                      hybrids' sequence kernels: PyTorch code on CPU tensors, packed documents kept apart
-    fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, CP and TP hooks; gated MLPs
-                     that call a replaced down projection (LoRA, FP8)
+    fla.py           flash-attn stand-ins, autotune keys, dtype and compile fixes, chunk counts read on the host,
+                     CP and TP hooks; gated MLPs that call a replaced down projection (LoRA, FP8)
     fla_mamba.py     fla's Mamba and Mamba2 layers on flame's kernels: fast, packed documents kept apart
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
     torchrun.py      train.sh's launcher: a first stop signal lets the ranks save, a second kills them; every
                      rank that had ended with an error is reported (a killed rank is named, not its peers)
-    triton.py        autotuning that waits for its own stream (pipeline parallelism); forwards that launch no kernel
+    triton.py        autotuning that waits for its own stream (pipeline parallelism) and compiles a new shape's
+                     configurations side by side; forwards that launch no kernel
     guard.py         how a change is declared, checked against the installed library, applied once
 
 Each change is a function (a ``guard.Patch``) whose docstring says what upstream does, what

@@ -1,12 +1,17 @@
 """triton's seam: how Triton's autotuner waits for its benchmarks under pipeline parallelism, how
-many configurations it is about to try, runs that skip its benchmarks, and forwards in which no kernel may launch.
+many configurations it is about to try, compiles them side by side, runs that skip its benchmarks, and forwards in
+which no kernel may launch.
 
 Written for triton 3.6.0 (3rdparty/requirements.txt).
 """
 
 import contextlib
 import importlib
+import logging
+import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -71,6 +76,64 @@ def autotuning_sizes_noted() -> None:
         return configs
 
     autotuner.prune_configs = noted
+
+
+# the autotuner's tunings that compile this long or longer are said in the log
+SAID_AFTER_S = 5.0
+
+
+def compile_threads() -> int:
+    """Threads for one rank's side-by-side compiles: its share of the CPUs it may run on, less one for the thread
+    that launches the GPU's work."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)
+
+
+@patch(TRITON, _PRUNE, Target(TRITON, "triton.runtime.autotuner", "Autotuner._bench", ("self",)),
+       Target(TRITON, "triton.runtime._async_compile", "AsyncCompileMode.__init__", ("self", "executor")))
+def configurations_compiled_together(threads: int) -> None:
+    """Compile every configuration an autotuner is about to time at once, on ``threads`` threads, before it times them.
+
+    Upstream: for a key with no cached choice, the autotuner compiles and times its configurations one after another,
+    each compile on the calling thread (fla rwkv7's step 1 compiled 334 kernels in 158 s on an H100, most of them
+    configurations of a few kernels: 135 for ``chunk_dplr_bwd_kernel_dv``). flame: at the first timing of a new key,
+    all the configurations ``prune_configs`` left are compiled side by side through Triton's own asynchronous compile
+    (``AsyncCompileMode``: Triton compiles without holding the GIL, 40 fla kernels took 7.9 s on 2 threads against
+    14.6 s on one), then timed as upstream times them, each taken from the kernel cache; the chosen configuration
+    and the timings are upstream's. A configuration that fails to compile is compiled again, and fails, at its timing,
+    which scores it as upstream does. Tunings that compiled for ``SAID_AFTER_S`` or longer are said in the log.
+    Inactive under ``untimed_autotuning`` (one configuration is compiled there). Applied on GPUs, with the compile
+    watch (flame.train) and for the memory plan's probe.
+    """
+    if threads < 2:
+        return
+    module = importlib.import_module(_PRUNE.module)
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    autotuner = module.Autotuner
+    prune_configs, bench = autotuner.prune_configs, autotuner._bench
+    executor = ThreadPoolExecutor(threads, thread_name_prefix="flame-triton-compile")
+
+    def pruned(self, kwargs):
+        configs = prune_configs(self, kwargs)
+        self._flame_to_compile = configs  # a new key: compiled together at its first timing
+        return configs
+
+    def compile_first(self, *args, config, **meta):
+        configs = self.__dict__.pop("_flame_to_compile", None)
+        if configs is not None and len(configs) > 1 and not _UNTIMED["active"]:
+            start = time.monotonic()
+            with AsyncCompileMode(executor, ignore_errors=True):  # on leaving, every compile is done and cached
+                for each in configs:
+                    with contextlib.suppress(Exception):  # raised again where upstream times it
+                        self.fn.run(*args, **{**meta, **each.all_kwargs(), "warmup": True})
+            if (took := time.monotonic() - start) >= SAID_AFTER_S:
+                logging.getLogger().info(
+                    f"Triton autotuning {self.base_fn.__name__}: compiled its {len(configs)} configurations in "
+                    f"{took:.0f} s on {threads} threads; timing them now (Triton's cache keeps the choice)")
+        return bench(self, *args, config=config, **meta)
+
+    autotuner.prune_configs, autotuner._bench = pruned, compile_first
 
 
 def compile_watch() -> CompileWatch:
