@@ -1,5 +1,6 @@
 """On a GPU: --model.compiled_fla_norms computes fla's RMSNorm (its residual add included), forward and backward,
-in the precisions training runs it (flame.models.kernels.fla_norms), and is timed beside it."""
+in the precisions training runs it (flame.models.kernels.fla_norms), and is timed beside it; under autocast its
+normed output comes in autocast's dtype, the values fla's would be cast to."""
 
 import pytest
 import torch
@@ -60,3 +61,18 @@ def test_the_compiled_norm_computes_flas_and_is_timed(stream):
         return start.elapsed_time(end) / 20
 
     print(f"{stream} stream, 8192 x 1024: fla {milliseconds(fla_own):.3f} ms, compiled {milliseconds(compiled):.3f} ms")
+
+
+def test_under_autocast_the_normed_output_comes_in_autocast_s_dtype():
+    torch.manual_seed(0)
+    fla_own, compiled = _Norms().cuda(), _Norms().cuda()
+    fla_norms.compile_norms(compiled)
+    x, residual = torch.randn(4096, 1024, device="cuda"), torch.randn(4096, 1024, device="cuda")  # one GPU's float32 stream
+    with torch.autocast("cuda", torch.bfloat16):
+        expected, expected_sum = fla_own.norm(x, residual, True)
+        got, got_sum = compiled.norm(x, residual, True)
+        projected = nn.functional.linear(got, compiled.norm.weight.new_ones(8, 1024))  # reads it with no cast
+    assert (expected.dtype, got.dtype, got_sum.dtype, projected.dtype) == (torch.float32, torch.bfloat16,
+                                                                           torch.float32, torch.bfloat16)
+    torch.testing.assert_close(got, expected.to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_sum, expected_sum)

@@ -21,7 +21,7 @@ def test_the_function_computes_flas_norm_and_hands_back_the_sum(dtype, with_resi
     x = torch.randn(3, 7, 64, generator=generator).to(dtype).requires_grad_()
     residual = torch.randn(3, 7, 64, generator=generator).requires_grad_() if with_residual else None  # fp32 stream
     weight = (1 + 0.1 * torch.randn(64, generator=generator)).requires_grad_()
-    normed, summed = fla_norms._add_and_norm(x, residual, weight, None, 1e-6, True, False)
+    normed, summed = fla_norms._add_and_norm(x, residual, weight, None, 1e-6, True, False, None)
     expected, expected_sum = rms_norm_ref(x, weight, None, residual, 1e-6, prenorm=True, upcast=True)
     assert normed.dtype == dtype and summed.dtype == (torch.float32 if with_residual else dtype)  # as fla's kernel
     torch.testing.assert_close(normed, expected.to(dtype))
@@ -32,6 +32,16 @@ def test_the_function_computes_flas_norm_and_hands_back_the_sum(dtype, with_resi
                                          [t for t in (x, residual, weight) if t is not None])
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_under_autocast_the_normed_sum_comes_in_autocast_s_dtype_and_the_sum_in_the_residual_s():
+    generator = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(5, 64, generator=generator), torch.randn(5, 64, generator=generator)  # float32 stream
+    weight = 1 + 0.1 * torch.randn(64, generator=generator)
+    normed, summed = fla_norms._add_and_norm(x, residual, weight, None, 1e-6, True, False, torch.bfloat16)
+    expected, expected_sum = fla_norms._add_and_norm(x, residual, weight, None, 1e-6, True, False, None)
+    assert (normed.dtype, summed.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(normed, expected.to(torch.bfloat16)) and torch.equal(summed, expected_sum)
 
 
 def test_fla_rms_norms_are_swapped_and_keep_their_class_name_and_weights():

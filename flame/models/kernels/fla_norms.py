@@ -5,7 +5,11 @@ kernel each way. The same computation compiled by inductor ran forward and backw
 1.05 at 32,768 x 1,024 in float32 (the residual stream of one GPU's autocast), and 0.66 against 0.80 in bf16 (FSDP's),
 on an H100 (docs/perf-log.md, 2026-12-07): about 13 ms of a 340M step's 49 norms. Each module keeps its class,
 parameters and names; the compiled function computes in float32 as fla's kernel does and returns what it returns
-(the normalized sum in the input's dtype, the sum in the residual's).
+(the normalized sum in the input's dtype, the sum in the residual's), except that under autocast (one GPU) the
+normalized sum comes in autocast's dtype: the block's projections read it there anyway, and fla's float32 output
+made each of them cast it again (four to seven casts a norm in gla's blocks, their gradients cast back and summed
+in float32 in the backward). Consumers that are not matmuls (rwkv7's token shift) then see it rounded to bf16, as
+they do under FSDP's bf16 weights.
 
 Inside compiled blocks (--training.compile) and off CUDA the module runs fla's own code: inductor compiles the
 block's norm itself, and fla's kernel needs a GPU anyway. Each row length compiles once (dynamic=False: a job's
@@ -28,13 +32,14 @@ _RMS_NORM = ("fla.modules", "RMSNorm")  # fla's fused RMSNorm class; its subclas
 
 
 def _add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                  bias: torch.Tensor | None, eps: float, prenorm: bool, residual_in_fp32: bool):
+                  bias: torch.Tensor | None, eps: float, prenorm: bool, residual_in_fp32: bool,
+                  normed_dtype: torch.dtype | None):
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
     summed = x.float() if residual is None else x.float() + residual.float()
     normed = F.rms_norm(summed, (summed.shape[-1],), None if weight is None else weight.float(), eps)
     if bias is not None:
         normed = normed + bias.float()
-    normed = normed.to(x.dtype)
+    normed = normed.to(normed_dtype or x.dtype)
     return (normed, summed.to(residual_dtype)) if prenorm else normed
 
 
@@ -48,10 +53,13 @@ def _compiled():
 def _forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
     if x.device.type != "cuda" or torch.compiler.is_compiling():
         return self.compiled_from.forward(self, x, residual, prenorm, residual_in_fp32)
-    # autocast leaves fla's kernel alone (a custom Function); it must not recast this one either
-    autocast = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else nullcontext()
-    with autocast:
-        return _compiled()(x, residual, self.weight, self.bias, self.eps, prenorm, residual_in_fp32)
+    # autocast leaves fla's kernel alone (a custom Function); it must not recast this one either. Under it the
+    # normed output comes in autocast's dtype: every projection reading it would cast it there, each on its own
+    # (and, in the backward, cast its gradient back and add it to the others' in float32)
+    under_autocast = torch.is_autocast_enabled("cuda")
+    normed_dtype = torch.get_autocast_dtype("cuda") if under_autocast else None
+    with torch.autocast("cuda", enabled=False) if under_autocast else nullcontext():
+        return _compiled()(x, residual, self.weight, self.bias, self.eps, prenorm, residual_in_fp32, normed_dtype)
 
 
 @functools.cache
