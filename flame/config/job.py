@@ -36,6 +36,8 @@ class Model:
     """HF models: RMS norms, SiLU-gated MLPs and rotary embeddings through fused kernels in eager code (torch's rms_norm; fla's swiglu and rotary kernels on CUDA), equal to HF's within rounding (flame/models/kernels/fused.py). --model.no-fused_kernels runs HF's own code: its exact rounding, or a way around a fused kernel failing on a new GPU"""
     compiled_fla_norms: bool = False
     """fla models: their fused RMSNorms (residual add included) as one torch.compile'd function instead of fla's Triton kernel: faster per norm on an H100 (flame/models/kernels/fla_norms.py; docs/perf-log.md 2026-12-07), compiled at step 1. Off until measured on whole runs"""
+    fla_norms_in_compute_dtype: bool = False
+    """fla models on one GPU (autocast): their fused RMSNorms hand the normed output in bf16, cast once, where fla's kernel hands float32 that each of the block's projections casts again (and whose gradients the backward casts back and sums in float32). Off until measured on whole runs"""
 
 
 @dataclass

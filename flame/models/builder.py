@@ -107,6 +107,7 @@ class FlameModelArgs(BaseModelArgs):
     fused_cross_entropy_required: bool = False
     fused_kernels: bool = True
     compiled_fla_norms: bool = False
+    fla_norms_in_compute_dtype: bool = False
     seed: int | None = None
     lora: LoraSettings | None = None
 
@@ -122,10 +123,12 @@ class FlameModelArgs(BaseModelArgs):
         self.fused_cross_entropy = device.fused_cross_entropy_enabled(job_config, getattr(config, "vocab_size", 0))
         self.fused_cross_entropy_required = job_config.training.fused_cross_entropy == "on"
         self.fused_kernels = job_config.model.fused_kernels and not is_fla_config(config)  # fla's have theirs
-        if job_config.model.compiled_fla_norms and not is_fla_config(config):
-            raise ConfigError(f"--model.compiled_fla_norms compiles fla's RMSNorms; {config.model_type} is a transformers "
-                              "model, whose norms --model.fused_kernels handles: drop the flag")
+        for flag in ("compiled_fla_norms", "fla_norms_in_compute_dtype"):
+            if getattr(job_config.model, flag) and not is_fla_config(config):
+                raise ConfigError(f"--model.{flag} changes fla's RMSNorms; {config.model_type} is a transformers "
+                                  "model, whose norms --model.fused_kernels handles: drop the flag")
         self.compiled_fla_norms = job_config.model.compiled_fla_norms
+        self.fla_norms_in_compute_dtype = job_config.model.fla_norms_in_compute_dtype
         if self.fused_kernels:
             prepare_kernels()
 
@@ -170,8 +173,8 @@ def build_model(model_args: FlameModelArgs) -> nn.Module:
             logger.info(f"Experts of {layers} MoE layers: flame's grouped GEMM (flame.models.experts)")
     if model_args.fused_kernels and not is_fla_config(config):  # fla's models have theirs
         logger.info(use_fused_kernels(model).describe())
-    if model_args.compiled_fla_norms:
-        logger.info(fla_norms.compile_norms(model))
+    if model_args.compiled_fla_norms or model_args.fla_norms_in_compute_dtype:
+        logger.info(fla_norms.swap_norms(model, model_args.compiled_fla_norms, model_args.fla_norms_in_compute_dtype))
     if model_args.fused_cross_entropy:
         try:
             use_fused_cross_entropy(model)

@@ -1,6 +1,7 @@
 """On a GPU: --model.compiled_fla_norms computes fla's RMSNorm (its residual add included), forward and backward,
-in the precisions training runs it (flame.models.kernels.fla_norms), and is timed beside it; under autocast its
-normed output comes in autocast's dtype, the values fla's would be cast to."""
+in the precisions training runs it (flame.models.kernels.fla_norms), and is timed beside it; with
+--model.fla_norms_in_compute_dtype, under autocast, either kernel's normed output comes in autocast's dtype, the
+values fla's would be cast to."""
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_the_compiled_norm_computes_flas_and_is_timed(stream):
     with torch.no_grad():
         fla_own.norm.weight.uniform_(0.5, 1.5)
         compiled.norm.weight.copy_(fla_own.norm.weight)
-    assert "1 of fla's RMSNorms" in fla_norms.compile_norms(compiled)
+    assert "1 of fla's RMSNorms" in fla_norms.swap_norms(compiled, compiled=True, in_compute_dtype=False)
     x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(8192, 1024, device="cuda", dtype=stream)
     grad = torch.randn(8192, 1024, device="cuda")
@@ -63,16 +64,19 @@ def test_the_compiled_norm_computes_flas_and_is_timed(stream):
     print(f"{stream} stream, 8192 x 1024: fla {milliseconds(fla_own):.3f} ms, compiled {milliseconds(compiled):.3f} ms")
 
 
-def test_under_autocast_the_normed_output_comes_in_autocast_s_dtype():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_under_autocast_the_normed_output_comes_in_autocast_s_dtype_when_asked(compiled):
     torch.manual_seed(0)
-    fla_own, compiled = _Norms().cuda(), _Norms().cuda()
-    fla_norms.compile_norms(compiled)
+    fla_own, swapped, dtype_kept = _Norms().cuda(), _Norms().cuda(), _Norms().cuda()
+    fla_norms.swap_norms(swapped, compiled=compiled, in_compute_dtype=True)
+    fla_norms.swap_norms(dtype_kept, compiled=compiled, in_compute_dtype=False)
     x, residual = torch.randn(4096, 1024, device="cuda"), torch.randn(4096, 1024, device="cuda")  # one GPU's float32 stream
     with torch.autocast("cuda", torch.bfloat16):
         expected, expected_sum = fla_own.norm(x, residual, True)
-        got, got_sum = compiled.norm(x, residual, True)
-        projected = nn.functional.linear(got, compiled.norm.weight.new_ones(8, 1024))  # reads it with no cast
-    assert (expected.dtype, got.dtype, got_sum.dtype, projected.dtype) == (torch.float32, torch.bfloat16,
-                                                                           torch.float32, torch.bfloat16)
+        got, got_sum = swapped.norm(x, residual, True)
+        kept, _ = dtype_kept.norm(x, residual, True)
+        projected = nn.functional.linear(got, swapped.norm.weight.new_ones(8, 1024))  # reads it with no cast
+    assert (expected.dtype, kept.dtype) == (torch.float32, torch.float32)  # fla's, and without the flag
+    assert (got.dtype, got_sum.dtype, projected.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
     torch.testing.assert_close(got, expected.to(torch.bfloat16), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got_sum, expected_sum)

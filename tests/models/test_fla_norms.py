@@ -44,11 +44,33 @@ def test_under_autocast_the_normed_sum_comes_in_autocast_s_dtype_and_the_sum_in_
     assert torch.equal(normed, expected.to(torch.bfloat16)) and torch.equal(summed, expected_sum)
 
 
+class _StandInNorm(torch.nn.Module):
+    """fla's RMSNorm as its callers see it (the forward's signature and its outputs' dtypes), in PyTorch."""
+
+    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        summed = x if residual is None else x.float() + residual.float()
+        normed = torch.nn.functional.rms_norm(summed.float(), (summed.shape[-1],)).to(x.dtype)
+        return (normed, summed) if prenorm else normed
+
+
+def test_fla_s_own_kernel_s_output_is_cast_once_under_autocast_only():
+    norm = _StandInNorm()
+    norm.__class__ = fla_norms._swapped_class(_StandInNorm, compiled=False)
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)  # the float32 residual stream of one GPU's autocast
+    plain, plain_sum = _StandInNorm.forward(norm, x, residual, True)
+    assert norm(x, residual, True)[0].dtype == torch.float32  # no autocast: as it was
+    with torch.autocast("cpu", torch.bfloat16):
+        normed, summed = norm(x, residual, True)
+        alone = norm(x)
+    assert (normed.dtype, summed.dtype, alone.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    assert torch.equal(normed, plain.to(torch.bfloat16)) and torch.equal(summed, plain_sum)
+
+
 def test_fla_rms_norms_are_swapped_and_keep_their_class_name_and_weights():
     flame.register()
     model = meta_model(load_model_config(str(ROOT / "configs" / "tiny" / "gla.json")))
     before = {name for name, module in model.named_modules() if type(module).__name__ == "RMSNorm"}
-    line = fla_norms.compile_norms(model)
+    line = fla_norms.swap_norms(model, compiled=True, in_compute_dtype=False)
     after = {name for name, module in model.named_modules() if type(module).__name__ == "RMSNorm"
              and type(module).forward is fla_norms._forward}
     assert before and after == before and f"{len(before)} of fla's RMSNorms" in line
@@ -59,6 +81,6 @@ def test_a_transformers_model_is_refused_in_one_line(monkeypatch):
     job_config = parse_job(monkeypatch, 1, "--model.config", "configs/tiny/llama.json", "--model.compiled_fla_norms",
                            "--model.tokenizer_path", "builtin:python-stdlib-bpe", "--training.dataset",
                            "builtin:python-stdlib")
-    refused = "--model.compiled_fla_norms compiles fla's RMSNorms; llama is a transformers"
+    refused = "--model.compiled_fla_norms changes fla's RMSNorms; llama is a transformers"
     with pytest.raises(ConfigError, match=refused):
         FlameModelArgs().update_from_config(job_config)
