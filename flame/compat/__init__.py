@@ -10,6 +10,7 @@
     mamba_ssm.py     mamba3's kernels from a mamba_ssm built without CUDA, under checkpointing
     torchrun.py      train.sh's launcher: a first stop signal lets the ranks save, a second kills them; every
                      rank that had ended with an error is reported (a killed rank is named, not its peers)
+    peft.py          a LoRA adapter's product added inside its matmul
     triton.py        autotuning that waits for its own stream (pipeline parallelism) and compiles a new shape's
                      configurations side by side; forwards that launch no kernel
     guard.py         how a change is declared, checked against the installed library, applied once
@@ -26,6 +27,7 @@ changes nothing; the changes apply where flame calls them:
   ``flame.register()`` (loading exports) applies it and fla's changes up front;
 - ``fla.kernels_take_cp_context``/``fla.gsa_norm_gathers_heads``: by context and tensor
   parallelism, for the fla models they run;
+- ``peft.adapter_added_in_its_matmul``: by flame.models.lora, when it adds adapters;
 - ``transformers.fused_rotary(module)``: by flame.models.kernels.fused, once per modeling module of an HF
   model flame builds with fused kernels (--model.fused_kernels);
 - ``transformers.reference_kernels_on_cpu(module, names)``, and on GPUs ``transformers.kernels_take_documents``:
@@ -53,12 +55,12 @@ if TYPE_CHECKING:
     from flame.compat import fla
 
 __all__ = [
-    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "mamba_ssm", "torchrun", "torchtitan",
-    "transformers", "triton",
+    "apply", "apply_after_fla_import", "check", "describe", "fla", "fla_mamba", "mamba_ssm", "peft", "torchrun",
+    "torchtitan", "transformers", "triton",
 ]
 
 
-_SEAMS = ("fla", "fla_mamba", "mamba_ssm", "torchrun", "torchtitan", "transformers", "triton")
+_SEAMS = ("fla", "fla_mamba", "mamba_ssm", "peft", "torchrun", "torchtitan", "transformers", "triton")
 
 
 def __getattr__(name: str):

@@ -132,6 +132,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> list[str]:
         # autocast runs (float32 compute, FSDP's bf16 weights) input and weight already share a dtype
         module.cast_input_dtype_enabled = False
     compat.fla.down_projections_called(model, set(map(id, adapted_modules(model))))
+    compat.peft.adapter_added_in_its_matmul()
     return adapted
 
 

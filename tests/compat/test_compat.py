@@ -174,7 +174,8 @@ def test_the_changes_are_written_for_the_pinned_versions():
     # a new pin in 3rdparty/requirements.txt asks for the changes to be checked against it
     pins = dict(line.split("==") for line in (ROOT / "3rdparty" / "requirements.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
-    for library in (compat.torchtitan.TORCHTITAN, compat.fla.FLA, compat.triton.TRITON, compat.transformers.TRANSFORMERS):
+    for library in (compat.torchtitan.TORCHTITAN, compat.fla.FLA, compat.triton.TRITON, compat.transformers.TRANSFORMERS,
+                    compat.peft.PEFT):
         assert pins[library.distribution] == library.written_for, library
 
 

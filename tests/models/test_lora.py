@@ -258,3 +258,38 @@ def test_the_frozen_base_held_in_bf16_trains_the_adapters_as_its_float32_copy_do
     dcp.load(restored, checkpoint_id=str(tmp_path / "step"), no_dist=True)
     for name, tensor in lora.checkpoint_weights(bf16).items():
         assert restored[name].dtype == torch.float32 and torch.equal(restored[name], tensor.float()), name
+
+
+def _adapted_linear(dropout: float = 0.0):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48))
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0"]), model)
+    layer = model[0]
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # PEFT starts B at zero: the product would be too
+    return layer
+
+
+def test_a_plain_adapter_s_product_is_added_in_its_matmul_with_peft_s_values_and_gradients():
+    from flame import compat
+
+    compat.peft.adapter_added_in_its_matmul()
+    layer = _adapted_linear()
+    assert type(layer).forward.adds_in_the_matmul and compat.peft._vanilla_adapter(layer) == "default"
+    assert compat.peft._vanilla_adapter(_adapted_linear(dropout=0.1)) is None  # dropout: upstream's forward
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    a, b, scaling = layer.lora_A["default"], layer.lora_B["default"], layer.scaling["default"]
+    assert scaling == 2.0
+    got = layer(x)
+    expected = layer.base_layer(x) + b(a(x)) * scaling  # upstream's sum
+    torch.testing.assert_close(got, expected)
+    weights = torch.randn_like(got)
+    grads = torch.autograd.grad((got * weights).sum(), [x, a.weight, b.weight])
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [x, a.weight, b.weight])
+    for one, other in zip(grads, expected_grads):
+        torch.testing.assert_close(one, other)
+    with torch.autocast("cpu", torch.bfloat16):  # one GPU's autocast: bf16 out, as upstream's
+        mixed = layer(x)
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed.float(), expected, rtol=2e-2, atol=5e-2)
