@@ -102,11 +102,9 @@ def configurations_compiled_together(threads: int) -> None:
     14.6 s on one), then timed as upstream times them, each taken from the kernel cache; the chosen configuration
     and the timings are upstream's. A configuration that fails to compile is compiled again, and fails, at its timing,
     which scores it as upstream does. Tunings that compiled for ``SAID_AFTER_S`` or longer are said in the log.
-    Inactive under ``untimed_autotuning`` (one configuration is compiled there). Applied on GPUs, with the compile
-    watch (flame.train) and for the memory plan's probe.
+    Inactive under ``untimed_autotuning`` (the memory plan's probe, which compiles one configuration a kernel). Applied
+    in every GPU rank whose share of the CPUs leaves two threads or more (flame.train).
     """
-    if threads < 2:
-        return
     module = importlib.import_module(_PRUNE.module)
     from triton.runtime._async_compile import AsyncCompileMode
 

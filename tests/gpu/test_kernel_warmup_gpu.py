@@ -24,7 +24,7 @@ from flame.models import load_model_config
 from flame.models.builder import FlameModelArgs, build_model
 if len(sys.argv) > 2 and sys.argv[2] == "together":
     from flame.compat import triton as compat_triton
-    compat_triton.configurations_compiled_together(compat_triton.compile_threads())
+    compat_triton.configurations_compiled_together(max(2, compat_triton.compile_threads()))
 elif len(sys.argv) > 2:
     triton_kernels.record_compiled_kernels(sys.argv[2], "gla")
 path = sys.argv[1]
