@@ -82,9 +82,14 @@ def autotuning_sizes_noted() -> None:
 SAID_AFTER_S = 5.0
 
 
+COMPILE_THREADS = "FLAME_COMPILE_THREADS"  # how many threads a rank compiles an autotuner's configurations on (1: off)
+
+
 def compile_threads() -> int:
-    """Threads for one rank's side-by-side compiles: its share of the CPUs it may run on, less one for the thread
-    that launches the GPU's work."""
+    """Threads for one rank's side-by-side compiles: ``FLAME_COMPILE_THREADS`` where set, else its share of the CPUs
+    it may run on, less one for the thread that launches the GPU's work."""
+    if (asked := os.environ.get(COMPILE_THREADS, "").strip()).isdigit():
+        return int(asked)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)
 

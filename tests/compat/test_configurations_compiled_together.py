@@ -121,3 +121,6 @@ def test_a_rank_s_compile_threads_are_its_share_of_the_cpus(monkeypatch):
     assert compat_triton.compile_threads() == 15
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert compat_triton.compile_threads() == 1  # two CPUs a rank: compiles stay on the rank's thread
+    monkeypatch.setenv("FLAME_COMPILE_THREADS", "1")  # the user's say: one after another
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert compat_triton.compile_threads() == 1
