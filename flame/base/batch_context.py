@@ -44,7 +44,8 @@ class BatchContext:
     targets: torch.Tensor | None = None  # the labels, for a fused loss head (None: the model returns logits)
     global_valid_tokens: torch.Tensor | None = None  # the step's real targets over all data-parallel ranks
     context_parallel: Any = None  # this rank's share of the batch (flame.distributed.context_parallel.BatchLayout)
-    masks: dict = field(default_factory=dict)  # attention masks, built by the first layer that needs one
+    # what the layers derive from the documents, by the first layer that needs it: attention masks, chunk totals
+    masks: dict = field(default_factory=dict)
 
     def replace(self, **changes) -> "BatchContext":
         """A context for part of this batch (a pipeline micro-batch): the given fields replaced, no masks.
@@ -74,13 +75,18 @@ def current() -> BatchContext | None:
     return _current
 
 
-def host_cu_seqlens(cu_seqlens: torch.Tensor) -> list[int] | None:
-    """``cu_seqlens`` as Python ints when they are the active batch's and the host kept a copy (reading a GPU
-    tensor's values would wait for the GPU); None otherwise."""
+def host_chunk_total(cu_seqlens: torch.Tensor, chunk_size: int) -> int | None:
+    """How many ``chunk_size`` chunks the documents of ``cu_seqlens`` split into (each document's rounded up), from the
+    host's copy when they are the active batch's documents (reading a GPU tensor's values would wait for the GPU);
+    None otherwise. Counted once per batch and chunk size."""
     batch = _current
-    if batch is None or batch.cu_seqlens is not cu_seqlens:
+    if batch is None or batch.cu_seqlens is not cu_seqlens or batch.cu_seqlens_host is None:
         return None
-    return batch.cu_seqlens_host
+    key = ("chunk total", chunk_size)
+    if key not in batch.masks:
+        bounds = batch.cu_seqlens_host
+        batch.masks[key] = sum(-((start - end) // chunk_size) for start, end in zip(bounds, bounds[1:]))  # ceil
+    return batch.masks[key]
 
 
 def documents_of(cu_seqlens: torch.Tensor) -> BatchContext | None:

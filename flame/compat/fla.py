@@ -223,11 +223,10 @@ def offsets_with_host_total(prepare_chunk_offsets: Callable) -> Callable:
     @functools.wraps(prepare_chunk_offsets)
     def prepare(cu_seqlens, chunk_size):
         offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-        bounds = batch_context.host_cu_seqlens(cu_seqlens)
-        if bounds is None or len(bounds) != len(cu_seqlens):
+        if (total := batch_context.host_chunk_total(cu_seqlens, chunk_size)) is None:
             return offsets
         known = offsets.as_subclass(ChunkOffsets)
-        known.host_total = sum(-((start - end) // chunk_size) for start, end in zip(bounds, bounds[1:]))  # ceil
+        known.host_total = total
         return known
 
     prepare.reads_host_total = True

@@ -295,9 +295,10 @@ class Trainer(TorchtitanTrainer):
         # pipeline stages find each microbatch's documents in its position ids, read on the CPU
         on_cpu = frozenset({"position_ids"} if self.parallel_dims.pp_enabled else ())
         for input_dict, labels in microbatches:
-            documents = input_dict["cu_seqlens"].diff().tolist()  # on CPU still: no sync
-            self.metrics_processor.flops_since_last_log += self.model_args.flops.batch_flops(documents)
             input_dict = to_device(input_dict, self.device, on_cpu)
+            bounds = input_dict["cu_seqlens_host"]  # read on the CPU: no sync
+            documents = [end - start for start, end in zip(bounds, bounds[1:])]
+            self.metrics_processor.flops_since_last_log += self.model_args.flops.batch_flops(documents)
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels.to(self.device, non_blocking=True), global_valid_tokens=global_valid_tokens
             )

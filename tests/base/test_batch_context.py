@@ -54,13 +54,14 @@ def test_document_attention_builds_a_batch_mask_once_and_computes_the_same_witho
     torch.testing.assert_close(attention.document_attention(q2, k2, v2, cu_seqlens, 16)[3:], alone[3:])
 
 
-def test_the_host_copy_of_cu_seqlens_is_found_only_for_the_batch_s_own_tensor():
+def test_the_chunk_total_comes_from_the_host_copy_only_for_the_batch_s_own_tensor():
     cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
     step = BatchContext(cu_seqlens=cu_seqlens, cu_seqlens_host=[0, 5, 12])
-    assert batch_context.host_cu_seqlens(cu_seqlens) is None  # no batch
+    assert batch_context.host_chunk_total(cu_seqlens, 4) is None  # no batch
     with batch_context.computing(step):
-        assert batch_context.host_cu_seqlens(cu_seqlens) == [0, 5, 12]
-        assert batch_context.host_cu_seqlens(cu_seqlens.clone()) is None  # same values, another tensor: read it
+        assert batch_context.host_chunk_total(cu_seqlens, 4) == 2 + 2  # 5 and 7 tokens, rounded up
+        assert batch_context.host_chunk_total(cu_seqlens, 64) == 2
+        assert batch_context.host_chunk_total(cu_seqlens.clone(), 4) is None  # same values, another tensor: read it
     # a microbatch's new documents drop the step's copy, which describes other documents
     microbatch = step.replace(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
     assert microbatch.cu_seqlens_host is None
@@ -81,5 +82,6 @@ def test_the_trainer_s_batch_reaches_the_model_with_its_host_copy():
     assert batch["cu_seqlens_host"] == [0, 4, 6, 12]
     _, _, kwargs, context = batch_inputs(model, batch, torch.zeros(2, 6, dtype=torch.long), BatchContext())
     assert kwargs["cu_seqlens"] is context.cu_seqlens  # the tensor fla's kernels get is the context's
+    assert context.cu_seqlens_host == [0, 4, 6, 12]
     with batch_context.computing(context):
-        assert batch_context.host_cu_seqlens(kwargs["cu_seqlens"]) == [0, 4, 6, 12]
+        assert batch_context.host_chunk_total(kwargs["cu_seqlens"], 4) == 1 + 1 + 2
