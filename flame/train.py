@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     autotune.share_triton_cache()  # before torch.compile's first kernel would choose another folder
     on_rank0_gpu = os.environ.get("RANK", "0") == "0" and torch.cuda.is_available()
     compiling = compat_triton.compile_watch() if on_rank0_gpu else None  # said in the log while step 1 waits for it
-    if torch.cuda.is_available() and (threads := compat_triton.compile_threads()) > 1:
-        compat_triton.configurations_compiled_together(threads)  # a new shape's autotuning compiles side by side
     try:
+        if torch.cuda.is_available() and (threads := compat_triton.compile_threads()) > 1:
+            compat_triton.configurations_compiled_together(threads)  # a new shape's autotuning compiles side by side
         job = parse(sys.argv[1:] if argv is None else argv)
         if recorded := os.environ.get(triton_kernels.RECORD):  # the kernels this run compiles, to ship (its module doc)
             triton_kernels.record_compiled_kernels(recorded, triton_kernels.model_type_of(job.config.model.config))

@@ -49,8 +49,9 @@ class CompileWatch:
                 self.compiled += 1
                 self.per_kernel[name] = self.per_kernel.get(name, 0) + 1
                 self.per_kernel_s[name] = self.per_kernel_s.get(name, 0.0) + took
-            if since is not None and not self.in_flight:
-                self.seconds += now - self.busy_since if now - self.busy_since > self.LOADED_S else 0.0
+            if since is not None and not self.in_flight:  # none compiling now: the busy stretch counts, if a compile
+                if (busy := now - self.busy_since) > self.LOADED_S:
+                    self.seconds += busy
                 self.now = None
             return bool(after and after(**hook))
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from flame.base.compile_watch import CompileWatch
+from flame.base.errors import ConfigError
 from flame.compat.guard import Library, Target, patch
 
 TRITON = Library("triton", "triton", "3.6.0")
@@ -88,7 +89,10 @@ COMPILE_THREADS = "FLAME_COMPILE_THREADS"  # how many threads a rank compiles an
 def compile_threads() -> int:
     """Threads for one rank's side-by-side compiles: ``FLAME_COMPILE_THREADS`` where set, else its share of the CPUs
     it may run on, less one for the thread that launches the GPU's work."""
-    if (asked := os.environ.get(COMPILE_THREADS, "").strip()).isdigit():
+    if asked := os.environ.get(COMPILE_THREADS, "").strip():
+        if not asked.isdigit() or int(asked) < 1:
+            raise ConfigError(f"{COMPILE_THREADS}={asked}: give a number of threads, 1 or more (1: compile one after "
+                              "another, as Triton does), or unset it for the rank's share of the CPUs")
         return int(asked)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)

@@ -58,6 +58,7 @@ def check(train_args: list[str], world_size: int, node_rank: int = 0,
     """Check the job ``train_args`` describes for ``world_size`` processes; raise ConfigError on bad input.
     ``parsed`` is called with the job's config once it is read, before the slow parts (sources, the memory plan)."""
     os.environ["WORLD_SIZE"] = str(world_size)
+    compat.triton.compile_threads()  # a bad FLAME_COMPILE_THREADS is refused here, not in every rank
     # first: the memory plan's GPU probe (flame.prepare) runs fla's kernels and reads their choices too
     try:  # a cache that cannot be written only costs the benchmarks the choices would have saved
         if copied := autotune.install():

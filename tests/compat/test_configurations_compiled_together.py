@@ -124,3 +124,15 @@ def test_a_rank_s_compile_threads_are_its_share_of_the_cpus(monkeypatch):
     monkeypatch.setenv("FLAME_COMPILE_THREADS", "1")  # the user's say: one after another
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert compat_triton.compile_threads() == 1
+    for bad in ("four", "0"):
+        monkeypatch.setenv("FLAME_COMPILE_THREADS", bad)
+        with pytest.raises(compat_triton.ConfigError, match=f"FLAME_COMPILE_THREADS={bad}: give a number of threads"):
+            compat_triton.compile_threads()
+
+
+def test_a_bad_thread_count_stops_the_launch_before_the_ranks(monkeypatch, capsys):
+    from flame.launch import preflight
+
+    monkeypatch.setenv("FLAME_COMPILE_THREADS", "many")
+    assert preflight.main(["--world-size", "1", "--", "--training.steps", "1"]) == 2
+    assert "flame: error: FLAME_COMPILE_THREADS=many: give a number of threads" in capsys.readouterr().err

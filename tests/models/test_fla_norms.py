@@ -77,10 +77,11 @@ def test_fla_rms_norms_are_swapped_and_keep_their_class_name_and_weights():
     assert all(name.endswith("norm") for name in after)  # the gated output norms (another class) are not among them
 
 
-def test_a_transformers_model_is_refused_in_one_line(monkeypatch):
-    job_config = parse_job(monkeypatch, 1, "--model.config", "configs/tiny/llama.json", "--model.compiled_fla_norms",
+@pytest.mark.parametrize("flag", ["compiled_fla_norms", "fla_norms_in_compute_dtype"])
+def test_a_transformers_model_is_refused_in_one_line(monkeypatch, flag):
+    job_config = parse_job(monkeypatch, 1, "--model.config", "configs/tiny/llama.json", f"--model.{flag}",
                            "--model.tokenizer_path", "builtin:python-stdlib-bpe", "--training.dataset",
                            "builtin:python-stdlib")
-    refused = "--model.compiled_fla_norms changes fla's RMSNorms; llama is a transformers"
+    refused = f"--model.{flag} changes fla's RMSNorms; llama is a transformers"
     with pytest.raises(ConfigError, match=refused):
         FlameModelArgs().update_from_config(job_config)
