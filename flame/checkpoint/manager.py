@@ -52,6 +52,7 @@ from flame.checkpoint.steps import (
 )
 from flame.optim.builder import ConfiguredSettings
 from flame.optim.host import HostOptimizersContainer
+from flame.optim.streaming import StreamedOptimizersContainer
 from flame.base.errors import ConfigError
 from flame.models import init_from, lora
 
@@ -181,8 +182,8 @@ class FlameCheckpointManager(CheckpointManager):
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
                  to_hf: bool = False):
         self.before_save()  # may stop the run: before anything of this step is written
-        if isinstance(optimizers := self.states.get(OPTIMIZER), HostOptimizersContainer):
-            optimizers.settle()  # --optimizer.on_host: the step in flight writes the weights and the state
+        if isinstance(optimizers := self.states.get(OPTIMIZER), (HostOptimizersContainer, StreamedOptimizersContainer)):
+            optimizers.settle()  # --optimizer.on_host, --memory.stream_weights: the step in flight writes the weights
         if self.recorder is None or to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         # One recording at a time (a step can be saved twice in a row, when the data runs out),

@@ -101,7 +101,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
 
     if ac_config.offload:  # the checkpointed blocks' inputs (flame.distributed.activation_offload)
         offload_inputs(layers, len(layers) if ac_config.blocks is None else ac_config.blocks)
-    if parallel_dims.fsdp_enabled:
+    if job_config.memory.stream_weights:  # one process; the optimizer's builder streams it (flame.optim.streaming)
+        materialize_on_host(model, device.compute_dtype(job_config))
+    elif parallel_dims.fsdp_enabled:
         replicas = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
         experts_mesh = parallel_dims.get_mesh([*replicas, "efsdp"]) if parallel_dims.ep_enabled else None
         apply_fsdp(model, layers, parallel_dims.get_mesh([*replicas, "fsdp"]), job_config, experts_mesh)
@@ -113,6 +115,17 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
         mesh = init_device_mesh(device.TYPE, (1,), mesh_dim_names=("fsdp",))
         apply_fsdp(model, layers, mesh, job_config)
     return model
+
+
+STREAMED_IN = "flame_streamed_in"  # a streamed model's attribute: the dtype its weights visit the GPU in
+
+
+def materialize_on_host(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Have torchtitan materialize and initialize ``model``'s weights on the host, whatever device it names: a
+    streamed model's weights live there (torchtitan does so only for FSDP's CPU offload, which streaming is not),
+    and mark it for the optimizer's builder, which streams it in ``compute_dtype``."""
+    model.to_empty = lambda *, device, recurse=True: nn.Module.to_empty(model, device="cpu", recurse=recurse)
+    setattr(model, STREAMED_IN, compute_dtype)
 
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobConfig, experts_mesh=None) -> None:

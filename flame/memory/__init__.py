@@ -140,6 +140,8 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         can_park_inputs=device.CUDA and not pipelined,
         frozen_params=frozen, frozen_bytes=frozen_bytes,
         offload_pinning=offload_pinning(model, shards), host_copy_pinning=host_copy_pinning(model, shards),
+        can_stream=can_stream(config, world_size), resident_params=sum(p.numel() for p in model.parameters()) - sum(
+            p.numel() for p in decoder_layers(model).parameters()),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
@@ -148,6 +150,14 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
             gpu_state_params=gpu_state_params(model, config.optimizer.gpu_blocks, True),
             activations=activations.measure(model_config, dtype, fused, False, attention=attention, adapters=adapters))))
     return job
+
+
+def can_stream(config, world_size: int) -> bool:
+    """Whether --memory.stream_weights can run the job (flame.prepare.settings refuses the rest in one line): a GPU
+    job of one process, stepped by AdamW or Adam, none of LoRA, EMA, FP8, compiled blocks or FSDP over its rank."""
+    return (device.CUDA and world_size == 1 and optimizer_record(config.optimizer.name).steps_on_host
+            and config.lora.rank is None and config.training.ema_decay == 0 and config.float8.recipe_name == "off"
+            and not config.compile.enable and not config.parallelism.fsdp_one_rank)
 
 
 def _local_numels(model: nn.Module, shards: int) -> list[list[int]]:
@@ -194,7 +204,7 @@ def layout_of(config) -> Layout:
     pipelined = config.parallelism.pipeline_parallel_degree > 1
     reshard = {"default": not pipelined, "always": True, "never": False}[config.parallelism.fsdp_reshard_after_forward]
     return Layout(ac=mode, reshard=reshard, offload=config.training.enable_cpu_offload,
-                  host_optimizer=config.optimizer.on_host, park_inputs=ac.offload)
+                  host_optimizer=config.optimizer.on_host, park_inputs=ac.offload, stream=config.memory.stream_weights)
 
 
 # the layout's fields and the settings that give each: a job that gives one (job file or command line) keeps it
@@ -204,6 +214,7 @@ LAYOUT_SETTINGS = {
     "offload": ("training.enable_cpu_offload",),
     "host_optimizer": ("optimizer.on_host",),
     "park_inputs": ("activation_checkpoint.offload",),
+    "stream": ("memory.stream_weights",),
     "micro_batches": ("training.gradient_accumulation_steps",),
 }
 
@@ -307,6 +318,8 @@ def set_layout(config, start: Layout, layout: Layout) -> None:
         config.optimizer.on_host = True
     if layout.park_inputs != start.park_inputs:
         config.activation_checkpoint.offload = True
+    if layout.stream != start.stream:
+        config.memory.stream_weights = True
     if layout.micro_batches > 1:
         config.training.local_batch_size //= layout.micro_batches
         config.training.gradient_accumulation_steps *= layout.micro_batches
@@ -328,6 +341,7 @@ def check_same_plan(config) -> None:
             "activation_checkpoint.blocks": ac.blocks,
             "parallelism.fsdp_reshard_after_forward": config.parallelism.fsdp_reshard_after_forward,
             "training.enable_cpu_offload": t.enable_cpu_offload, "optimizer.on_host": config.optimizer.on_host,
+            "memory.stream_weights": config.memory.stream_weights,
             "training.local_batch_size": t.local_batch_size,
             "training.gradient_accumulation_steps": t.gradient_accumulation_steps}
     every = [None] * dist.get_world_size()

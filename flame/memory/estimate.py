@@ -56,34 +56,10 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     job = as_run(job, layout)
     weights = job.trainable_params / job.weight_shards
     state = job.optimizer.state_of(job.trainable_params, min(job.matrix_params, job.trainable_params)) / job.weight_shards
-    kept = "host (CPU offload)" if layout.offload else "GPU"
-    state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
-    held = f"LoRA: the frozen base in {job.frozen_bytes}-byte elements, the adapters in fp32" if job.frozen_params else "fp32"
-    # offloaded, FSDP pins each weight's shard and each gradient: PyTorch's pinned allocator rounds them up
-    pinning = job.offload_pinning if layout.offload else 1.0
-    rounded = f", pinned (+{pinning - 1:.0%}: each rounded up to a power of two)" if pinning > 1.0005 else ""
-    parts = [Part("parameters", pinning * job.weight_bytes() / job.weight_shards, kept,
-                  f"{held}, 1/{job.weight_shards} per rank{rounded}")]
-    if job.ema:
-        parts.append(Part("weights' average", 4 * weights, kept, "fp32, --training.ema_decay"))
-    gradients = Part("gradients", pinning * 4 * weights, kept, f"fp32{rounded}")
-    if layout.host_optimizer:
-        # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU
-        on_gpu = job.optimizer.state_bytes * min(job.gpu_state_params, job.trainable_params) / job.weight_shards
-        parts.append(Part("optimizer state", state - on_gpu, "host (stepped there)", state_note))
-        if on_gpu:
-            parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
-                                                                  "(--optimizer.gpu_blocks)"))
-        if not layout.offload:  # streamed (with offload), the host steps the offloaded weights in place
-            copied = 8 * max(0.0, weights - job.gpu_state_params / job.weight_shards)
-            parts.append(Part("host step buffers", job.host_copy_pinning * copied, "host (pinned)",
-                              "fp32 copies of the weights and gradients, in pinned chunks"))
+    if layout.stream:
+        parts, gradients, kept = streamed_parts(job, layout, state)
     else:
-        parts.append(Part("optimizer state", state, kept, state_note))
-    if job.fsdp or layout.offload:
-        gathered = job.params if not layout.reshard else 2 * job.block_params
-        why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"
-        parts.append(Part("FSDP all-gather buffers", gathered * job.compute_bytes / job.tensor_parallel, "GPU", why))
+        parts, gradients, kept = _held_parts(job, layout, weights, state)
 
     rows = job.rows // layout.micro_batches
     scale = rows / job.tensor_parallel
@@ -127,7 +103,7 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
     if layout.park_inputs:
         parts.append(Part("parked block inputs", scale * parked_input_bytes(job, layout), "host (pinned)",
                           "the checkpointed blocks' inputs, from the forward to the backward"))
-    streams = ONE_GPU if not (job.fsdp or layout.offload) else FSDP_ALONE if job.alone else FSDP
+    streams = ONE_GPU if not (job.fsdp or layout.offload) or layout.stream else FSDP_ALONE if job.alone else FSDP
     margin = MARGINS[(job.expandable_segments, streams)]
     allocator = "expandable segments" if job.expandable_segments else "the allocator's default segments"
     allocator += {ONE_GPU: "", FSDP: ", FSDP's streams", FSDP_ALONE: ", FSDP's streams over one rank"}[streams]
@@ -136,6 +112,59 @@ def estimate(job: Job, layout: Layout) -> list[Part]:
         parts.append(Part("kernels' tuning", KERNEL_TUNING_BYTES, "GPU",
                           "outside PyTorch's allocator: fla's kernels load every configuration they time"))
     return parts
+
+
+def _held_parts(job: Job, layout: Layout, weights: float, state: float) -> tuple[list[Part], Part, str]:
+    """The parameters, gradients and optimizer state where the job keeps them (the GPU, FSDP's CPU offload, the
+    optimizer on the host), and FSDP's buffers; the gradients' part apart (the peak's moment places it)."""
+    kept = "host (CPU offload)" if layout.offload else "GPU"
+    state_note = f"{job.optimizer.name}: fp32, {job.optimizer.state}"
+    held = f"LoRA: the frozen base in {job.frozen_bytes}-byte elements, the adapters in fp32" if job.frozen_params else "fp32"
+    # offloaded, FSDP pins each weight's shard and each gradient: PyTorch's pinned allocator rounds them up
+    pinning = job.offload_pinning if layout.offload else 1.0
+    rounded = f", pinned (+{pinning - 1:.0%}: each rounded up to a power of two)" if pinning > 1.0005 else ""
+    parts = [Part("parameters", pinning * job.weight_bytes() / job.weight_shards, kept,
+                  f"{held}, 1/{job.weight_shards} per rank{rounded}")]
+    if job.ema:
+        parts.append(Part("weights' average", 4 * weights, kept, "fp32, --training.ema_decay"))
+    gradients = Part("gradients", pinning * 4 * weights, kept, f"fp32{rounded}")
+    if layout.host_optimizer:
+        # --optimizer.gpu_blocks: the state of the embeddings and the first blocks stays on the GPU
+        on_gpu = job.optimizer.state_bytes * min(job.gpu_state_params, job.trainable_params) / job.weight_shards
+        parts.append(Part("optimizer state", state - on_gpu, "host (stepped there)", state_note))
+        if on_gpu:
+            parts.append(Part("optimizer state", on_gpu, "GPU", "of the embeddings and the first blocks "
+                                                                  "(--optimizer.gpu_blocks)"))
+        if not layout.offload:  # streamed (with offload), the host steps the offloaded weights in place
+            copied = 8 * max(0.0, weights - job.gpu_state_params / job.weight_shards)
+            parts.append(Part("host step buffers", job.host_copy_pinning * copied, "host (pinned)",
+                              "fp32 copies of the weights and gradients, in pinned chunks"))
+    else:
+        parts.append(Part("optimizer state", state, kept, state_note))
+    if job.fsdp or layout.offload:
+        gathered = job.params if not layout.reshard else 2 * job.block_params
+        why = "every block stays gathered after the forward" if not layout.reshard else "one block and its prefetch"
+        parts.append(Part("FSDP all-gather buffers", gathered * job.compute_bytes / job.tensor_parallel, "GPU", why))
+    return parts, gradients, kept
+
+
+def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], Part, str]:
+    """--memory.stream_weights (flame.optim.streaming): the weights, gradients and optimizer state on the host; on
+    the GPU two blocks' weights and gradients in flight, and the rest of the model's (embeddings, norm, head)."""
+    itemsize, trainable = job.compute_bytes, job.trainable_params
+    parts = [Part("parameters", 4 * trainable, "host (streamed)", "fp32: what the optimizer steps and checkpoints save"),
+             Part("optimizer state", state, "host (stepped there)",
+                  f"{job.optimizer.name}: fp32, {job.optimizer.state}"),
+             Part("streamed copies", 2 * itemsize * trainable, "host (pinned)",
+                  "the weights in the compute dtype (copied up) and the gradients copied down")]
+    if layout.micro_batches > 1 or job.accumulates:
+        parts.append(Part("gradient sums", 4 * trainable, "host", "fp32, the micro-batches' gradients added up"))
+    in_flight = itemsize * (2 * job.block_params + job.resident_params)
+    parts += [Part("streamed weights", in_flight, "GPU", "two blocks' (the one running, the next one copied up) and the "
+                                                          "embeddings', norm's and head's, in the compute dtype"),
+              Part("streamed gradients", in_flight, "GPU", "two blocks' (one made, one copied down) and the "
+                                                            "embeddings', norm's and head's, in the compute dtype")]
+    return parts, Part("gradients", 0.0, "host (streamed)", "copied down block by block"), "host (streamed)"
 
 
 def _loss(job: Job, tokens: int) -> tuple[float, float, str]:

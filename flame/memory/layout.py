@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,9 +42,12 @@ class Layout:
     micro_batches: int = 1  # the rows of training.batch_size split over this many accumulation steps
     host_optimizer: bool = False  # --optimizer.on_host: the optimizer state on the host, stepped there
     park_inputs: bool = False  # --activation_checkpoint.offload: the checkpointed blocks' inputs on the host
+    stream: bool = False  # --memory.stream_weights: the weights on the host, each block's streamed to the GPU as it runs
 
     def describe(self) -> str:
         parts = [describe_ac(self.ac)]
+        if self.stream:
+            parts.append("weights streamed from the host")
         if not self.reshard:
             parts.append("weights kept gathered")
         if self.offload:
@@ -102,6 +106,10 @@ class Job:
     # chunks, which lose only their tails
     offload_pinning: float = 1.0
     host_copy_pinning: float = 1.0
+    # --memory.stream_weights may run it (flame.optim.streaming): a GPU job of one process without FSDP, TP or PP,
+    # stepped by AdamW or Adam, none of LoRA, EMA, FP8 or compiled blocks
+    can_stream: bool = False
+    resident_params: int = 0  # the parameters outside the decoder blocks (embeddings, final norm, head)
 
     @property
     def computed_params(self) -> int:
@@ -119,9 +127,12 @@ class Job:
 
 
 def as_run(job: Job, layout: Layout) -> Job:
-    """``job`` as ``layout`` runs it: under FSDP over its one rank when the layout offloads or steps on the host."""
+    """``job`` as ``layout`` runs it: under FSDP over its one rank when the layout offloads or steps on the host;
+    streamed, without autocast (the weights come in the compute dtype), as FSDP's mixed precision runs it."""
     if job.wrapped is not None and (layout.offload or layout.host_optimizer):
         return job.wrapped()
+    if job.wrapped is not None and layout.stream:
+        return dataclasses.replace(job.wrapped(), fsdp=False, alone=False)
     return job
 
 

@@ -65,7 +65,8 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
     needs a GPU job that FSDP can wrap, an optimizer that runs offloaded (its record says), and room in
     the host budget; so does the optimizer on the host, which a pipeline cannot take. Both together
     stream the weights: FSDP2 keeps them on the host and the host steps them in place while the next
-    forward runs (flame.optim.host). Micro-batches divide the rows evenly. The inputs full AC keeps may wait on the
+    forward runs (flame.optim.host). Streaming (flame.optim.streaming) keeps them there too, in place of both: each
+    block's weights visit the GPU in the compute dtype as it runs. Micro-batches divide the rows evenly. The inputs full AC keeps may wait on the
     host (flame.distributed.activation_offload), on a GPU job that is not pipelined.
     """
     acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
@@ -86,9 +87,13 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
         count for count in range(start.micro_batches + 1, job.rows + 1) if job.rows % count == 0])
     parks = [start.park_inputs] + ([True] if job.can_park_inputs and "park_inputs" not in fixed and not start.park_inputs
                                    else [])
-    layouts = [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count, host_optimizer=host, park_inputs=park)
+    streams = [start.stream] + ([True] if job.can_stream and "stream" not in fixed and not start.stream and fits_host(
+        stream=True, offload=False, host_optimizer=False) else [])
+    layouts = [Layout(ac=ac, reshard=reshard, offload=offload, micro_batches=count, host_optimizer=host, park_inputs=park,
+                      stream=stream)
                for ac in acs for reshard in reshards for offload in offloads for count in counts for host in on_host
-               for park in parks]
+               for park in parks for stream in streams
+               if not (stream and (offload or host))]  # streaming is its own offload, with its own host step
     # inputs park only where full AC keeps them, and only where the host has room for them
     return [layout for layout in layouts
             if not layout.park_inputs or ((layout.ac == "full" or first_blocks(layout.ac) is not None)
@@ -131,10 +136,10 @@ def ac_options(job: Job, current: str) -> list[str]:
 
 
 def _changes(start: Layout, layout: Layout, blocks: int) -> tuple:
-    """How far a layout strays from ``start``, for choosing between layouts priced alike: offload, then the
-    optimizer on the host, then parked inputs, then micro-batches, then resharding, then recomputation, the
+    """How far a layout strays from ``start``, for choosing between layouts priced alike: offload, then streaming,
+    then the optimizer on the host, then parked inputs, then micro-batches, then resharding, then recomputation, the
     changes a user notices most first."""
-    return (layout.offload != start.offload, layout.host_optimizer != start.host_optimizer,
+    return (layout.offload != start.offload, layout.stream != start.stream, layout.host_optimizer != start.host_optimizer,
             layout.park_inputs != start.park_inputs, layout.micro_batches, layout.reshard != start.reshard,
             recompute_share(layout.ac, blocks))
 

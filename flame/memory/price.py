@@ -83,12 +83,28 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
             offload += weights / hardware.host_adam_params_per_s
     elif layout.host_optimizer:
         offload = host_step(job, hardware, hidden_by=forward + launches)
+    if layout.stream:
+        offload = streamed(job, hardware, passes, hidden_by=one_pass + share * (forward + launches),
+                           forward=forward + launches)
     if layout.park_inputs:  # each checkpointed input down and up a pass, on a side stream beside the blocks' compute
         moved = 2 * parked_input_bytes(job, layout) * job.rows / passes
         link = hardware.host_link_gbps
         offload += passes * max(0.0, (moved / (link * 1e9) if link else math.inf) - one_pass)
     return Price(compute=passes * one_pass, recompute=passes * share * (forward + launches), gathers=gathers,
                  offload=offload)
+
+
+def streamed(job: Job, hardware: Hardware, passes: int, hidden_by: float, forward: float) -> float:
+    """The seconds of --memory.stream_weights (flame.optim.streaming) that the passes do not hide.
+
+    Each pass copies every weight up twice (its forward and its backward) and every gradient down, in the compute
+    dtype, on two streams beside the blocks' compute (``hidden_by``: a pass and its recompute); the two directions
+    run at once. The host's AdamW then runs beside the next forward, as --optimizer.on_host's does (``host_step``).
+    """
+    link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
+    up, down = 2 * job.compute_bytes * job.params, job.compute_bytes * job.trainable_params
+    transfers = max(up, down) / link if link else math.inf
+    return passes * max(0.0, transfers - hidden_by) + host_step(job, hardware, hidden_by=forward, copies=False)
 
 
 def host_step(job: Job, hardware: Hardware, hidden_by: float, copies: bool = True) -> float:

@@ -16,7 +16,10 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger as torchtitan_logger
 
+from flame.base import device
+from flame.distributed.parallelize import STREAMED_IN
 from flame.optim.host import HostOptimizersContainer
+from flame.optim.streaming import StreamedOptimizersContainer
 from flame.optim.muon import MuonOptimizersContainer
 from flame.optim.record import optimizer_record
 
@@ -27,11 +30,16 @@ _NOT_SETTINGS = ("params", "lr", "initial_lr")
 def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: ParallelDims | None,
                      ft_manager: FTManager | None = None) -> OptimizersContainer:
     """torchtitan TrainSpec ``build_optimizers_fn``: the record's optimizer, or for ``--optimizer.on_host`` its
-    update stepped on the host (flame.optim.host; flame.prepare refuses it for a record that cannot)."""
+    update stepped on the host (flame.optim.host; flame.prepare refuses it for a record that cannot), or for
+    --memory.stream_weights the streamed model's (flame.optim.streaming)."""
     o = optimizer_config
     record = optimizer_record(o.name)
+    kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    if (streamed_in := getattr(model_parts[0], STREAMED_IN, None)) is not None:  # --memory.stream_weights
+        where = torch.device(device.TYPE, torch.cuda.current_device()) if device.CUDA else torch.device("cpu")
+        return StreamedOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, compute_dtype=streamed_in,
+                                           device=where, optimizer_config=o)
     if o.on_host:
-        kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
         return HostOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, gpu_blocks=o.gpu_blocks,
                                        optimizer_config=o)
     return record.build(model_parts, o, parallel_dims, ft_manager)

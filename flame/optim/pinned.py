@@ -58,12 +58,14 @@ class HostArena:
         start, self.used[chunk] = self.used[chunk], self.used[chunk] + numel
         return chunk, start
 
-    def take(self, shape: torch.Size) -> torch.Tensor:
-        numel = shape.numel()
+    def take(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` (a narrower one takes its bytes in whole float32 elements)."""
+        nbytes = shape.numel() * torch.tensor([], dtype=dtype).element_size()
+        numel = -(-nbytes // FLOAT32)
         place = self.place(numel) if self.pin else None
         if place is None:
-            return torch.empty(shape, dtype=torch.float32, pin_memory=self.pin)
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         chunk, start = place
         if chunk == len(self.chunks):
             self.chunks.append(torch.empty(self.chunk_elements, dtype=torch.float32, pin_memory=True))
-        return self.chunks[chunk][start : start + numel].view(shape)
+        return self.chunks[chunk][start : start + numel].view(torch.uint8)[:nbytes].view(dtype).view(shape)

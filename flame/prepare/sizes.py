@@ -131,8 +131,9 @@ def dense_masks_kept(config: Any, model: ModelUnderCheck, blocks: int) -> int:
 
 def _check_training_state(config: Any, world_size: int, model: ModelUnderCheck, memory: float, where: str) -> None:
     """Weights, gradients and optimizer state, sharded as the layout shards them, where they live."""
-    if device.CUDA and (config.memory.plan == "auto" or config.training.enable_cpu_offload):
-        return  # the plan may move them to the host; offload has
+    if device.CUDA and (config.memory.plan == "auto" or config.training.enable_cpu_offload
+                        or config.memory.stream_weights):
+        return  # the plan may move them to the host; offload and streaming have
     params, matrices, _ = count_params(model.meta, decoder_layers(model.meta))
     record = optimizer_record(config.optimizer.name)
     if config.lora.rank is not None:  # frozen base weights: no gradients, no optimizer state
@@ -152,7 +153,8 @@ def _check_training_state(config: Any, world_size: int, model: ModelUnderCheck, 
     if need <= memory:
         return
     fix = ("train it on GPUs, or pick a smaller --model.config (e.g. configs/llama_4M.json)" if not device.CUDA else
-           "shard it over more GPUs (FSDP), offload it (--training.enable_cpu_offload, --optimizer.on_host) or let "
+           "shard it over more GPUs (FSDP), offload it (--memory.stream_weights; --training.enable_cpu_offload, "
+           "--optimizer.on_host) or let "
            "--memory.plan auto choose")
     raise ConfigError(
         f"the model's {params / 1e9:.3g}B parameters need at least {_gib(need)} a rank for their training state "

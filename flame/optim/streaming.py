@@ -1,0 +1,533 @@
+"""The weights streamed from the host (--memory.stream_weights): the GPU holds a block's weights only while it runs.
+
+Why: under mixed precision a parameter costs 16 bytes (fp32 weight and gradient, AdamW's two moments), 112 GB for
+a 7B model. FSDP2's CPU offload keeps them on the host but copies every fp32 weight up for each pass and adds
+each fp32 gradient on the way down; the optimizer on the host alone leaves the fp32 weights and gradients on the
+GPU. Here the GPU holds, beside the activations, two blocks' weights in the compute dtype and one block's
+gradients at a time:
+- the model's parameters stay float32 on the host (the *masters*: what checkpoints save, exports read and the
+  optimizer steps), beside a pinned copy in the compute dtype (the *shadow*: half the bytes to move);
+- a decoder block's forward finds its weights in one GPU buffer, copied from the shadow on a side stream while
+  the block before it runs, and frees the buffer after it; its backward has it copied again a block ahead (with
+  activation checkpointing, before the block's recompute);
+- a block's gradients go down to pinned host memory on a second stream as soon as its backward has made them (their
+  squared norm summed on the GPU on the way, for clipping), and their GPU memory is freed;
+- the optimizer step (AdamW on the host, unit by unit in the forward's order, on a host thread) runs beside the
+  next forward, which waits, before each block, for that block's step alone.
+The embeddings, the final norm and the head (the *resident* unit) keep their buffer on the GPU; they are stepped and
+copied up the same way. With micro-batches, each pass's gradients are added on the host thread into a float32 sum
+while the GPU goes on (their norm taken there). The forward computes in the compute dtype throughout (no autocast,
+as under FSDP's mixed precision). On a CPU run the host is the device: the same steps, with copies for transfers.
+
+The optimizer's state is AdamW's own (per master parameter), so a checkpoint resumes with streaming on or off.
+One process only (no FSDP, TP or PP); flame.prepare refuses the other layouts in one line.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Adam, AdamW, Optimizer
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
+
+from flame.models.registry import decoder_layers
+from flame.optim import groups
+from flame.optim.pinned import HostArena, chunk_bytes_for
+
+_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing's and torch.compile's wrappers
+
+
+def innermost(module: nn.Module) -> nn.Module:
+    """The block a wrapper calls: its forward runs again in activation checkpointing's recompute."""
+    while any(hasattr(module, name) for name in _WRAPPED):
+        module = next(getattr(module, name) for name in _WRAPPED if hasattr(module, name))
+    return module
+
+
+@dataclass(eq=False)
+class Unit:
+    """Weights the forward needs together: a decoder block's, or (``resident``) the rest of the model's."""
+
+    name: str
+    masters: list[torch.Tensor]  # the model's parameters (host, float32), each once
+    places: list[list[tuple[nn.Module, str]]]  # where each master sits (a tied one: twice)
+    resident: bool = False  # its GPU buffer stays allocated between the passes
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    shadow: torch.Tensor | None = None  # host (pinned), compute dtype, flat: what goes up
+    landing: torch.Tensor | None = None  # host (pinned), compute dtype, flat: the gradients that came down
+    summed: torch.Tensor | None = None  # host, float32, flat: the gradients summed over micro-batches
+    storage: Any = None  # the GPU buffer (empty while released)
+    leaves: list[torch.Tensor] = field(default_factory=list)  # the masters' GPU twins, views of ``storage``
+    current: bool = False  # the GPU buffer holds the shadow's weights
+    fetched: Any = None  # CUDA event: the copy up is done (until the compute stream waited for it)
+    landed: Any = None  # CUDA event: the gradients reached ``landing``
+    stepped: threading.Event = field(default_factory=threading.Event)  # the shadow holds the latest weights
+    added: threading.Event = field(default_factory=threading.Event)  # the host is done reading ``landing``
+    passes: int = 0  # backward passes whose gradients came down, this step
+    seen: int = 0  # leaves whose gradients this pass has made
+    in_backward: bool = False
+    squares: float = 0.0  # micro-batches: the summed gradients' squared norm (host)
+
+    @property
+    def trainable(self) -> int:
+        return sum(leaf.requires_grad for leaf in self.leaves)
+
+
+class WeightStream:
+    """The hooks and copies that stream ``model``'s weights to ``device`` and its gradients back."""
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+        self.model, self.dtype, self.device = model, compute_dtype, device
+        self.cuda = device.type == "cuda"
+        blocks = [innermost(block) for block in decoder_layers(model)]
+        self.blocks = [self._unit(f"block {index}", block) for index, block in enumerate(blocks)]
+        in_blocks = {id(p) for unit in self.blocks for p in unit.masters}
+        self.resident = self._unit("embeddings and head", model, skip=in_blocks, resident=True)
+        self.units = [self.resident, *self.blocks]  # the forward's order
+        itemsize = torch.tensor([], dtype=compute_dtype).element_size()
+        total = sum(unit.numel for unit in self.units)
+        self.arena = HostArena(pin=self.cuda, chunk_bytes=chunk_bytes_for(2 * itemsize * total))
+        for unit in self.units:
+            self._build(unit)
+        for module in model.modules():  # materialized on the host with the weights: they live where the forward runs
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
+        if self.cuda:
+            self.up, self.down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.squares = torch.zeros((), dtype=torch.float32, device=device)  # this step's gradients, GPU-summed
+        self.passes_expected = 1
+        self.stale = False  # the masters changed outside a step (a checkpoint loaded): shadows to redo
+        self.waited = 0.0  # seconds the forward waited for the host's step, all steps together
+        self.host = HostWorker(on_error=self._unblock)
+        self._backward_queued = False
+        self._hooks(blocks)
+        model.register_load_state_dict_post_hook(lambda module, keys: self.mark_stale())
+
+    def _unit(self, name: str, module: nn.Module, skip: set[int] = frozenset(), resident: bool = False) -> Unit:
+        seen: dict[int, int] = {}
+        masters, places = [], []
+        for owner in module.modules():
+            for attr, param in owner.named_parameters(recurse=False):
+                if id(param) in skip:
+                    continue
+                if id(param) not in seen:
+                    seen[id(param)] = len(masters)
+                    masters.append(param)
+                    places.append([])
+                places[seen[id(param)]].append((owner, attr))
+        return Unit(name, masters, places, resident=resident)
+
+    def _build(self, unit: Unit) -> None:
+        """The unit's shadow and landing (pinned), its GPU buffer and the leaves in it; the shadow filled."""
+        unit.offsets, offset = [], 0
+        for master in unit.masters:
+            unit.offsets.append(offset)
+            offset += master.numel()
+        unit.numel = offset
+        unit.shadow = self.arena.take(torch.Size([unit.numel]), self.dtype)
+        unit.landing = self.arena.take(torch.Size([unit.numel]), self.dtype)
+        with torch.no_grad():
+            for master, view in zip(unit.masters, self._views(unit, unit.shadow)):
+                view.copy_(master)
+        unit.stepped.set()
+        unit.added.set()
+        unit.storage = torch.empty(unit.numel, dtype=self.dtype, device=self.device).untyped_storage()
+        for master, offset in zip(unit.masters, unit.offsets):
+            leaf = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, offset, master.shape)
+            leaf.requires_grad_(master.requires_grad)
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(lambda _, unit=unit: self._gradient_made(unit))
+            unit.leaves.append(leaf)
+        if unit.resident:
+            self._copy_up(unit)
+        else:
+            unit.storage.resize_(0)
+
+    @staticmethod
+    def _views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[offset : offset + master.numel()].view(master.shape)
+                for master, offset in zip(unit.masters, unit.offsets)]
+
+    def _hooks(self, blocks: list[nn.Module]) -> None:
+        self.model.register_forward_pre_hook(lambda module, args: self._model_starts())
+        self.model.register_forward_hook(lambda module, args, output: self._swap(self.resident, into=False))
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda module, args, index=index: self._block_starts(index))
+            block.register_forward_hook(lambda module, args, output, index=index: self._block_ends(index, output))
+
+    # the forward and the backward
+
+    def _model_starts(self) -> None:
+        if self.stale:
+            self._refresh_shadows()
+        self._ensure(self.resident)
+        self._swap(self.resident, into=True)
+        if self.blocks:
+            self._fetch(self.blocks[0])
+
+    def _block_starts(self, index: int) -> None:
+        unit = self.blocks[index]
+        self._ensure(unit)
+        self._swap(unit, into=True)
+        if not unit.in_backward and index + 1 < len(self.blocks):
+            self._fetch(self.blocks[index + 1])  # copied while this block runs
+
+    def _block_ends(self, index: int, output) -> None:
+        unit = self.blocks[index]
+        self._swap(unit, into=False)
+        if unit.in_backward:  # activation checkpointing's recompute: the block's backward follows at once
+            return
+        out = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, index=index: self._backward_reaches(index))
+            if index == len(self.blocks) - 1:
+                return  # the backward starts with this block: its weights stay
+        self._release(unit)
+
+    def _backward_reaches(self, index: int) -> None:
+        """Block ``index``'s output has its gradient: the block's backward (and recompute) comes next."""
+        if not self._backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+            self._backward_queued = True
+        unit = self.blocks[index]
+        unit.in_backward = True
+        self._ensure(unit)
+        if index > 0:
+            self._fetch(self.blocks[index - 1])
+
+    def _gradient_made(self, unit: Unit) -> None:
+        unit.seen += 1
+        if unit.seen == unit.trainable:
+            self._send_down(unit)
+
+    def _backward_ends(self) -> None:
+        """Units whose backward made only some of their gradients (a parameter this pass did not use): the rest are
+        zeros."""
+        self._backward_queued = False
+        for unit in self.units:
+            if unit.seen:
+                for leaf in unit.leaves:
+                    if leaf.requires_grad and leaf.grad is None:
+                        leaf.grad = torch.zeros_like(leaf)
+                self._send_down(unit)
+            elif unit.in_backward:
+                unit.in_backward = False
+                self._release(unit)
+
+    def _send_down(self, unit: Unit) -> None:
+        """The unit's gradients to the host, their squared norm to this step's sum; their GPU memory freed."""
+        grads = [leaf.grad for leaf in unit.leaves if leaf.requires_grad]
+        if self.passes_expected == 1:
+            norms = torch._foreach_norm(grads, 2.0, torch.float32)
+            self.squares.add_(torch.stack(norms).square().sum())
+        for event in (unit.added, unit.stepped):  # the host still reads the last pass's (or step's) gradients
+            if not event.is_set():
+                event.wait()
+        self.host.check()
+        views = [view for view, leaf in zip(self._views(unit, unit.landing), unit.leaves) if leaf.requires_grad]
+        if self.cuda:
+            self.down.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.down):
+                for view, grad in zip(views, grads):
+                    view.copy_(grad, non_blocking=True)
+                    grad.record_stream(self.down)
+                unit.landed = self.down.record_event()
+        else:
+            for view, grad in zip(views, grads):
+                view.copy_(grad)
+        for leaf in unit.leaves:
+            leaf.grad = None
+        first, unit.passes, unit.seen = unit.passes == 0, unit.passes + 1, 0
+        if self.passes_expected > 1:
+            unit.added.clear()
+            self.host.put(lambda: self._add(unit, first, last=unit.passes >= self.passes_expected))
+        if not unit.resident:
+            unit.in_backward = False
+            self._release(unit)
+
+    def _add(self, unit: Unit, first: bool, last: bool) -> None:
+        """(host thread) A pass's gradients into the unit's float32 sum; at the last pass, the sum's squared norm."""
+        if unit.landed is not None:
+            unit.landed.synchronize()
+        if unit.summed is None:
+            unit.summed = torch.empty(unit.numel, dtype=torch.float32)
+        if first:
+            unit.summed.copy_(unit.landing)
+        else:
+            unit.summed.add_(unit.landing)
+        if last:
+            unit.squares = float(torch.linalg.vector_norm(unit.summed)) ** 2
+        unit.added.set()
+
+    # the GPU buffers
+
+    def _fetch(self, unit: Unit) -> None:
+        """Start the copy of the unit's weights up (after its step, if one is running)."""
+        if unit.current:
+            return
+        if not unit.stepped.is_set():
+            start = time.perf_counter()
+            unit.stepped.wait()
+            self.waited += time.perf_counter() - start
+        self.host.check()
+        if unit.storage.nbytes() == 0:
+            unit.storage.resize_(unit.numel * unit.shadow.element_size())  # on the compute stream: freed there
+        self._copy_up(unit)
+
+    def _copy_up(self, unit: Unit) -> None:
+        flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, 0, (unit.numel,))
+        if self.cuda:
+            # after the compute stream's work so far: the buffer may reuse memory that work still reads
+            self.up.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.up):
+                flat.copy_(unit.shadow, non_blocking=True)
+                unit.fetched = self.up.record_event()
+        else:
+            flat.copy_(unit.shadow)
+        unit.current = True
+
+    def _ensure(self, unit: Unit) -> None:
+        """The unit's weights on the GPU before the compute stream goes on."""
+        self._fetch(unit)
+        if unit.fetched is not None:
+            torch.cuda.current_stream(self.device).wait_event(unit.fetched)
+            unit.fetched = None
+
+    def _release(self, unit: Unit) -> None:
+        if unit.resident or not unit.current:
+            return
+        if unit.fetched is not None:  # copied up but never used: the copy must end before the memory is reused
+            torch.cuda.current_stream(self.device).wait_event(unit.fetched)
+            unit.fetched = None
+        unit.storage.resize_(0)
+        unit.current = False
+
+    def _swap(self, unit: Unit, into: bool) -> None:
+        """The unit's modules compute with the GPU leaves (``into``), or hold the masters again."""
+        for master, leaf, places in zip(unit.masters, unit.leaves, unit.places):
+            for owner, attr in places:
+                owner._parameters[attr] = leaf if into else master
+
+    # the host's side
+
+    def _unblock(self) -> None:
+        """The host's work failed: nothing waits for it any longer (the next check raises its error)."""
+        for unit in self.units:
+            unit.stepped.set()
+            unit.added.set()
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    def _refresh_shadows(self) -> None:
+        """The masters changed outside a step (a checkpoint loaded, weights initialized from a file): the shadows
+        and the resident buffer follow them."""
+        self.host.drain()
+        with torch.no_grad():
+            for unit in self.units:
+                for master, view in zip(unit.masters, self._views(unit, unit.shadow)):
+                    view.copy_(master)
+                unit.current = unit.current and not unit.resident  # a block's buffer is only ever current mid-pass
+        self.stale = False
+
+    def begin_step(self, passes: int) -> None:
+        """A step of ``passes`` forward and backward passes starts (its gradients none yet). The last step's
+        updates may still run: each unit's next forward waits for its own."""
+        self.passes_expected = passes
+        self.squares.zero_()
+        for unit in self.units:
+            unit.passes, unit.seen, unit.squares = 0, 0, 0.0
+
+    def gradient_norm(self) -> torch.Tensor:
+        """The step's gradient norm (all passes summed), on the device."""
+        if self.passes_expected == 1:
+            return self.squares.sqrt()
+        self.host.drain()
+        return torch.tensor(sum(unit.squares for unit in self.units), device=self.device).sqrt()
+
+    def gradients(self, unit: Unit, scale: float, summed: bool) -> torch.Tensor:
+        """(host thread) The unit's step gradients, float32 and flat, times ``scale`` (clipping); ``summed``: over
+        micro-batches, in its float32 sum."""
+        if summed:
+            flat = unit.summed
+        else:
+            if unit.landed is not None:
+                unit.landed.synchronize()
+            flat = self.host.scratch(unit.numel)
+            flat.copy_(unit.landing)
+        if scale != 1.0:
+            flat.mul_(scale)
+        return flat
+
+
+class HostWorker:
+    """One host thread running queued work in order (gradient sums, then the step's units); an error in it is
+    raised on the training thread at its next wait."""
+
+    def __init__(self, on_error: Callable[[], None]) -> None:
+        self.on_error = on_error
+        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self.thread = threading.Thread(target=self._run, name="flame-weight-stream", daemon=True)
+        self.thread.start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+    def drain(self) -> None:
+        self.jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            cause = f"{type(self.error).__name__}: {(str(self.error).splitlines() or [''])[0]}"
+            raise RuntimeError(f"--memory.stream_weights: the host's work failed ({cause})") from self.error
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        if self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel, dtype=torch.float32)
+        return self._scratch[:numel]
+
+    @torch.no_grad()
+    def _run(self) -> None:
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))  # one core left to the thread launching the GPU's work
+        while True:
+            job = self.jobs.get()
+            try:
+                if self.error is None:
+                    job()
+            except BaseException as error:  # noqa: BLE001 - raised on the training thread by check()
+                self.error = error
+                self.on_error()
+            finally:
+                self.jobs.task_done()
+
+
+class StreamedAdamW(Optimizer):
+    """AdamW (``decoupled``) or Adam over the model's masters, stepped on the host unit by unit while the next
+    forward runs (``WeightStream``). Its groups and state are torch's AdamW's, over the model's own parameters."""
+
+    def __init__(self, model: nn.Module, stream: WeightStream, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, decoupled: bool = True, param_groups: list[dict] | None = None):
+        params = [p for p in model.parameters() if p.requires_grad]
+        like = (AdamW if decoupled else Adam)([torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
+                                               weight_decay=weight_decay, fused=True)
+        super().__init__(param_groups or params, like.defaults)
+        self.stream, self.decoupled = stream, decoupled
+        # AdamW's state for every parameter from the start (zeros, as AdamW's first step makes it): a checkpoint
+        # saved or loaded before the first step has the same entries as any other
+        for group in self.param_groups:
+            for master in group["params"]:
+                self.state[master] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+        self.max_norm = 0.0
+        self.norm: torch.Tensor | None = None
+        self.stepping = 0.0  # seconds the host spent in AdamW, all steps together
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """A new step's gradients start from none (the trainer calls it first in every step)."""
+        self.stream.begin_step(self.stream.passes_expected)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The step's gradient norm; the update scales the gradients to ``max_norm`` where they exceed it."""
+        self.max_norm, self.norm = max_norm, self.stream.gradient_norm()
+        return self.norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("--memory.stream_weights steps without a closure")
+        self.settle()
+        scale = 1.0
+        if self.max_norm > 0 and self.norm is not None:  # torch's clip_grad_norm_ rule
+            scale = min(1.0, self.max_norm / (float(self.norm) + 1e-6))
+        settings = {id(p): group for group in self.param_groups for p in group["params"]}
+        for unit in self.stream.units:
+            if not unit.passes:
+                continue  # no gradient reached it this step: AdamW leaves it as it is
+            # the hyperparameters as of now: the LR schedule moves on before the host thread runs
+            snapshot = [(i, (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
+                        for i, master in enumerate(unit.masters) if (g := settings.get(id(master))) is not None]
+            unit.stepped.clear()
+            unit.current = unit.current and not unit.resident  # its buffer holds the old weights
+            summed = self.stream.passes_expected > 1
+            self.stream.host.put(lambda unit=unit, snapshot=snapshot: self._update(unit, snapshot, scale, summed))
+        self.norm = None
+
+    def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
+        """(host thread) One unit's AdamW update of its masters, then its shadow."""
+        start = time.perf_counter()
+        grads = self.stream._views(unit, self.stream.gradients(unit, scale, summed))
+        by_settings: dict[tuple, list[int]] = {}
+        for i, hyper in snapshot:
+            by_settings.setdefault(hyper, []).append(i)
+        for (lr, beta1, beta2, eps, weight_decay), indices in by_settings.items():
+            states = [self.state[unit.masters[i]] for i in indices]
+            (adamw if self.decoupled else adam)(
+                [unit.masters[i] for i in indices], [grads[i] for i in indices], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+        for master, view in zip(unit.masters, self.stream._views(unit, unit.shadow)):
+            view.copy_(master)
+        self.stepping += time.perf_counter() - start
+        unit.stepped.set()
+
+    def settle(self) -> None:
+        """The last step's updates done: before a checkpoint reads the masters or the state, and before the next."""
+        self.stream.host.drain()
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)
+        self.stream.mark_stale()
+
+
+class StreamedOptimizersContainer(OptimizersContainer):
+    """torchtitan's container of the one StreamedAdamW of a streamed model (one process, one model part)."""
+
+    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, compute_dtype: torch.dtype,
+                 device: torch.device, optimizer_config: Any = None) -> None:
+        self.model_parts = model_parts
+        (model,) = model_parts
+        self.stream = WeightStream(model, compute_dtype, device)
+        parts = groups.groups_of(model, optimizer_config) if optimizer_config is not None else []
+        if parts:
+            logger.info(f"Parameter groups ({optimizer_config.name}, streamed): "
+                        f"{groups.describe(parts, kwargs['lr'], optimizer_config)}")
+        self.optimizers = [StreamedAdamW(model, self.stream, **kwargs, decoupled=decoupled,
+                                         param_groups=[g.torch_group(kwargs["lr"]) for g in parts])]
+        self._validate_length(1)
+        self._post_init([p for group in self.optimizers[0].param_groups for p in group["params"]], kwargs)
+
+    def begin_step(self, passes: int) -> None:
+        self.stream.begin_step(passes)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.optimizers[0].clip_grad_norm_(max_norm)
+
+    def settle(self) -> None:
+        self.optimizers[0].settle()
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)
