@@ -42,7 +42,7 @@ from torchtitan.tools.logging import logger
 
 from flame.models.registry import decoder_layers
 from flame.optim import groups
-from flame.optim.pinned import HostArena, chunk_bytes_for
+from flame.optim.pinned import HostArena, chunk_bytes_for, least_wasting_chunk
 
 _WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing's and torch.compile's wrappers
 
@@ -95,9 +95,17 @@ class WeightStream:
         in_blocks = {id(p) for unit in self.blocks for p in unit.masters}
         self.resident = self._unit("embeddings and head", model, skip=in_blocks, resident=True)
         self.units = [self.resident, *self.blocks]  # the forward's order
+        for unit in self.units:
+            unit.offsets, offset = [], 0
+            for master in unit.masters:
+                unit.offsets.append(offset)
+                offset += master.numel()
+            unit.numel = offset
+        # each unit's shadow and landing, as float32 elements of the pinned arena's chunks
         itemsize = torch.tensor([], dtype=compute_dtype).element_size()
-        total = sum(unit.numel for unit in self.units)
-        self.arena = HostArena(pin=self.cuda, chunk_bytes=chunk_bytes_for(2 * itemsize * total))
+        buffers = [-(-itemsize * unit.numel // 4) for unit in self.units for _ in range(2)]
+        self.arena = HostArena(pin=self.cuda, chunk_bytes=min(chunk_bytes_for(4 * sum(buffers)),
+                                                              least_wasting_chunk(buffers)))
         for unit in self.units:
             self._build(unit)
         for module in model.modules():  # materialized on the host with the weights: they live where the forward runs
@@ -130,11 +138,6 @@ class WeightStream:
 
     def _build(self, unit: Unit) -> None:
         """The unit's shadow and landing (pinned), its GPU buffer and the leaves in it; the shadow filled."""
-        unit.offsets, offset = [], 0
-        for master in unit.masters:
-            unit.offsets.append(offset)
-            offset += master.numel()
-        unit.numel = offset
         unit.shadow = self.arena.take(torch.Size([unit.numel]), self.dtype)
         unit.landing = self.arena.take(torch.Size([unit.numel]), self.dtype)
         with torch.no_grad():
