@@ -152,18 +152,18 @@ def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], 
     """--memory.stream_weights (flame.optim.streaming): the weights, gradients and optimizer state on the host; on
     the GPU two blocks' weights and gradients in flight, and the rest of the model's (embeddings, norm, head)."""
     itemsize, trainable = job.compute_bytes, job.trainable_params
-    parts = [Part("parameters", 4 * trainable, "host (streamed)", "fp32: what the optimizer steps and checkpoints save"),
+    parts = [Part("parameters", 4 * trainable, "host (pinned)", "fp32: copied up, stepped, saved by checkpoints"),
              Part("optimizer state", state, "host (stepped there)",
                   f"{job.optimizer.name}: fp32, {job.optimizer.state}"),
-             Part("streamed copies", 2 * itemsize * trainable, "host (pinned)",
-                  "the weights in the compute dtype (copied up) and the gradients copied down")]
+             Part("streamed gradients", itemsize * trainable, "host (pinned)", "copied down in the compute dtype")]
     if layout.micro_batches > 1 or job.accumulates:
         parts.append(Part("gradient sums", 4 * trainable, "host", "fp32, the micro-batches' gradients added up"))
     in_flight = itemsize * (2 * job.block_params + job.resident_params)
-    parts += [Part("streamed weights", in_flight, "GPU", "two blocks' (the one running, the next one copied up) and the "
-                                                          "embeddings', norm's and head's, in the compute dtype"),
-              Part("streamed gradients", in_flight, "GPU", "two blocks' (one made, one copied down) and the "
-                                                            "embeddings', norm's and head's, in the compute dtype")]
+    parts += [Part("streamed weights", in_flight + 4 * 2 * job.block_params, "GPU",
+                   "two blocks' (the one running, the next one copied up in fp32 and cast) and the embeddings', "
+                   "norm's and head's, in the compute dtype"),
+              Part("gradients in flight", in_flight, "GPU", "two blocks' (one made, one copied down) and the "
+                                                             "embeddings', norm's and head's, in the compute dtype")]
     return parts, Part("gradients", 0.0, "host (streamed)", "copied down block by block"), "host (streamed)"
 
 

@@ -6,10 +6,12 @@ each fp32 gradient on the way down; the optimizer on the host alone leaves the f
 GPU. Here the GPU holds, beside the activations, two blocks' weights in the compute dtype and one block's
 gradients at a time:
 - the model's parameters stay float32 on the host (the *masters*: what checkpoints save, exports read and the
-  optimizer steps), beside a pinned copy in the compute dtype (the *shadow*: half the bytes to move);
-- a decoder block's forward finds its weights in one GPU buffer, copied from the shadow on a side stream while
-  the block before it runs, and frees the buffer after it; its backward has it copied again a block ahead (with
-  activation checkpointing, before the block's recompute);
+  optimizer steps), each unit's in one pinned buffer;
+- a decoder block's forward finds its weights in one GPU buffer in the compute dtype: its masters copied up on a
+  side stream while the block before it runs, and cast there; the buffer is freed after the block; its backward
+  has it copied again a block ahead (with activation checkpointing, before the block's recompute). Float32 moves
+  twice the bytes of a compute-dtype copy on the host, which would cost 2 bytes a parameter of host memory (14 GB
+  for a 7B, where the host's memory is what bounds the layout) to save link time the passes hide;
 - a block's gradients go down to pinned host memory on a second stream as soon as its backward has made them (their
   squared norm summed on the GPU on the way, for clipping), and their GPU memory is freed;
 - the optimizer step (AdamW on the host, unit by unit in the forward's order, on a host thread) runs beside the
@@ -64,15 +66,15 @@ class Unit:
     resident: bool = False  # its GPU buffer stays allocated between the passes
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
-    shadow: torch.Tensor | None = None  # host (pinned), compute dtype, flat: what goes up
+    flat: torch.Tensor | None = None  # host (pinned), float32: the masters' storage, what goes up
     landing: torch.Tensor | None = None  # host (pinned), compute dtype, flat: the gradients that came down
     summed: torch.Tensor | None = None  # host, float32, flat: the gradients summed over micro-batches
     storage: Any = None  # the GPU buffer (empty while released)
     leaves: list[torch.Tensor] = field(default_factory=list)  # the masters' GPU twins, views of ``storage``
-    current: bool = False  # the GPU buffer holds the shadow's weights
+    current: bool = False  # the GPU buffer holds the masters' weights
     fetched: Any = None  # CUDA event: the copy up is done (until the compute stream waited for it)
     landed: Any = None  # CUDA event: the gradients reached ``landing``
-    stepped: threading.Event = field(default_factory=threading.Event)  # the shadow holds the latest weights
+    stepped: threading.Event = field(default_factory=threading.Event)  # the masters hold the step's weights
     added: threading.Event = field(default_factory=threading.Event)  # the host is done reading ``landing``
     passes: int = 0  # backward passes whose gradients came down, this step
     seen: int = 0  # leaves whose gradients this pass has made
@@ -101,21 +103,21 @@ class WeightStream:
                 unit.offsets.append(offset)
                 offset += master.numel()
             unit.numel = offset
-        # each unit's shadow and landing, as float32 elements of the pinned arena's chunks
+        # each unit's masters and landing, as float32 elements of the pinned arena's chunks
         itemsize = torch.tensor([], dtype=compute_dtype).element_size()
-        buffers = [-(-itemsize * unit.numel // 4) for unit in self.units for _ in range(2)]
+        buffers = [size for unit in self.units for size in (unit.numel, -(-itemsize * unit.numel // 4))]
         self.arena = HostArena(pin=self.cuda, chunk_bytes=min(chunk_bytes_for(4 * sum(buffers)),
                                                               least_wasting_chunk(buffers)))
+        if self.cuda:
+            self.up, self.down = torch.cuda.Stream(device), torch.cuda.Stream(device)
         for unit in self.units:
             self._build(unit)
         for module in model.modules():  # materialized on the host with the weights: they live where the forward runs
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.to(device)
-        if self.cuda:
-            self.up, self.down = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.squares = torch.zeros((), dtype=torch.float32, device=device)  # this step's gradients, GPU-summed
         self.passes_expected = 1
-        self.stale = False  # the masters changed outside a step (a checkpoint loaded): shadows to redo
+        self.stale = False  # the masters changed outside a step (a checkpoint loaded): the resident buffer to redo
         self.waited = 0.0  # seconds the forward waited for the host's step, all steps together
         self.host = HostWorker(on_error=self._unblock)
         self._backward_queued = False
@@ -137,12 +139,13 @@ class WeightStream:
         return Unit(name, masters, places, resident=resident)
 
     def _build(self, unit: Unit) -> None:
-        """The unit's shadow and landing (pinned), its GPU buffer and the leaves in it; the shadow filled."""
-        unit.shadow = self.arena.take(torch.Size([unit.numel]), self.dtype)
+        """The unit's masters moved into one pinned buffer, its landing, its GPU buffer and the leaves in it."""
+        unit.flat = self.arena.take(torch.Size([unit.numel]))
         unit.landing = self.arena.take(torch.Size([unit.numel]), self.dtype)
         with torch.no_grad():
-            for master, view in zip(unit.masters, self._views(unit, unit.shadow)):
+            for master, view in zip(unit.masters, self._views(unit, unit.flat)):
                 view.copy_(master)
+                master.data = view  # the same Parameter: the optimizer, checkpoints and exports see no change
         unit.stepped.set()
         unit.added.set()
         unit.storage = torch.empty(unit.numel, dtype=self.dtype, device=self.device).untyped_storage()
@@ -173,7 +176,7 @@ class WeightStream:
 
     def _model_starts(self) -> None:
         if self.stale:
-            self._refresh_shadows()
+            self._reload_resident()
         self._ensure(self.resident)
         self._swap(self.resident, into=True)
         if self.blocks:
@@ -285,19 +288,23 @@ class WeightStream:
             self.waited += time.perf_counter() - start
         self.host.check()
         if unit.storage.nbytes() == 0:
-            unit.storage.resize_(unit.numel * unit.shadow.element_size())  # on the compute stream: freed there
+            unit.storage.resize_(unit.numel * unit.landing.element_size())  # on the compute stream: freed there
         self._copy_up(unit)
 
     def _copy_up(self, unit: Unit) -> None:
         flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, 0, (unit.numel,))
         if self.cuda:
-            # after the compute stream's work so far: the buffer may reuse memory that work still reads
+            # float32 from the host, cast on the GPU, on the copy stream; after the compute stream's work so far:
+            # the buffers may reuse memory that work still reads
+            staging = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
             self.up.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.up):
-                flat.copy_(unit.shadow, non_blocking=True)
+                staging.copy_(unit.flat, non_blocking=True)
+                flat.copy_(staging)
+                staging.record_stream(self.up)
                 unit.fetched = self.up.record_event()
         else:
-            flat.copy_(unit.shadow)
+            flat.copy_(unit.flat)
         unit.current = True
 
     def _ensure(self, unit: Unit) -> None:
@@ -333,15 +340,11 @@ class WeightStream:
     def mark_stale(self) -> None:
         self.stale = True
 
-    def _refresh_shadows(self) -> None:
-        """The masters changed outside a step (a checkpoint loaded, weights initialized from a file): the shadows
-        and the resident buffer follow them."""
+    def _reload_resident(self) -> None:
+        """The masters changed outside a step (a checkpoint loaded, weights initialized from a file): the resident
+        buffer, which stays on the GPU between the passes, takes them again (a block's is copied for each pass)."""
         self.host.drain()
-        with torch.no_grad():
-            for unit in self.units:
-                for master, view in zip(unit.masters, self._views(unit, unit.shadow)):
-                    view.copy_(master)
-                unit.current = unit.current and not unit.resident  # a block's buffer is only ever current mid-pass
+        self.resident.current = False
         self.stale = False
 
     def begin_step(self, passes: int) -> None:
@@ -470,7 +473,7 @@ class StreamedAdamW(Optimizer):
         self.norm = None
 
     def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
-        """(host thread) One unit's AdamW update of its masters, then its shadow."""
+        """(host thread) One unit's AdamW update of its masters."""
         start = time.perf_counter()
         grads = self.stream._views(unit, self.stream.gradients(unit, scale, summed))
         by_settings: dict[tuple, list[int]] = {}
@@ -482,8 +485,6 @@ class StreamedAdamW(Optimizer):
                 [unit.masters[i] for i in indices], [grads[i] for i in indices], [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
                 beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-        for master, view in zip(unit.masters, self.stream._views(unit, unit.shadow)):
-            view.copy_(master)
         self.stepping += time.perf_counter() - start
         unit.stepped.set()
 

@@ -95,7 +95,7 @@ def test_streamed_steps_are_torchs_fused_adamw_with_the_same_clipping(tied, pass
         key: set(state) for key, state in reference["state"].items()}
 
 
-def test_a_loaded_state_continues_the_steps_exactly_and_the_shadows_follow_the_loaded_weights():
+def test_a_loaded_state_continues_the_steps_exactly_and_the_gpu_takes_the_loaded_weights():
     """A run stopped after 2 steps and loaded into a fresh streamed model (weights, then AdamW's state) takes steps 3-4
     as the run that went on; the compute-dtype copies are taken again from the loaded masters."""
     model = tiny_llama()
@@ -105,7 +105,7 @@ def test_a_loaded_state_continues_the_steps_exactly_and_the_shadows_follow_the_l
     optimizer.settle()  # as a checkpoint's save does: the step in flight writes the weights
     weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())  # a save's snapshot
     went_on = steps(model, optimizer, 2)
-    fresh = tiny_llama()  # the initial weights: what the shadows hold until the load
+    fresh = tiny_llama()  # the initial weights: what the resident buffer holds until the load
     fresh_stream = WeightStream(fresh, torch.float32, torch.device("cpu"))
     fresh_optimizer = StreamedAdamW(fresh, fresh_stream, **SETTINGS)
     fresh.load_state_dict(weights)
@@ -126,7 +126,9 @@ def test_the_gpu_holds_the_compute_dtype_and_the_masters_stay_float32():
     expected = steps(reference, torch.optim.AdamW(reference.parameters(), **SETTINGS, fused=True), 3, streamed=False)
     assert set(seen) == {torch.bfloat16} and all(p.dtype == torch.float32 for p in model.parameters())
     assert got == pytest.approx(expected, rel=2e-2)
-    assert stream.blocks[0].shadow.dtype == torch.bfloat16 and stream.blocks[0].landing.dtype == torch.bfloat16
+    assert stream.blocks[0].flat.dtype == torch.float32 and stream.blocks[0].landing.dtype == torch.bfloat16
+    assert all(master.untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr()
+               for unit in stream.units for master in unit.masters)  # the masters live in their unit's buffer
 
 
 def test_an_error_on_the_host_thread_stops_the_next_forward_in_one_line():
@@ -194,8 +196,9 @@ def test_the_plan_streams_the_weights_where_the_rest_no_longer_fits(long_model, 
                                                       for lay in layouts)
     parts = {part.name: part for part in estimate(job, Layout(stream=True))}
     in_flight = 2 * (2 * job.block_params + job.resident_params)
-    assert parts["streamed weights"].bytes == in_flight and parts["streamed weights"].where == "GPU"
-    assert host_bytes(list(parts.values())) == pytest.approx((4 + 8 + 2 * 2) * job.trainable_params)
+    assert parts["gradients in flight"].bytes == in_flight and parts["gradients in flight"].where == "GPU"
+    assert parts["streamed weights"].bytes == in_flight + 8 * job.block_params  # and their float32 staging
+    assert host_bytes(list(parts.values())) == pytest.approx((4 + 8 + 2) * job.trainable_params)
     # a budget that full AC misses by the float32 training state: streamed, it fits (the job keeps its other settings)
     budget = 1.001 * gpu_bytes(estimate(job, Layout(ac="full", stream=True)))
     kept = {"micro_batches", "offload", "host_optimizer"}
@@ -211,7 +214,7 @@ def test_the_plan_streams_the_weights_where_the_rest_no_longer_fits(long_model, 
 
 def test_the_7b_under_32_and_24_gib_streams_its_weights(monkeypatch):
     """transformer_7B at one row of 32K tokens on an H100's rates and its host budget (90% of 128.9 GiB): at 32 and
-    24 GiB only streaming fits, with full AC of most blocks, the host holding 100 GiB (FSDP's CPU offload pins
+    24 GiB only streaming fits, with full AC of most blocks, the host holding 88 GiB (FSDP's CPU offload pins
     float32 weights and gradients, each rounded up to a power of two: 116 GiB). Given a larger host, offload fits
     too, and prices above streaming (float32 weights up and gradients down, AdamW between the steps)."""
     from tests.memory.test_memory_plan import seven_b_on_an_h100
@@ -221,7 +224,7 @@ def test_the_7b_under_32_and_24_gib_streams_its_weights(monkeypatch):
     for budget in (32, 24):
         plan = choose(job, Layout(), set(), budget * GIB, 115 * GIB, lambda: rates)
         assert plan.fits and plan.layout.stream and plan.layout.ac.startswith("first:"), plan.why
-        assert 99 * GIB < host_bytes(plan.parts) < 102 * GIB
+        assert 86 * GIB < host_bytes(plan.parts) < 89 * GIB
         unstreamed = dataclasses.replace(job, can_stream=False)
         assert not choose(unstreamed, Layout(), set(), budget * GIB, 115 * GIB, lambda: rates).fits
         roomy = choose(unstreamed, Layout(), set(), budget * GIB, 125 * GIB, lambda: rates)
