@@ -52,7 +52,7 @@ from flame.checkpoint.steps import (
 )
 from flame.optim.builder import ConfiguredSettings
 from flame.optim.host import HostOptimizersContainer
-from flame.optim.streaming import StreamedOptimizersContainer
+from flame.optim.streamed_adamw import StreamedOptimizersContainer
 from flame.base.errors import ConfigError
 from flame.models import init_from, lora
 

@@ -19,7 +19,7 @@ from torchtitan.tools.logging import logger as torchtitan_logger
 from flame.base import device
 from flame.distributed.parallelize import STREAMED_IN
 from flame.optim.host import HostOptimizersContainer
-from flame.optim.streaming import StreamedOptimizersContainer
+from flame.optim.streamed_adamw import StreamedOptimizersContainer
 from flame.optim.muon import MuonOptimizersContainer
 from flame.optim.record import optimizer_record
 

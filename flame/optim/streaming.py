@@ -27,23 +27,16 @@ One process only (no FSDP, TP or PP); flame.prepare refuses the other layouts in
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim import Adam, AdamW, Optimizer
-from torch.optim.adam import adam
-from torch.optim.adamw import adamw
-from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.tools.logging import logger
 
 from flame.models.registry import decoder_layers
-from flame.optim import groups
+from flame.optim.host_worker import HostWorker
 from flame.optim.pinned import HostArena, chunk_bytes_for, least_wasting_chunk
 
 _WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing's and torch.compile's wrappers
@@ -376,162 +369,3 @@ class WeightStream:
             flat.mul_(scale)
         return flat
 
-
-class HostWorker:
-    """One host thread running queued work in order (gradient sums, then the step's units); an error in it is
-    raised on the training thread at its next wait."""
-
-    def __init__(self, on_error: Callable[[], None]) -> None:
-        self.on_error = on_error
-        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self.error: BaseException | None = None
-        self._scratch = torch.empty(0, dtype=torch.float32)
-        self.thread = threading.Thread(target=self._run, name="flame-weight-stream", daemon=True)
-        self.thread.start()
-
-    def put(self, job: Callable[[], None]) -> None:
-        self.jobs.put(job)
-
-    def drain(self) -> None:
-        self.jobs.join()
-        self.check()
-
-    def check(self) -> None:
-        if self.error is not None:
-            cause = f"{type(self.error).__name__}: {(str(self.error).splitlines() or [''])[0]}"
-            raise RuntimeError(f"--memory.stream_weights: the host's work failed ({cause})") from self.error
-
-    def scratch(self, numel: int) -> torch.Tensor:
-        if self._scratch.numel() < numel:
-            self._scratch = torch.empty(numel, dtype=torch.float32)
-        return self._scratch[:numel]
-
-    @torch.no_grad()
-    def _run(self) -> None:
-        torch.set_num_threads(max(1, torch.get_num_threads() - 1))  # one core left to the thread launching the GPU's work
-        while True:
-            job = self.jobs.get()
-            try:
-                if self.error is None:
-                    job()
-            except BaseException as error:  # noqa: BLE001 - raised on the training thread by check()
-                self.error = error
-                self.on_error()
-            finally:
-                self.jobs.task_done()
-
-
-class StreamedAdamW(Optimizer):
-    """AdamW (``decoupled``) or Adam over the model's masters, stepped on the host unit by unit while the next
-    forward runs (``WeightStream``). Its groups and state are torch's AdamW's, over the model's own parameters."""
-
-    def __init__(self, model: nn.Module, stream: WeightStream, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, decoupled: bool = True, param_groups: list[dict] | None = None):
-        params = [p for p in model.parameters() if p.requires_grad]
-        like = (AdamW if decoupled else Adam)([torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
-                                               weight_decay=weight_decay, fused=True)
-        super().__init__(param_groups or params, like.defaults)
-        self.stream, self.decoupled = stream, decoupled
-        # AdamW's state for every parameter from the start (zeros, as AdamW's first step makes it): a checkpoint
-        # saved or loaded before the first step has the same entries as any other
-        for group in self.param_groups:
-            for master in group["params"]:
-                self.state[master] = {"step": torch.zeros((), dtype=torch.float32),
-                                      "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
-        self.max_norm = 0.0
-        self.norm: torch.Tensor | None = None
-        self.stepping = 0.0  # seconds the host spent in AdamW, all steps together
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """A new step's gradients start from none (the trainer calls it first in every step)."""
-        self.stream.begin_step(self.stream.passes_expected)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The step's gradient norm; the update scales the gradients to ``max_norm`` where they exceed it."""
-        self.max_norm, self.norm = max_norm, self.stream.gradient_norm()
-        return self.norm
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("--memory.stream_weights steps without a closure")
-        self.settle()
-        scale = 1.0
-        if self.max_norm > 0 and self.norm is not None:  # torch's clip_grad_norm_ rule
-            scale = min(1.0, self.max_norm / (float(self.norm) + 1e-6))
-        settings = {id(p): group for group in self.param_groups for p in group["params"]}
-        for unit in self.stream.units:
-            if not unit.passes:
-                continue  # no gradient reached it this step: AdamW leaves it as it is
-            # the hyperparameters as of now: the LR schedule moves on before the host thread runs
-            snapshot = [(i, (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
-                        for i, master in enumerate(unit.masters) if (g := settings.get(id(master))) is not None]
-            unit.stepped.clear()
-            unit.current = unit.current and not unit.resident  # its buffer holds the old weights
-            summed = self.stream.passes_expected > 1
-            self.stream.host.put(lambda unit=unit, snapshot=snapshot: self._update(unit, snapshot, scale, summed))
-        self.norm = None
-
-    def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
-        """(host thread) One unit's AdamW update of its masters."""
-        start = time.perf_counter()
-        grads = self.stream._views(unit, self.stream.gradients(unit, scale, summed))
-        by_settings: dict[tuple, list[int]] = {}
-        for i, hyper in snapshot:
-            by_settings.setdefault(hyper, []).append(i)
-        for (lr, beta1, beta2, eps, weight_decay), indices in by_settings.items():
-            states = [self.state[unit.masters[i]] for i in indices]
-            (adamw if self.decoupled else adam)(
-                [unit.masters[i] for i in indices], [grads[i] for i in indices], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
-                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-        self.stepping += time.perf_counter() - start
-        unit.stepped.set()
-
-    def settle(self) -> None:
-        """The last step's updates done: before a checkpoint reads the masters or the state, and before the next."""
-        self.stream.host.drain()
-
-    def state_dict(self):
-        self.settle()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.settle()
-        super().load_state_dict(state_dict)
-        self.stream.mark_stale()
-
-
-class StreamedOptimizersContainer(OptimizersContainer):
-    """torchtitan's container of the one StreamedAdamW of a streamed model (one process, one model part)."""
-
-    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, compute_dtype: torch.dtype,
-                 device: torch.device, optimizer_config: Any = None) -> None:
-        self.model_parts = model_parts
-        (model,) = model_parts
-        self.stream = WeightStream(model, compute_dtype, device)
-        parts = groups.groups_of(model, optimizer_config) if optimizer_config is not None else []
-        if parts:
-            logger.info(f"Parameter groups ({optimizer_config.name}, streamed): "
-                        f"{groups.describe(parts, kwargs['lr'], optimizer_config)}")
-        self.optimizers = [StreamedAdamW(model, self.stream, **kwargs, decoupled=decoupled,
-                                         param_groups=[g.torch_group(kwargs["lr"]) for g in parts])]
-        self._validate_length(1)
-        self._post_init([p for group in self.optimizers[0].param_groups for p in group["params"]], kwargs)
-
-    def begin_step(self, passes: int) -> None:
-        self.stream.begin_step(passes)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return self.optimizers[0].clip_grad_norm_(max_norm)
-
-    def settle(self) -> None:
-        self.optimizers[0].settle()
-
-    def state_dict(self):
-        self.settle()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.settle()
-        super().load_state_dict(state_dict)

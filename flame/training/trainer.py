@@ -60,7 +60,7 @@ from flame.training.metrics import LossTermsWindow, build_metrics_processor, dat
 from flame.training.nsys import NsysWindow
 from flame.training import side_outputs, stop
 from flame.optim.builder import build_lr_schedulers, build_optimizers
-from flame.optim.streaming import StreamedOptimizersContainer
+from flame.optim.streamed_adamw import StreamedOptimizersContainer
 from flame.training.update_guard import UpdateGuard
 from flame.training.validation import build_validator
 from flame.data.loader import build_dataloader
@@ -119,9 +119,8 @@ class Trainer(TorchtitanTrainer):
         super().__init__(job_config)
         self.streamed = isinstance(self.optimizers, StreamedOptimizersContainer)  # --memory.stream_weights
         if degrees.fsdp_alone(job_config, self.parallel_dims.world_size) or self.streamed:
-            # torchtitan leaves mixed precision to FSDP only over a mesh of several ranks; FSDP over this one
-            # already computes in bf16 (streamed weights come in it), and autocast would add float32 norms and
-            # residuals beside it
+            # FSDP over one rank computes in bf16 already (streamed weights come in it; torchtitan leaves mixed
+            # precision to FSDP only over several ranks): autocast would add float32 norms and residuals
             self.maybe_enable_amp = contextlib.nullcontext()
             if getattr(self, "validator", None) is not None:
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
@@ -286,7 +285,7 @@ class Trainer(TorchtitanTrainer):
             self.metrics_processor.step_last_log = self.step - 1
         self.optimizers.zero_grad()
         self.gradient_accumulation_steps = self.curriculum.accumulation(self.step)
-        if self.streamed:  # its gradients come down pass by pass: summed on the host when there are several
+        if self.streamed:  # its gradients come down pass by pass, summed on the host when there are several
             self.optimizers.begin_step(self.gradient_accumulation_steps)
         self.curriculum.before_step(self.step, self.optimizers)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
@@ -313,16 +312,15 @@ class Trainer(TorchtitanTrainer):
             self.adapters_unchecked = False
 
         self.nsys.push("optimizer")  # to the schedule's step, with the clipping and the update
-        if self.streamed:  # the gradients are on the host, their norm summed as they came down
-            grad_norm = self.optimizers.clip_grad_norm_(self.job_config.training.max_norm)
-        else:
-            grad_norm = dist_utils.clip_grad_norm_(
+        # streamed, the gradients are on the host, their norm summed as they came down
+        grad_norm = self.optimizers.clip_grad_norm_(self.job_config.training.max_norm) if self.streamed else (
+            dist_utils.clip_grad_norm_(
                 [p for model in self.model_parts for p in model.parameters()],
                 self.job_config.training.max_norm,
                 foreach=True,
                 pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
                 ep_enabled=self.parallel_dims.ep_enabled,  # the experts' norm over their own ranks
-            )
+            ))
         step_loss = torch.stack(losses).sum()
         self.updates.step(self.step, grad_norm, global_loss=lambda: self._reduce_loss(step_loss)[1],
                           targets=global_valid_tokens, before_update=self.checkpointer.maybe_wait_for_staging)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flame.optim.streaming import StreamedAdamW, WeightStream
+from flame.optim.streamed_adamw import StreamedAdamW
+from flame.optim.streaming import WeightStream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

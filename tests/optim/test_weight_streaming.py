@@ -23,7 +23,8 @@ from flame.memory.layout import Layout
 from flame.memory.plan import candidates, choose
 from flame.memory.price import price
 from flame.models.registry import decoder_layers
-from flame.optim.streaming import StreamedAdamW, WeightStream
+from flame.optim.streamed_adamw import StreamedAdamW
+from flame.optim.streaming import WeightStream
 from tests.conftest import TINY_DECODER, assert_same_curve, base_args, check, metrics, parse_job, train_job
 from tests.memory.test_memory_plan import H100, job_args, long_model  # noqa: F401, F811 - long_model: a fixture
 

@@ -1,0 +1,136 @@
+"""The optimizer of a streamed model (--memory.stream_weights, flame.optim.streaming): AdamW or Adam over its
+float32 masters on the host, stepped unit by unit on the stream's host thread while the next forward runs, and
+torchtitan's container of it. Its groups and state are torch's AdamW's, over the model's own parameters: a
+checkpoint resumes with streaming on or off."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Adam, AdamW, Optimizer
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
+
+from flame.optim import groups
+from flame.optim.streaming import Unit, WeightStream
+
+
+class StreamedAdamW(Optimizer):
+    """AdamW (``decoupled``) or Adam over the model's masters, stepped on the host unit by unit while the next
+    forward runs (``WeightStream``). Its groups and state are torch's AdamW's, over the model's own parameters."""
+
+    def __init__(self, model: nn.Module, stream: WeightStream, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, decoupled: bool = True, param_groups: list[dict] | None = None):
+        params = [p for p in model.parameters() if p.requires_grad]
+        like = (AdamW if decoupled else Adam)([torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
+                                               weight_decay=weight_decay, fused=True)
+        super().__init__(param_groups or params, like.defaults)
+        self.stream, self.decoupled = stream, decoupled
+        # AdamW's state for every parameter from the start (zeros, as AdamW's first step makes it): a checkpoint
+        # saved or loaded before the first step has the same entries as any other
+        for group in self.param_groups:
+            for master in group["params"]:
+                self.state[master] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+        self.max_norm = 0.0
+        self.norm: torch.Tensor | None = None
+        self.stepping = 0.0  # seconds the host spent in AdamW, all steps together
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """A new step's gradients start from none (the trainer calls it first in every step)."""
+        self.stream.begin_step(self.stream.passes_expected)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The step's gradient norm; the update scales the gradients to ``max_norm`` where they exceed it."""
+        self.max_norm, self.norm = max_norm, self.stream.gradient_norm()
+        return self.norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("--memory.stream_weights steps without a closure")
+        self.settle()
+        scale = 1.0
+        if self.max_norm > 0 and self.norm is not None:  # torch's clip_grad_norm_ rule
+            scale = min(1.0, self.max_norm / (float(self.norm) + 1e-6))
+        settings = {id(p): group for group in self.param_groups for p in group["params"]}
+        for unit in self.stream.units:
+            if not unit.passes:
+                continue  # no gradient reached it this step: AdamW leaves it as it is
+            # the hyperparameters as of now: the LR schedule moves on before the host thread runs
+            snapshot = [(i, (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
+                        for i, master in enumerate(unit.masters) if (g := settings.get(id(master))) is not None]
+            unit.stepped.clear()
+            unit.current = unit.current and not unit.resident  # its buffer holds the old weights
+            summed = self.stream.passes_expected > 1
+            self.stream.host.put(lambda unit=unit, snapshot=snapshot: self._update(unit, snapshot, scale, summed))
+        self.norm = None
+
+    def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
+        """(host thread) One unit's AdamW update of its masters."""
+        start = time.perf_counter()
+        grads = self.stream._views(unit, self.stream.gradients(unit, scale, summed))
+        by_settings: dict[tuple, list[int]] = {}
+        for i, hyper in snapshot:
+            by_settings.setdefault(hyper, []).append(i)
+        for (lr, beta1, beta2, eps, weight_decay), indices in by_settings.items():
+            states = [self.state[unit.masters[i]] for i in indices]
+            (adamw if self.decoupled else adam)(
+                [unit.masters[i] for i in indices], [grads[i] for i in indices], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+        self.stepping += time.perf_counter() - start
+        unit.stepped.set()
+
+    def settle(self) -> None:
+        """The last step's updates done: before a checkpoint reads the masters or the state, and before the next."""
+        self.stream.host.drain()
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)
+        self.stream.mark_stale()
+
+
+class StreamedOptimizersContainer(OptimizersContainer):
+    """torchtitan's container of the one StreamedAdamW of a streamed model (one process, one model part)."""
+
+    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, compute_dtype: torch.dtype,
+                 device: torch.device, optimizer_config: Any = None) -> None:
+        self.model_parts = model_parts
+        (model,) = model_parts
+        self.stream = WeightStream(model, compute_dtype, device)
+        parts = groups.groups_of(model, optimizer_config) if optimizer_config is not None else []
+        if parts:
+            logger.info(f"Parameter groups ({optimizer_config.name}, streamed): "
+                        f"{groups.describe(parts, kwargs['lr'], optimizer_config)}")
+        self.optimizers = [StreamedAdamW(model, self.stream, **kwargs, decoupled=decoupled,
+                                         param_groups=[g.torch_group(kwargs["lr"]) for g in parts])]
+        self._validate_length(1)
+        self._post_init([p for group in self.optimizers[0].param_groups for p in group["params"]], kwargs)
+
+    def begin_step(self, passes: int) -> None:
+        self.stream.begin_step(passes)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.optimizers[0].clip_grad_norm_(max_norm)
+
+    def settle(self) -> None:
+        self.optimizers[0].settle()
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)
