@@ -74,7 +74,9 @@ class StreamedAdamW(Optimizer):
     def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
         """(host thread) One unit's AdamW update of its masters."""
         start = time.perf_counter()
-        grads = self.stream._views(unit, self.stream.gradients(unit, scale, summed))
+        grads = self.stream._views(unit, self.stream.gradients(unit, summed))
+        # clipping: the fused kernel divides the gradients by grad_scale as it reads them (no pass of its own)
+        unscale = torch.tensor(1.0 / scale) if scale != 1.0 else None
         by_settings: dict[tuple, list[int]] = {}
         for i, hyper in snapshot:
             by_settings.setdefault(hyper, []).append(i)
@@ -83,7 +85,8 @@ class StreamedAdamW(Optimizer):
             (adamw if self.decoupled else adam)(
                 [unit.masters[i] for i in indices], [grads[i] for i in indices], [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
-                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
+                grad_scale=unscale)
         self.stepping += time.perf_counter() - start
         unit.stepped.set()
 

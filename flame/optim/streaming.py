@@ -355,17 +355,14 @@ class WeightStream:
         self.host.drain()
         return torch.tensor(sum(unit.squares for unit in self.units), device=self.device).sqrt()
 
-    def gradients(self, unit: Unit, scale: float, summed: bool) -> torch.Tensor:
-        """(host thread) The unit's step gradients, float32 and flat, times ``scale`` (clipping); ``summed``: over
-        micro-batches, in its float32 sum."""
+    def gradients(self, unit: Unit, summed: bool) -> torch.Tensor:
+        """(host thread) The unit's step gradients, float32 and flat; ``summed``: over micro-batches, in its float32
+        sum."""
         if summed:
-            flat = unit.summed
-        else:
-            if unit.landed is not None:
-                unit.landed.synchronize()
-            flat = self.host.scratch(unit.numel)
-            flat.copy_(unit.landing)
-        if scale != 1.0:
-            flat.mul_(scale)
+            return unit.summed
+        if unit.landed is not None:
+            unit.landed.synchronize()
+        flat = self.host.scratch(unit.numel)
+        flat.copy_(unit.landing)
         return flat
 
