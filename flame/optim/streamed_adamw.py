@@ -19,6 +19,8 @@ from torchtitan.tools.logging import logger
 from flame.optim import groups
 from flame.optim.streaming import Unit, WeightStream
 
+REPORTED_AT = (3, 10, 100, 1000)  # steps whose start logs the host step's cost so far (then every 1000th)
+
 
 class StreamedAdamW(Optimizer):
     """AdamW (``decoupled``) or Adam over the model's masters, stepped on the host unit by unit while the next
@@ -40,6 +42,7 @@ class StreamedAdamW(Optimizer):
         self.max_norm = 0.0
         self.norm: torch.Tensor | None = None
         self.stepping = 0.0  # seconds the host spent in AdamW, all steps together
+        self.steps = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """A new step's gradients start from none (the trainer calls it first in every step)."""
@@ -55,6 +58,11 @@ class StreamedAdamW(Optimizer):
         if closure is not None:
             raise ValueError("--memory.stream_weights steps without a closure")
         self.settle()
+        self.steps += 1
+        if self.steps in REPORTED_AT or self.steps % REPORTED_AT[-1] == 0:  # the last steps' updates are done
+            done = self.steps - 1
+            logger.info(f"Weight streaming: AdamW took {self.stepping / done:.3f} s a step on the host; the forward "
+                        f"waited {self.stream.waited / done:.3f} s a step for it (steps 1-{done})")
         scale = 1.0
         if self.max_norm > 0 and self.norm is not None:  # torch's clip_grad_norm_ rule
             scale = min(1.0, self.max_norm / (float(self.norm) + 1e-6))
