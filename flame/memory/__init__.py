@@ -154,9 +154,9 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
 
 def can_stream(config, world_size: int) -> bool:
     """Whether --memory.stream_weights can run the job (flame.prepare.settings refuses the rest in one line): a GPU
-    job of one process, stepped by AdamW or Adam, none of LoRA, EMA, FP8, compiled blocks or FSDP over its rank."""
+    job of one process, stepped by AdamW or Adam, none of EMA, FP8, compiled blocks or FSDP over its rank."""
     return (device.CUDA and world_size == 1 and optimizer_record(config.optimizer.name).steps_on_host
-            and config.lora.rank is None and config.training.ema_decay == 0 and config.float8.recipe_name == "off"
+            and config.training.ema_decay == 0 and config.float8.recipe_name == "off"
             and not config.compile.enable and not config.parallelism.fsdp_one_rank)
 
 

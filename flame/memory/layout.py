@@ -107,7 +107,7 @@ class Job:
     offload_pinning: float = 1.0
     host_copy_pinning: float = 1.0
     # --memory.stream_weights may run it (flame.optim.streaming): a GPU job of one process without FSDP, TP or PP,
-    # stepped by AdamW or Adam, none of LoRA, EMA, FP8 or compiled blocks
+    # stepped by AdamW or Adam, none of EMA, FP8 or compiled blocks (LoRA: its frozen base goes up in its own dtype)
     can_stream: bool = False
     resident_params: int = 0  # the parameters outside the decoder blocks (embeddings, final norm, head)
 

@@ -31,6 +31,7 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -201,15 +202,18 @@ def describe(model: nn.Module, settings: LoraSettings) -> str:
     )
 
 
-def check_gradients(model_parts: list[nn.Module], device: torch.device) -> None:
-    """After the first backward: ConfigError (on every rank) if an adapter got no gradient.
+def check_gradients(model_parts: list[nn.Module], device: torch.device,
+                    graded: Callable[[nn.Parameter], bool] | None = None) -> None:
+    """After the first backward: ConfigError (on every rank) if an adapter got no gradient (``graded``: whether a
+    parameter got one, where its ``.grad`` does not say: streamed weights' gradients go to the host).
 
     Such an adapter sits on a layer whose weight a fused kernel reads directly, so it changes nothing.
     """
+    graded = graded or (lambda param: param.grad is not None)
     missing = [
         name.split(".lora_")[0] for part in model_parts for name, param in part.named_parameters()
         # a rank whose FSDP shard of an adapter is empty (more ranks than rows) holds no gradient for it
-        if param.requires_grad and param.grad is None and _local(param).numel()
+        if param.requires_grad and not graded(param) and _local(param).numel()
     ]
     count = torch.tensor([len(missing)], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -17,7 +17,8 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from flame.optim import groups
-from flame.optim.streaming import Unit, WeightStream
+from flame.optim.stream_units import Unit
+from flame.optim.streaming import WeightStream
 
 REPORTED_AT = (3, 10, 100, 1000)  # steps whose start logs the host step's cost so far (then every 1000th)
 
@@ -82,7 +83,7 @@ class StreamedAdamW(Optimizer):
     def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
         """(host thread) One unit's AdamW update of its masters."""
         start = time.perf_counter()
-        grads = self.stream._views(unit, self.stream.gradients(unit, summed))
+        grads = unit.grad_views(self.stream.gradients(unit, summed))
         # clipping: the fused kernel divides the gradients by grad_scale as it reads them (no pass of its own)
         unscale = torch.tensor(1.0 / scale) if scale != 1.0 else None
         by_settings: dict[tuple, list[int]] = {}
@@ -131,6 +132,10 @@ class StreamedOptimizersContainer(OptimizersContainer):
 
     def begin_step(self, passes: int) -> None:
         self.stream.begin_step(passes)
+
+    def graded(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s streamed twin has had a gradient (its own ``.grad`` stays empty)."""
+        return id(param) in self.stream.graded
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.optimizers[0].clip_grad_norm_(max_norm)

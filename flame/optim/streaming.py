@@ -27,10 +27,7 @@ One process only (no FSDP, TP or PP); flame.prepare refuses the other layouts in
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -38,45 +35,7 @@ from torch import nn
 from flame.models.registry import decoder_layers
 from flame.optim.host_worker import HostWorker
 from flame.optim.pinned import HostArena, chunk_bytes_for, least_wasting_chunk
-
-_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing's and torch.compile's wrappers
-
-
-def innermost(module: nn.Module) -> nn.Module:
-    """The block a wrapper calls: its forward runs again in activation checkpointing's recompute."""
-    while any(hasattr(module, name) for name in _WRAPPED):
-        module = next(getattr(module, name) for name in _WRAPPED if hasattr(module, name))
-    return module
-
-
-@dataclass(eq=False)
-class Unit:
-    """Weights the forward needs together: a decoder block's, or (``resident``) the rest of the model's."""
-
-    name: str
-    masters: list[torch.Tensor]  # the model's parameters (host, float32), each once
-    places: list[list[tuple[nn.Module, str]]]  # where each master sits (a tied one: twice)
-    resident: bool = False  # its GPU buffer stays allocated between the passes
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
-    flat: torch.Tensor | None = None  # host (pinned), float32: the masters' storage, what goes up
-    landing: torch.Tensor | None = None  # host (pinned), compute dtype, flat: the gradients that came down
-    summed: torch.Tensor | None = None  # host, float32, flat: the gradients summed over micro-batches
-    storage: Any = None  # the GPU buffer (empty while released)
-    leaves: list[torch.Tensor] = field(default_factory=list)  # the masters' GPU twins, views of ``storage``
-    current: bool = False  # the GPU buffer holds the masters' weights
-    fetched: Any = None  # CUDA event: the copy up is done (until the compute stream waited for it)
-    landed: Any = None  # CUDA event: the gradients reached ``landing``
-    stepped: threading.Event = field(default_factory=threading.Event)  # the masters hold the step's weights
-    added: threading.Event = field(default_factory=threading.Event)  # the host is done reading ``landing``
-    passes: int = 0  # backward passes whose gradients came down, this step
-    seen: int = 0  # leaves whose gradients this pass has made
-    in_backward: bool = False
-    squares: float = 0.0  # micro-batches: the summed gradients' squared norm (host)
-
-    @property
-    def trainable(self) -> int:
-        return sum(leaf.requires_grad for leaf in self.leaves)
+from flame.optim.stream_units import Unit, innermost, size
 
 
 class WeightStream:
@@ -91,14 +50,11 @@ class WeightStream:
         self.resident = self._unit("embeddings and head", model, skip=in_blocks, resident=True)
         self.units = [self.resident, *self.blocks]  # the forward's order
         for unit in self.units:
-            unit.offsets, offset = [], 0
-            for master in unit.masters:
-                unit.offsets.append(offset)
-                offset += master.numel()
-            unit.numel = offset
-        # each unit's masters and landing, as float32 elements of the pinned arena's chunks
+            unit.layout()
+        # each unit's masters (by dtype) and landing, as float32 elements of the pinned arena's chunks
         itemsize = torch.tensor([], dtype=compute_dtype).element_size()
-        buffers = [size for unit in self.units for size in (unit.numel, -(-itemsize * unit.numel // 4))]
+        buffers = [-(-size(dtype) * (end - start) // 4) for unit in self.units for dtype, start, end in unit.groups()]
+        buffers += [-(-itemsize * unit.grad_numel // 4) for unit in self.units]
         self.arena = HostArena(pin=self.cuda, chunk_bytes=min(chunk_bytes_for(4 * sum(buffers)),
                                                               least_wasting_chunk(buffers)))
         if self.cuda:
@@ -112,6 +68,7 @@ class WeightStream:
         self.passes_expected = 1
         self.stale = False  # the masters changed outside a step (a checkpoint loaded): the resident buffer to redo
         self.waited = 0.0  # seconds the forward waited for the host's step, all steps together
+        self.graded: set[int] = set()  # the masters whose leaves have had a gradient (LoRA's first-step check)
         self.host = HostWorker(on_error=self._unblock)
         self._backward_queued = False
         self._hooks(blocks)
@@ -132,11 +89,13 @@ class WeightStream:
         return Unit(name, masters, places, resident=resident)
 
     def _build(self, unit: Unit) -> None:
-        """The unit's masters moved into one pinned buffer, its landing, its GPU buffer and the leaves in it."""
-        unit.flat = self.arena.take(torch.Size([unit.numel]))
-        unit.landing = self.arena.take(torch.Size([unit.numel]), self.dtype)
+        """The unit's masters moved into pinned buffers (one a dtype), its landing, its GPU buffer and the leaves in
+        it."""
+        unit.flats = [(start, end, self.arena.take(torch.Size([end - start]), dtype))
+                      for dtype, start, end in unit.groups()]
+        unit.landing = self.arena.take(torch.Size([unit.grad_numel]), self.dtype)
         with torch.no_grad():
-            for master, view in zip(unit.masters, self._views(unit, unit.flat)):
+            for master, view in zip(unit.masters, unit.host_views()):
                 view.copy_(master)
                 master.data = view  # the same Parameter: the optimizer, checkpoints and exports see no change
         unit.stepped.set()
@@ -146,17 +105,13 @@ class WeightStream:
             leaf = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, offset, master.shape)
             leaf.requires_grad_(master.requires_grad)
             if leaf.requires_grad:
-                leaf.register_post_accumulate_grad_hook(lambda _, unit=unit: self._gradient_made(unit))
+                leaf.register_post_accumulate_grad_hook(
+                    lambda _, unit=unit, master=master: self._gradient_made(unit, master))
             unit.leaves.append(leaf)
         if unit.resident:
             self._copy_up(unit)
         else:
             unit.storage.resize_(0)
-
-    @staticmethod
-    def _views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[offset : offset + master.numel()].view(master.shape)
-                for master, offset in zip(unit.masters, unit.offsets)]
 
     def _hooks(self, blocks: list[nn.Module]) -> None:
         self.model.register_forward_pre_hook(lambda module, args: self._model_starts())
@@ -195,24 +150,35 @@ class WeightStream:
         self._release(unit)
 
     def _backward_reaches(self, index: int) -> None:
-        """Block ``index``'s output has its gradient: the block's backward (and recompute) comes next."""
+        """Block ``index``'s output has its gradient: the block's backward (and recompute) comes next, and the
+        backward is done with the block after it (that gradient is its input's)."""
         if not self._backward_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
             self._backward_queued = True
+        if index + 1 < len(self.blocks):
+            self._leave(self.blocks[index + 1])
         unit = self.blocks[index]
         unit.in_backward = True
         self._ensure(unit)
         if index > 0:
             self._fetch(self.blocks[index - 1])
 
-    def _gradient_made(self, unit: Unit) -> None:
+    def _leave(self, unit: Unit) -> None:
+        """The backward is through the unit: its weights are freed (not when its gradients are made: LoRA's
+        adapters have theirs before the frozen weights beside them have carried the gradient to the block's
+        input)."""
+        unit.in_backward = False
+        self._release(unit)
+
+    def _gradient_made(self, unit: Unit, master: torch.Tensor) -> None:
+        self.graded.add(id(master))
         unit.seen += 1
         if unit.seen == unit.trainable:
             self._send_down(unit)
 
     def _backward_ends(self) -> None:
-        """Units whose backward made only some of their gradients (a parameter this pass did not use): the rest are
-        zeros."""
+        """The backward's end: units whose backward made only some of their gradients (a parameter this pass did not
+        use) send them down with zeros for the rest; the first block (or any the backward reached last) is left."""
         self._backward_queued = False
         for unit in self.units:
             if unit.seen:
@@ -220,12 +186,12 @@ class WeightStream:
                     if leaf.requires_grad and leaf.grad is None:
                         leaf.grad = torch.zeros_like(leaf)
                 self._send_down(unit)
-            elif unit.in_backward:
-                unit.in_backward = False
-                self._release(unit)
+            if unit.in_backward:
+                self._leave(unit)
 
     def _send_down(self, unit: Unit) -> None:
-        """The unit's gradients to the host, their squared norm to this step's sum; their GPU memory freed."""
+        """The unit's gradients to the host, their squared norm to this step's sum; their GPU memory freed (the
+        host's copy stream holds it until the copy is done)."""
         grads = [leaf.grad for leaf in unit.leaves if leaf.requires_grad]
         if self.passes_expected == 1:
             norms = torch._foreach_norm(grads, 2.0, torch.float32)
@@ -234,7 +200,7 @@ class WeightStream:
             if not event.is_set():
                 event.wait()
         self.host.check()
-        views = [view for view, leaf in zip(self._views(unit, unit.landing), unit.leaves) if leaf.requires_grad]
+        views = list(unit.grad_views(unit.landing).values())  # the trainable leaves', in their order
         if self.cuda:
             self.down.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.down):
@@ -251,16 +217,13 @@ class WeightStream:
         if self.passes_expected > 1:
             unit.added.clear()
             self.host.put(lambda: self._add(unit, first, last=unit.passes >= self.passes_expected))
-        if not unit.resident:
-            unit.in_backward = False
-            self._release(unit)
 
     def _add(self, unit: Unit, first: bool, last: bool) -> None:
         """(host thread) A pass's gradients into the unit's float32 sum; at the last pass, the sum's squared norm."""
         if unit.landed is not None:
             unit.landed.synchronize()
         if unit.summed is None:
-            unit.summed = torch.empty(unit.numel, dtype=torch.float32)
+            unit.summed = torch.empty(unit.grad_numel, dtype=torch.float32)
         if first:
             unit.summed.copy_(unit.landing)
         else:
@@ -286,18 +249,24 @@ class WeightStream:
 
     def _copy_up(self, unit: Unit) -> None:
         flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, 0, (unit.numel,))
-        if self.cuda:
-            # float32 from the host, cast on the GPU, on the copy stream; after the compute stream's work so far:
-            # the buffers may reuse memory that work still reads
-            staging = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-            self.up.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.up):
-                staging.copy_(unit.flat, non_blocking=True)
-                flat.copy_(staging)
+        if not self.cuda:
+            for start, end, host in unit.flats:
+                flat[start:end].copy_(host)
+            unit.current = True
+            return
+        # on the copy stream, after the compute stream's work so far (the buffers may reuse memory that work still
+        # reads); float32 masters are cast on the GPU
+        self.up.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.up):
+            for start, end, host in unit.flats:
+                if host.dtype == self.dtype:
+                    flat[start:end].copy_(host, non_blocking=True)
+                    continue
+                staging = torch.empty(end - start, dtype=host.dtype, device=self.device)
+                staging.copy_(host, non_blocking=True)
+                flat[start:end].copy_(staging)
                 staging.record_stream(self.up)
-                unit.fetched = self.up.record_event()
-        else:
-            flat.copy_(unit.flat)
+            unit.fetched = self.up.record_event()
         unit.current = True
 
     def _ensure(self, unit: Unit) -> None:
@@ -362,7 +331,7 @@ class WeightStream:
             return unit.summed
         if unit.landed is not None:
             unit.landed.synchronize()
-        flat = self.host.scratch(unit.numel)
+        flat = self.host.scratch(unit.grad_numel)
         flat.copy_(unit.landing)
         return flat
 

@@ -51,7 +51,6 @@ def _check_streaming(config: Any, world_size: int) -> None:
         "--training.enable_cpu_offload": config.training.enable_cpu_offload,
         "--optimizer.on_host": config.optimizer.on_host,
         "--parallelism.fsdp_one_rank": config.parallelism.fsdp_one_rank,
-        "--lora.rank": config.lora.rank is not None,
         "--training.ema_decay": config.training.ema_decay > 0,
         "--float8.recipe_name": config.float8.recipe_name != "off",
         "--compile.enable (--training.compile)": config.compile.enable,

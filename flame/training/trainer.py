@@ -308,7 +308,7 @@ class Trainer(TorchtitanTrainer):
             )
             losses.append(loss.detach())
         if self.adapters_unchecked:
-            lora.check_gradients(self.model_parts, self.device)
+            lora.check_gradients(self.model_parts, self.device, getattr(self.optimizers, "graded", None))
             self.adapters_unchecked = False
 
         self.nsys.push("optimizer")  # to the schedule's step, with the clipping and the update

@@ -22,6 +22,7 @@ from flame.memory.estimate import GIB, estimate, gpu_bytes, host_bytes
 from flame.memory.layout import Layout
 from flame.memory.plan import candidates, choose
 from flame.memory.price import price
+from flame.models import lora
 from flame.models.registry import decoder_layers
 from flame.optim.streamed_adamw import StreamedAdamW
 from flame.optim.streaming import WeightStream
@@ -127,9 +128,45 @@ def test_the_gpu_holds_the_compute_dtype_and_the_masters_stay_float32():
     expected = steps(reference, torch.optim.AdamW(reference.parameters(), **SETTINGS, fused=True), 3, streamed=False)
     assert set(seen) == {torch.bfloat16} and all(p.dtype == torch.float32 for p in model.parameters())
     assert got == pytest.approx(expected, rel=2e-2)
-    assert stream.blocks[0].flat.dtype == torch.float32 and stream.blocks[0].landing.dtype == torch.bfloat16
-    assert all(master.untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr()
+    (_, _, flat), = stream.blocks[0].flats
+    assert flat.dtype == torch.float32 and stream.blocks[0].landing.dtype == torch.bfloat16
+    assert all(master.untyped_storage().data_ptr() == unit.flats[0][2].untyped_storage().data_ptr()
                for unit in stream.units for master in unit.masters)  # the masters live in their unit's buffer
+
+
+def test_lora_streams_its_frozen_base_in_its_own_dtype_and_steps_only_the_adapters():
+    """LoRA's frozen base, held in bf16 (lora.hold_base_in), goes up without a cast and has no landing, gradients
+    or state; the float32 adapters go up cast to bf16, come down and are stepped: the losses follow the same
+    adapted model computing in bf16 under autocast, and the base does not move."""
+    settings = lora.LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=("all-linear",))
+
+    def adapted() -> LlamaForCausalLM:
+        model = tiny_llama()
+        lora.add_adapters(model, settings)
+        torch.manual_seed(1)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: a step moves it, and only then the output
+                torch.nn.init.normal_(param, std=0.02)
+        lora.hold_base_in(model, torch.bfloat16)
+        return model
+
+    model, reference = adapted(), adapted()
+    base = {name: param.clone() for name, param in model.named_parameters() if not param.requires_grad}
+    stream = WeightStream(model, torch.bfloat16, torch.device("cpu"))
+    optimizer = StreamedAdamW(model, stream, **SETTINGS)
+    block = stream.blocks[0]
+    assert [host.dtype for _, _, host in block.flats] == [torch.bfloat16, torch.float32]  # base, adapters
+    adapters = sum(master.numel() for master in block.masters if master.requires_grad)
+    assert block.grad_numel == adapters == block.landing.numel() < block.numel / 4
+    got = steps(model, optimizer, 3)
+    plain = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **SETTINGS, fused=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = steps(reference, plain, 3, streamed=False)
+    optimizer.settle()
+    assert got == pytest.approx(expected, rel=1e-2)
+    assert all(torch.equal(param, base[name]) for name, param in model.named_parameters() if name in base)
+    assert all(id(p) in stream.graded for p in model.parameters() if p.requires_grad)  # LoRA's first-step check
+    assert len(optimizer.state) == sum(p.requires_grad for p in model.parameters())
 
 
 def test_an_error_on_the_host_thread_stops_the_next_forward_in_one_line():
@@ -147,12 +184,17 @@ def test_an_error_on_the_host_thread_stops_the_next_forward_in_one_line():
     # full AC and two micro-batches of 2 rows: the layout the plan gives a 7B under 32 GiB (and its 64K steps)
     planned=train_job(4, *SINGLE, *STREAMED, "--activation_checkpoint.mode=full", "--training.batch_size=2",
                       "--training.gradient_accumulation_steps=2"),
+    lora=train_job(4, *SINGLE, "--lora.rank=4"),
+    lora_streamed=train_job(4, *SINGLE, "--lora.rank=4", *STREAMED),
 )
 def test_a_streamed_run_trains_adamws_curve_and_resumes_exactly_with_streaming_on_or_off(background_runs, tiny_model,
                                                                                          corpus):
-    plain, streamed, planned = (background_runs[name] for name in ("plain", "streamed", "planned"))
-    for run in (plain, streamed, planned):
+    plain, streamed, planned, adapted, adapted_streamed = (background_runs[name] for name in (
+        "plain", "streamed", "planned", "lora", "lora_streamed"))
+    for run in (plain, streamed, planned, adapted, adapted_streamed):
         check(run.result)
+    # LoRA: the adapters stepped, the frozen base streamed (its first step's check reads the streamed gradients)
+    assert_same_curve(metrics(adapted_streamed.dump), metrics(adapted.dump), rel=1e-5)
     expected = metrics(plain.dump)
     assert expected[4]["loss_metrics/global_avg_loss"] < expected[1]["loss_metrics/global_avg_loss"] - 0.2
     assert "Parameter groups (AdamW, streamed)" in streamed.result.stdout + streamed.result.stderr
@@ -173,7 +215,6 @@ def test_what_streaming_cannot_run_yet_is_refused_in_one_line(tiny_model, corpus
         (2, ["--parallelism.data_parallel_shard_degree=2"], "streams one process's weights, and this job runs 2"),
         (1, ["--optimizer.name=Muon"], "--memory.stream_weights steps AdamW or Adam on the host"),
         (1, ["--optimizer.on_host"], "does not combine with --optimizer.on_host yet"),
-        (1, ["--lora.rank=4"], "does not combine with --lora.rank yet"),
         (1, ["--training.ema_decay=0.99"], "does not combine with --training.ema_decay yet"),
         (1, ["--training.compile"], r"does not combine with --compile.enable \(--training.compile\) yet"),
     ]
