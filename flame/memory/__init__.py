@@ -142,6 +142,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         offload_pinning=offload_pinning(model, shards), host_copy_pinning=host_copy_pinning(model, shards),
         can_stream=can_stream(config, world_size), resident_params=sum(p.numel() for p in model.parameters()) - sum(
             p.numel() for p in decoder_layers(model).parameters()),
+        stream_pinning=stream_pinning(model, dtype_bytes(dtype)),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
@@ -158,6 +159,16 @@ def can_stream(config, world_size: int) -> bool:
     return (device.CUDA and world_size == 1 and optimizer_record(config.optimizer.name).steps_on_host
             and config.training.ema_decay == 0 and config.float8.recipe_name == "off"
             and not config.compile.enable and not config.parallelism.fsdp_one_rank)
+
+
+def stream_pinning(model: nn.Module, itemsize: int) -> float:
+    """Bytes --memory.stream_weights pins over what it holds: each unit's float32 masters and its gradients'
+    landing (``itemsize`` bytes an element) from the arena's chunks (flame.optim.streaming, flame.optim.pinned)."""
+    blocks = decoder_layers(model)
+    units = [sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in blocks.parameters())]
+    units += [sum(p.numel() for p in block.parameters()) for block in blocks]
+    buffers = [size for numel in units for size in (numel, -(-itemsize * numel // 4))]
+    return pinned.arena_bytes(buffers, pinned.least_wasting_chunk(buffers)) / max(4 * sum(buffers), 1)
 
 
 def _local_numels(model: nn.Module, shards: int) -> list[list[int]]:

@@ -151,11 +151,14 @@ def _held_parts(job: Job, layout: Layout, weights: float, state: float) -> tuple
 def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], Part, str]:
     """--memory.stream_weights (flame.optim.streaming): the weights, gradients and optimizer state on the host; on
     the GPU two blocks' weights and gradients in flight, and the rest of the model's (embeddings, norm, head)."""
-    itemsize, trainable = job.compute_bytes, job.trainable_params
-    parts = [Part("parameters", 4 * trainable, "host (pinned)", "fp32: copied up, stepped, saved by checkpoints"),
+    itemsize, trainable, pinning = job.compute_bytes, job.trainable_params, job.stream_pinning
+    chunks = f", in pinned chunks (+{pinning - 1:.0%})" if pinning > 1.0005 else ""
+    parts = [Part("parameters", pinning * 4 * trainable, "host (pinned)",
+                  f"fp32: copied up, stepped, saved by checkpoints{chunks}"),
              Part("optimizer state", state, "host (stepped there)",
                   f"{job.optimizer.name}: fp32, {job.optimizer.state}"),
-             Part("streamed gradients", itemsize * trainable, "host (pinned)", "copied down in the compute dtype")]
+             Part("streamed gradients", pinning * itemsize * trainable, "host (pinned)",
+                  f"copied down in the compute dtype{chunks}")]
     if layout.micro_batches > 1 or job.accumulates:
         parts.append(Part("gradient sums", 4 * trainable, "host", "fp32, the micro-batches' gradients added up"))
     in_flight = itemsize * (2 * job.block_params + job.resident_params)

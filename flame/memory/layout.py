@@ -110,6 +110,7 @@ class Job:
     # stepped by AdamW or Adam, none of EMA, FP8 or compiled blocks (LoRA: its frozen base goes up in its own dtype)
     can_stream: bool = False
     resident_params: int = 0  # the parameters outside the decoder blocks (embeddings, final norm, head)
+    stream_pinning: float = 1.0  # streamed, the pinned arena's bytes over what its masters and landings hold
 
     @property
     def computed_params(self) -> int:
