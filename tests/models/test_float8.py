@@ -175,7 +175,9 @@ def test_fp8_trains_gathers_in_fp8_exactly_and_resumes_exactly(background_runs, 
         # exactly what casting the gathered float32 weights gives
         assert (two[step][LOSS], two[step]["grad_norm"]) == (cast_after[step][LOSS], cast_after[step]["grad_norm"])
 
-    assert_same_curve(two, one, rel=3e-5)  # FSDP 2 trains one process's curve: only the sums' order differs
+    # FSDP 2 trains one process's curve: only the sums' order differs, which can flip the FP8 rounding of a value on
+    # a boundary (grad norms up to 7e-4 apart, depending on the CPU's vector instructions)
+    assert_same_curve(two, one, rel=2e-3)
     assert one[4][LOSS] < one[1][LOSS] - 0.05
     # the checkpoint holds the plain model's weights, under their names and shapes
     saved = dcp.FileSystemReader(str(fp8.dump / "checkpoint" / "step-4")).read_metadata().state_dict_metadata
