@@ -55,6 +55,7 @@ from torchtitan.tools.logging import logger
 
 from flame.models.registry import decoder_layers
 from flame.optim import groups
+from flame.optim.host_worker import SettlesFirst
 from flame.optim.pinned import HostArena, chunk_bytes_for
 
 STATE = ("exp_avg", "exp_avg_sq")
@@ -360,7 +361,7 @@ class HostAdamW(Optimizer):
         return _like(param, local) if isinstance(value, DTensor) else local
 
 
-class HostOptimizersContainer(OptimizersContainer):
+class HostOptimizersContainer(SettlesFirst, OptimizersContainer):
     """torchtitan's container of one optimizer per model part, each a HostAdamW."""
 
     def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, gpu_blocks: int = 0,
@@ -381,11 +382,3 @@ class HostOptimizersContainer(OptimizersContainer):
     def settle(self) -> None:
         for optimizer in self.optimizers:
             optimizer.settle()
-
-    def state_dict(self):
-        self.settle()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.settle()
-        super().load_state_dict(state_dict)

@@ -1,5 +1,6 @@
-"""One host thread running queued work in order, for a streamed model (flame.optim.streaming): its gradients'
-sums over micro-batches, then each unit's optimizer update."""
+"""Optimizer work on a host thread: ``HostWorker``, one thread running queued work in order for a streamed model
+(flame.optim.streaming: its gradients' sums over micro-batches, then each unit's update), and ``SettlesFirst``,
+what such an optimizer's state reads and loads wait for."""
 
 from __future__ import annotations
 
@@ -53,3 +54,16 @@ class HostWorker:
             finally:
                 self.jobs.task_done()
 
+
+
+class SettlesFirst:
+    """For an optimizer (or container) whose update may still run on a host thread: reading or loading its state
+    waits for that update first (its ``settle``)."""
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)

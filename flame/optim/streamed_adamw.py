@@ -17,13 +17,14 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from flame.optim import groups
+from flame.optim.host_worker import SettlesFirst
 from flame.optim.stream_units import Unit
 from flame.optim.streaming import WeightStream
 
 REPORTED_AT = (3, 10, 100, 1000)  # steps whose start logs the host step's cost so far (then every 1000th)
 
 
-class StreamedAdamW(Optimizer):
+class StreamedAdamW(SettlesFirst, Optimizer):
     """AdamW (``decoupled``) or Adam over the model's masters, stepped on the host unit by unit while the next
     forward runs (``WeightStream``). Its groups and state are torch's AdamW's, over the model's own parameters."""
 
@@ -103,12 +104,7 @@ class StreamedAdamW(Optimizer):
         """The last step's updates done: before a checkpoint reads the masters or the state, and before the next."""
         self.stream.host.drain()
 
-    def state_dict(self):
-        self.settle()
-        return super().state_dict()
-
     def load_state_dict(self, state_dict) -> None:
-        self.settle()
         super().load_state_dict(state_dict)
         self.stream.mark_stale()
 
@@ -141,12 +137,5 @@ class StreamedOptimizersContainer(OptimizersContainer):
         return self.optimizers[0].clip_grad_norm_(max_norm)
 
     def settle(self) -> None:
+        """(Its optimizer's state_dict and load_state_dict, which torchtitan's reach, settle on their own.)"""
         self.optimizers[0].settle()
-
-    def state_dict(self):
-        self.settle()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.settle()
-        super().load_state_dict(state_dict)
