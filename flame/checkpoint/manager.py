@@ -51,8 +51,7 @@ from flame.checkpoint.steps import (
     unrecorded_checkpoint_error,
 )
 from flame.optim.builder import ConfiguredSettings
-from flame.optim.host import HostOptimizersContainer
-from flame.optim.streamed_adamw import StreamedOptimizersContainer
+from flame.optim.host_worker import SettlesFirst
 from flame.base.errors import ConfigError
 from flame.models import init_from, lora
 
@@ -182,7 +181,7 @@ class FlameCheckpointManager(CheckpointManager):
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
                  to_hf: bool = False):
         self.before_save()  # may stop the run: before anything of this step is written
-        if isinstance(optimizers := self.states.get(OPTIMIZER), (HostOptimizersContainer, StreamedOptimizersContainer)):
+        if isinstance(optimizers := self.states.get(OPTIMIZER), SettlesFirst):
             optimizers.settle()  # --optimizer.on_host, --memory.stream_weights: the step in flight writes the weights
         if self.recorder is None or to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)

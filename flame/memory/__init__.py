@@ -41,7 +41,7 @@ from flame.models.inputs import is_fla_config
 from flame.models.kernels.attention import backend_for
 from flame.models.model_config import load_model_config
 from flame.models.registry import decoder_layers, meta_model
-from flame.optim import pinned
+from flame.optim import pinned, streaming
 from flame.optim.host import leading_units, units_of
 from flame.optim.record import optimizer_record
 
@@ -121,6 +121,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     # adapters (two small matrices a layer) to cast
     autocast = not fsdp and dtype_bytes(dtype) < 4 and not (frozen and frozen_bytes < 4)
     optimizer = optimizer_record(config.optimizer.name)
+    units = stream_units(model)
     job = Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size, compute_bytes=dtype_bytes(dtype),
@@ -140,9 +141,8 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         can_park_inputs=device.CUDA and not pipelined,
         frozen_params=frozen, frozen_bytes=frozen_bytes,
         offload_pinning=offload_pinning(model, shards), host_copy_pinning=host_copy_pinning(model, shards),
-        can_stream=can_stream(config, world_size), resident_params=sum(p.numel() for p in model.parameters()) - sum(
-            p.numel() for p in decoder_layers(model).parameters()),
-        stream_pinning=stream_pinning(model, dtype_bytes(dtype)),
+        can_stream=device.CUDA and streaming.refusal(config, world_size) is None,
+        resident_params=units[0], stream_pinning=stream_pinning(units, dtype_bytes(dtype)),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
@@ -153,20 +153,17 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     return job
 
 
-def can_stream(config, world_size: int) -> bool:
-    """Whether --memory.stream_weights can run the job (flame.prepare.settings refuses the rest in one line): a GPU
-    job of one process, stepped by AdamW or Adam, none of EMA, FP8, compiled blocks or FSDP over its rank."""
-    return (device.CUDA and world_size == 1 and optimizer_record(config.optimizer.name).steps_on_host
-            and config.training.ema_decay == 0 and config.float8.recipe_name == "off"
-            and not config.compile.enable and not config.parallelism.fsdp_one_rank)
-
-
-def stream_pinning(model: nn.Module, itemsize: int) -> float:
-    """Bytes --memory.stream_weights pins over what it holds: each unit's float32 masters and its gradients'
-    landing (``itemsize`` bytes an element) from the arena's chunks (flame.optim.streaming, flame.optim.pinned)."""
+def stream_units(model: nn.Module) -> list[int]:
+    """The parameters of each unit --memory.stream_weights moves (flame.optim.streaming): the rest of the model
+    (embeddings, final norm, head), then each decoder block."""
     blocks = decoder_layers(model)
-    units = [sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in blocks.parameters())]
-    units += [sum(p.numel() for p in block.parameters()) for block in blocks]
+    rest = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in blocks.parameters())
+    return [rest, *(sum(p.numel() for p in block.parameters()) for block in blocks)]
+
+
+def stream_pinning(units: list[int], itemsize: int) -> float:
+    """Bytes --memory.stream_weights pins over what it holds: each unit's float32 masters and its gradients'
+    landing (``itemsize`` bytes an element) from the arena's chunks (flame.optim.pinned)."""
     buffers = [size for numel in units for size in (numel, -(-itemsize * numel // 4))]
     return pinned.arena_bytes(buffers, pinned.least_wasting_chunk(buffers)) / max(4 * sum(buffers), 1)
 

@@ -66,8 +66,8 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
     the host budget; so does the optimizer on the host, which a pipeline cannot take. Both together
     stream the weights: FSDP2 keeps them on the host and the host steps them in place while the next
     forward runs (flame.optim.host). Streaming (flame.optim.streaming) keeps them there too, in place of both: each
-    block's weights visit the GPU in the compute dtype as it runs. Micro-batches divide the rows evenly. The inputs full AC keeps may wait on the
-    host (flame.distributed.activation_offload), on a GPU job that is not pipelined.
+    block's weights visit the GPU in the compute dtype as it runs. Micro-batches divide the rows evenly. The inputs
+    full AC keeps may wait on the host (flame.distributed.activation_offload), on a GPU job that is not pipelined.
     """
     acs = [start.ac] if "ac" in fixed else [start.ac, *ac_options(job, start.ac)]
     reshards = [start.reshard] + ([True] if job.fsdp and "reshard" not in fixed and not start.reshard else [])

@@ -97,12 +97,13 @@ def price(job: Job, layout: Layout, hardware: Hardware) -> Price:
 def streamed(job: Job, hardware: Hardware, passes: int, hidden_by: float, forward: float) -> float:
     """The seconds of --memory.stream_weights (flame.optim.streaming) that the passes do not hide.
 
-    Each pass copies every weight up twice (its forward and its backward) and every gradient down, in the compute
-    dtype, on two streams beside the blocks' compute (``hidden_by``: a pass and its recompute); the two directions
-    run at once. The host's AdamW then runs beside the next forward, as --optimizer.on_host's does (``host_step``).
+    Each pass copies every weight up twice (its forward and its backward) as the host holds it (float32; LoRA's
+    frozen base in its own dtype) and every gradient down in the compute dtype, on two streams beside the blocks'
+    compute (``hidden_by``: a pass and its recompute); the two directions run at once. The host's AdamW then runs
+    beside the next forward, as --optimizer.on_host's does (``host_step``).
     """
     link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
-    up, down = 2 * job.compute_bytes * job.params, job.compute_bytes * job.trainable_params
+    up, down = 2 * job.weight_bytes(), job.compute_bytes * job.trainable_params
     transfers = max(up, down) / link if link else math.inf
     return passes * max(0.0, transfers - hidden_by) + host_step(job, hardware, hidden_by=forward, copies=False)
 

@@ -30,8 +30,8 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch

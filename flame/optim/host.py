@@ -125,13 +125,25 @@ def leading_units(units: list[Unit], model: nn.Module, blocks: int) -> int:
     return reached[-1] + 1 if reached else 0
 
 
-def _by_hyperparameters(unit: Unit, live: list[int], settings: dict) -> dict[tuple, list[int]]:
-    """The indices of ``live`` grouped by their group's (lr, beta1, beta2, eps, weight_decay)."""
+def by_hyperparameters(params: list[torch.Tensor], live: list[int], settings: dict) -> dict[tuple, list[int]]:
+    """The indices of ``live`` grouped by their parameter's group's (lr, beta1, beta2, eps, weight_decay), as of now
+    (the LR schedule moves on before a host thread steps them)."""
     groups = defaultdict(list)
     for i in live:
-        group = settings[id(unit.params[i])]
+        group = settings[id(params[i])]
         groups[(group["lr"], *group["betas"], group["eps"], group["weight_decay"])].append(i)
     return dict(groups)
+
+
+def fused_adam(decoupled: bool, hyper: tuple, params: list, grads: list, states: list[dict],
+               grad_scale: torch.Tensor | None = None) -> None:
+    """torch's fused AdamW (``decoupled``) or Adam kernel over ``params`` where they are, with their ``states``;
+    the gradients divided by ``grad_scale`` as it reads them."""
+    lr, beta1, beta2, eps, weight_decay = hyper
+    (adamw if decoupled else adam)(
+        params, grads, [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states],
+        [], [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+        weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=grad_scale)
 
 
 class HostAdamW(Optimizer):
@@ -239,7 +251,7 @@ class HostAdamW(Optimizer):
                 unit.host_grads = [local_part(p.grad) if p.grad is not None else None for p in unit.params]
                 unit.ready.clear()
                 unit.pending = True
-                work.append((unit, _by_hyperparameters(unit, live, settings)))
+                work.append((unit, by_hyperparameters(unit.params, live, settings)))
                 continue
             if not unit.copied:
                 self._host_copies(unit)
@@ -257,7 +269,7 @@ class HostAdamW(Optimizer):
             unit.ready.clear()
             unit.pending = True
             # the hyperparameters as of now: the LR schedule moves on before the thread runs
-            work.append((unit, _by_hyperparameters(unit, live, settings)))
+            work.append((unit, by_hyperparameters(unit.params, live, settings)))
         self.worker = threading.Thread(target=self._run, args=(work,), name="flame-host-optimizer", daemon=True)
         self.worker.start()
 
@@ -276,17 +288,9 @@ class HostAdamW(Optimizer):
     def _step_on_device(self, unit: Unit, settings: dict) -> None:
         """A leading unit's step where its weights are, on the GPU's stream, before the host starts on the rest."""
         live = self._live(unit, [local_part(p) for p in unit.params])
-        for hyper, indices in _by_hyperparameters(unit, live, settings).items():
-            self._adam(hyper, [local_part(unit.params[i]) for i in indices],
+        for hyper, indices in by_hyperparameters(unit.params, live, settings).items():
+            fused_adam(self.decoupled, hyper, [local_part(unit.params[i]) for i in indices],
                        [local_part(unit.params[i].grad) for i in indices], [self.state[unit.params[i]] for i in indices])
-
-    def _adam(self, hyper: tuple, params: list, grads: list, states: list[dict]) -> None:
-        """torch's fused AdamW (or Adam) kernel over ``params`` where they are, with their ``states``."""
-        lr, beta1, beta2, eps, weight_decay = hyper
-        (adamw if self.decoupled else adam)(
-            params, grads, [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states],
-            [], [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-            weight_decay=weight_decay, eps=eps, maximize=False)
 
     @torch.no_grad()  # grad mode is per thread
     def _run(self, work: list) -> None:
@@ -325,7 +329,7 @@ class HostAdamW(Optimizer):
     def _update(self, unit: Unit, hyper: tuple, indices: list[int]) -> None:
         # in place: the offloaded weights themselves, which FSDP copies up when it gathers them
         params = [local_part(unit.params[i]) for i in indices] if self.in_place else [unit.host_params[i] for i in indices]
-        self._adam(hyper, params, [unit.host_grads[i] for i in indices], [self.state[unit.params[i]] for i in indices])
+        fused_adam(self.decoupled, hyper, params, [unit.host_grads[i] for i in indices], [self.state[unit.params[i]] for i in indices])
 
     def state_dict(self):
         self.settle()

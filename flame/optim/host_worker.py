@@ -55,7 +55,6 @@ class HostWorker:
                 self.jobs.task_done()
 
 
-
 class SettlesFirst:
     """For an optimizer (or container) whose update may still run on a host thread: reading or loading its state
     waits for that update first (its ``settle``)."""

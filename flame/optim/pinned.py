@@ -66,7 +66,7 @@ class HostArena:
 
     def take(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` (a narrower one takes its bytes in whole float32 elements)."""
-        nbytes = shape.numel() * torch.tensor([], dtype=dtype).element_size()
+        nbytes = shape.numel() * dtype.itemsize
         numel = -(-nbytes // FLOAT32)
         place = self.place(numel) if self.pin else None
         if place is None:

@@ -90,3 +90,15 @@ def optimizer_record(name: str) -> OptimizerRecord:
 def first_that(can: Callable[[OptimizerRecord], bool]) -> OptimizerRecord:
     """The first registered record that ``can``: the one a refusal suggests instead."""
     return next(record for record in OPTIMIZERS.values() if can(record))
+
+
+def host_step_refusal(name: str, flag: str) -> str | None:
+    """Why ``flag`` (a layout that steps the optimizer on the host) cannot step ``--optimizer.name`` ``name``, as a
+    one-line remedy; None where it can."""
+    record = optimizer_record(name)
+    if record.steps_on_host:
+        return None
+    hosted = first_that(lambda other: other.steps_on_host).name
+    names = " or ".join(other.name for other in OPTIMIZERS.values() if other.steps_on_host)
+    return (f"{flag} steps {names} on the host; {record.on_gpu_only}: use --optimizer.name {hosted}, or leave "
+            f"{flag.rsplit('.', 1)[-1]} off")

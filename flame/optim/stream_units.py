@@ -14,10 +14,6 @@ from torch import nn
 _WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing's and torch.compile's wrappers
 
 
-def size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
-
-
 def innermost(module: nn.Module) -> nn.Module:
     """The block a wrapper calls: its forward runs again in activation checkpointing's recompute."""
     while any(hasattr(module, name) for name in _WRAPPED):

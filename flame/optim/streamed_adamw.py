@@ -11,12 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Adam, AdamW, Optimizer
-from torch.optim.adam import adam
-from torch.optim.adamw import adamw
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from flame.optim import groups
+from flame.optim.host import by_hyperparameters, fused_adam
 from flame.optim.host_worker import SettlesFirst
 from flame.optim.stream_units import Unit
 from flame.optim.streaming import WeightStream
@@ -69,34 +68,25 @@ class StreamedAdamW(SettlesFirst, Optimizer):
         if self.max_norm > 0 and self.norm is not None:  # torch's clip_grad_norm_ rule
             scale = min(1.0, self.max_norm / (float(self.norm) + 1e-6))
         settings = {id(p): group for group in self.param_groups for p in group["params"]}
+        summed = self.stream.passes_expected > 1
         for unit in self.stream.units:
             if not unit.passes:
                 continue  # no gradient reached it this step: AdamW leaves it as it is
-            # the hyperparameters as of now: the LR schedule moves on before the host thread runs
-            snapshot = [(i, (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
-                        for i, master in enumerate(unit.masters) if (g := settings.get(id(master))) is not None]
+            groups = by_hyperparameters(unit.masters, list(unit.grad_offsets), settings)
             unit.stepped.clear()
             unit.current = unit.current and not unit.resident  # its buffer holds the old weights
-            summed = self.stream.passes_expected > 1
-            self.stream.host.put(lambda unit=unit, snapshot=snapshot: self._update(unit, snapshot, scale, summed))
+            self.stream.host.put(lambda unit=unit, groups=groups: self._update(unit, groups, scale, summed))
         self.norm = None
 
-    def _update(self, unit: Unit, snapshot: list[tuple[int, tuple]], scale: float, summed: bool) -> None:
-        """(host thread) One unit's AdamW update of its masters."""
+    def _update(self, unit: Unit, groups: dict[tuple, list[int]], scale: float, summed: bool) -> None:
+        """(host thread) One unit's AdamW update of its masters; clipping's ``scale`` applied by the fused kernel as
+        it reads the gradients (no pass of its own)."""
         start = time.perf_counter()
         grads = unit.grad_views(self.stream.gradients(unit, summed))
-        # clipping: the fused kernel divides the gradients by grad_scale as it reads them (no pass of its own)
         unscale = torch.tensor(1.0 / scale) if scale != 1.0 else None
-        by_settings: dict[tuple, list[int]] = {}
-        for i, hyper in snapshot:
-            by_settings.setdefault(hyper, []).append(i)
-        for (lr, beta1, beta2, eps, weight_decay), indices in by_settings.items():
-            states = [self.state[unit.masters[i]] for i in indices]
-            (adamw if self.decoupled else adam)(
-                [unit.masters[i] for i in indices], [grads[i] for i in indices], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
-                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
-                grad_scale=unscale)
+        for hyper, indices in groups.items():
+            fused_adam(self.decoupled, hyper, [unit.masters[i] for i in indices], [grads[i] for i in indices],
+                       [self.state[unit.masters[i]] for i in indices], grad_scale=unscale)
         self.stepping += time.perf_counter() - start
         unit.stepped.set()
 
@@ -109,7 +99,7 @@ class StreamedAdamW(SettlesFirst, Optimizer):
         self.stream.mark_stale()
 
 
-class StreamedOptimizersContainer(OptimizersContainer):
+class StreamedOptimizersContainer(SettlesFirst, OptimizersContainer):
     """torchtitan's container of the one StreamedAdamW of a streamed model (one process, one model part)."""
 
     def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, compute_dtype: torch.dtype,
@@ -137,5 +127,4 @@ class StreamedOptimizersContainer(OptimizersContainer):
         return self.optimizers[0].clip_grad_norm_(max_norm)
 
     def settle(self) -> None:
-        """(Its optimizer's state_dict and load_state_dict, which torchtitan's reach, settle on their own.)"""
         self.optimizers[0].settle()

@@ -35,7 +35,32 @@ from torch import nn
 from flame.models.registry import decoder_layers
 from flame.optim.host_worker import HostWorker
 from flame.optim.pinned import HostArena, chunk_bytes_for, least_wasting_chunk
-from flame.optim.stream_units import Unit, innermost, size
+from flame.optim.record import host_step_refusal
+from flame.optim.stream_units import Unit, innermost
+
+
+def refusal(config, world_size: int) -> str | None:
+    """Why --memory.stream_weights cannot run the job, as a one-line remedy (flame.prepare refuses it with it, the
+    memory plan does not offer streaming there); None where it can."""
+    flag = "--memory.stream_weights"
+    if world_size > 1:
+        return (f"{flag} streams one process's weights, and this job runs {world_size}: on several GPUs shard them "
+                "with FSDP (and stream FSDP's shards with --training.enable_cpu_offload --optimizer.on_host), or run "
+                "one process")
+    if (refused := host_step_refusal(config.optimizer.name, flag)) is not None:
+        return refused
+    others = {
+        "--training.enable_cpu_offload": config.training.enable_cpu_offload,
+        "--optimizer.on_host": config.optimizer.on_host,
+        "--parallelism.fsdp_one_rank": config.parallelism.fsdp_one_rank,
+        "--training.ema_decay": config.training.ema_decay > 0,
+        "--float8.recipe_name": config.float8.recipe_name != "off",
+        "--compile.enable (--training.compile)": config.compile.enable,
+    }
+    if given := [name for name, on in others.items() if on]:
+        return (f"{flag} does not combine with {given[0]} yet: the weights live on the host as the model's float32 "
+                "parameters and only visit the GPU; drop one of the two")
+    return None
 
 
 class WeightStream:
@@ -52,9 +77,8 @@ class WeightStream:
         for unit in self.units:
             unit.layout()
         # each unit's masters (by dtype) and landing, as float32 elements of the pinned arena's chunks
-        itemsize = torch.tensor([], dtype=compute_dtype).element_size()
-        buffers = [-(-size(dtype) * (end - start) // 4) for unit in self.units for dtype, start, end in unit.groups()]
-        buffers += [-(-itemsize * unit.grad_numel // 4) for unit in self.units]
+        buffers = [-(-dtype.itemsize * (end - start) // 4) for unit in self.units for dtype, start, end in unit.groups()]
+        buffers += [-(-compute_dtype.itemsize * unit.grad_numel // 4) for unit in self.units]
         self.arena = HostArena(pin=self.cuda, chunk_bytes=min(chunk_bytes_for(4 * sum(buffers)),
                                                               least_wasting_chunk(buffers)))
         if self.cuda:
@@ -244,7 +268,7 @@ class WeightStream:
             self.waited += time.perf_counter() - start
         self.host.check()
         if unit.storage.nbytes() == 0:
-            unit.storage.resize_(unit.numel * unit.landing.element_size())  # on the compute stream: freed there
+            unit.storage.resize_(unit.numel * self.dtype.itemsize)  # on the compute stream: freed there
         self._copy_up(unit)
 
     def _copy_up(self, unit: Unit) -> None:
@@ -262,10 +286,9 @@ class WeightStream:
                 if host.dtype == self.dtype:
                     flat[start:end].copy_(host, non_blocking=True)
                     continue
-                staging = torch.empty(end - start, dtype=host.dtype, device=self.device)
+                staging = torch.empty(end - start, dtype=host.dtype, device=self.device)  # the copy stream's own
                 staging.copy_(host, non_blocking=True)
                 flat[start:end].copy_(staging)
-                staging.record_stream(self.up)
             unit.fetched = self.up.record_event()
         unit.current = True
 

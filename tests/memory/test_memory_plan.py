@@ -968,8 +968,8 @@ def seven_b_on_an_h100() -> tuple[memory.Job, Hardware]:
                        expandable_segments=True, dense_attention=False, tensor_parallel=1, pipelined=False, ema=False,
                        activations=measured, offload_pinning=memory.offload_pinning(model, 1),
                        host_copy_pinning=memory.host_copy_pinning(model, 1),
-                       resident_params=params - sum(p.numel() for p in decoder_layers(model).parameters()),
-                       stream_pinning=memory.stream_pinning(model, 2))
+                       resident_params=memory.stream_units(model)[0],
+                       stream_pinning=memory.stream_pinning(memory.stream_units(model), 2))
     rates = Hardware("NVIDIA H100 80GB HBM3", {256: 238.0, 1024: 537.0, 4096: 723.0, 16384: 763.0}, 54.9, 5.62e9, 1e-5)
     return alone, rates
 
