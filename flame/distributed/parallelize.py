@@ -8,6 +8,8 @@ shards the blocks, AC wraps each block, compile wraps each (wrapped) block, FSDP
 DDP replicates) last.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
@@ -101,8 +103,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
 
     if ac_config.offload:  # the checkpointed blocks' inputs (flame.distributed.activation_offload)
         offload_inputs(layers, len(layers) if ac_config.blocks is None else ac_config.blocks)
-    if job_config.memory.stream_weights:  # one process; the optimizer's builder streams it (flame.optim.streaming)
-        materialize_on_host(model, device.compute_dtype(job_config))
+    if job_config.memory.stream_weights:  # the optimizer's builder streams it (flame.optim.streaming)
+        materialize_on_host(model, StreamedDtypes(device.compute_dtype(job_config),
+                                                  TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]))
     elif parallel_dims.fsdp_enabled:
         replicas = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
         experts_mesh = parallel_dims.get_mesh([*replicas, "efsdp"]) if parallel_dims.ep_enabled else None
@@ -117,15 +120,21 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config:
     return model
 
 
-STREAMED_IN = "flame_streamed_in"  # a streamed model's attribute: the dtype its weights visit the GPU in
+STREAMED_IN = "flame_streamed_in"  # a streamed model's attribute: its StreamedDtypes
 
 
-def materialize_on_host(model: nn.Module, compute_dtype: torch.dtype) -> None:
+class StreamedDtypes(NamedTuple):
+    compute: torch.dtype  # what the weights visit the GPU in
+    reduce: torch.dtype  # what several processes sum the gradients in (--training.mixed_precision_reduce)
+
+
+def materialize_on_host(model: nn.Module, dtypes: StreamedDtypes) -> None:
     """Have torchtitan materialize and initialize ``model``'s weights on the host, whatever device it names: a
     streamed model's weights live there (torchtitan does so only for FSDP's CPU offload, which streaming is not),
-    and mark it for the optimizer's builder, which streams it in ``compute_dtype``."""
+    and mark it for the optimizer's builder, which streams it. Each process initializes the whole model (from the
+    seed every rank shares) and keeps its shards."""
     model.to_empty = lambda *, device, recurse=True: nn.Module.to_empty(model, device="cpu", recurse=recurse)
-    setattr(model, STREAMED_IN, compute_dtype)
+    setattr(model, STREAMED_IN, dtypes)
 
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh, job_config: JobConfig, experts_mesh=None) -> None:

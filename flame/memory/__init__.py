@@ -44,6 +44,7 @@ from flame.models.registry import decoder_layers, meta_model
 from flame.optim import pinned, streaming
 from flame.optim.host import leading_units, units_of
 from flame.optim.record import optimizer_record
+from flame.optim.stream_units import shard_shape
 
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
 
@@ -122,6 +123,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     autocast = not fsdp and dtype_bytes(dtype) < 4 and not (frozen and frozen_bytes < 4)
     optimizer = optimizer_record(config.optimizer.name)
     units = stream_units(model)
+    shard_units = stream_units(model, shards)
     job = Job(
         params=params, matrix_params=matrices, block_params=block, vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size, compute_bytes=dtype_bytes(dtype),
@@ -142,7 +144,7 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
         frozen_params=frozen, frozen_bytes=frozen_bytes,
         offload_pinning=offload_pinning(model, shards), host_copy_pinning=host_copy_pinning(model, shards),
         can_stream=device.CUDA and streaming.refusal(config, world_size) is None,
-        resident_params=units[0], stream_pinning=stream_pinning(units, dtype_bytes(dtype)),
+        resident_params=units[0], stream_pinning=stream_pinning(shard_units, dtype_bytes(dtype)),
     )
     if device.CUDA and world_size == 1 and not fsdp:
         # CPU offload or the optimizer on the host would wrap this process in FSDP (degrees.fsdp_alone)
@@ -153,12 +155,14 @@ def job_of(config, world_size: int, model_config=None, meta: Callable[[], nn.Mod
     return job
 
 
-def stream_units(model: nn.Module) -> list[int]:
+def stream_units(model: nn.Module, shards: int = 1) -> list[int]:
     """The parameters of each unit --memory.stream_weights moves (flame.optim.streaming): the rest of the model
-    (embeddings, final norm, head), then each decoder block."""
+    (embeddings, final norm, head), then each decoder block; over ``shards`` ranks, one rank's padded chunks."""
+    def count(params) -> int:
+        return sum(shard_shape(p.shape, shards, 0).numel() if shards > 1 and p.dim() else p.numel() for p in params)
+
     blocks = decoder_layers(model)
-    rest = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in blocks.parameters())
-    return [rest, *(sum(p.numel() for p in block.parameters()) for block in blocks)]
+    return [count(model.parameters()) - count(blocks.parameters()), *(count(block.parameters()) for block in blocks)]
 
 
 def stream_pinning(units: list[int], itemsize: int) -> float:

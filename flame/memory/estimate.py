@@ -149,9 +149,11 @@ def _held_parts(job: Job, layout: Layout, weights: float, state: float) -> tuple
 
 
 def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], Part, str]:
-    """--memory.stream_weights (flame.optim.streaming): the weights, gradients and optimizer state on the host; on
-    the GPU two blocks' weights and gradients in flight, and the rest of the model's (embeddings, norm, head)."""
-    itemsize, trainable, pinning = job.compute_bytes, job.trainable_params, job.stream_pinning
+    """--memory.stream_weights (flame.optim.streaming): the weights, gradients and optimizer state on the host (a
+    rank's shard of them); on the GPU two blocks' weights and gradients in flight, and the rest of the model's
+    (embeddings, norm, head)."""
+    itemsize, pinning, shards = job.compute_bytes, job.stream_pinning, job.weight_shards
+    trainable = job.trainable_params / shards
     chunks = f", in pinned chunks (+{pinning - 1:.0%})" if pinning > 1.0005 else ""
     parts = [Part("parameters", pinning * 4 * trainable, "host (pinned)",
                   f"fp32: copied up, stepped, saved by checkpoints{chunks}"),
@@ -167,6 +169,10 @@ def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], 
                    "norm's and head's, in the compute dtype"),
               Part("gradients in flight", in_flight, "GPU", "two blocks' (one made, one copied down) and the "
                                                              "embeddings', norm's and head's, in the compute dtype")]
+    if shards > 1:  # flame.optim.stream_shards: a block's all-gather (its output and this rank's shard) beside one
+        # block's reduce-scatter (its float32 input and output: --training.mixed_precision_reduce's default)
+        parts.append(Part("all-gather and reduce-scatter buffers", (itemsize + 4) * job.block_params * (1 + 1 / shards),
+                          "GPU", f"one block's each, over {shards} ranks"))
     return parts, Part("gradients", 0.0, "host (streamed)", "copied down block by block"), "host (streamed)"
 
 

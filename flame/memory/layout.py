@@ -106,8 +106,8 @@ class Job:
     # chunks, which lose only their tails
     offload_pinning: float = 1.0
     host_copy_pinning: float = 1.0
-    # --memory.stream_weights may run it (flame.optim.streaming): a GPU job of one process without FSDP, TP or PP,
-    # stepped by AdamW or Adam, none of EMA, FP8 or compiled blocks (LoRA: its frozen base goes up in its own dtype)
+    # --memory.stream_weights may run it (flame.optim.streaming): a GPU job, data parallel only (each rank streams its
+    # shard), stepped by AdamW or Adam, none of EMA, FP8 or compiled blocks (LoRA: its frozen base in its own dtype)
     can_stream: bool = False
     resident_params: int = 0  # the parameters outside the decoder blocks (embeddings, final norm, head)
     stream_pinning: float = 1.0  # streamed, the pinned arena's bytes over what its masters and landings hold

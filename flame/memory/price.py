@@ -99,11 +99,12 @@ def streamed(job: Job, hardware: Hardware, passes: int, hidden_by: float, forwar
 
     Each pass copies every weight up twice (its forward and its backward) as the host holds it (float32; LoRA's
     frozen base in its own dtype) and every gradient down in the compute dtype, on two streams beside the blocks'
-    compute (``hidden_by``: a pass and its recompute); the two directions run at once. The host's AdamW then runs
+    compute (``hidden_by``: a pass and its recompute); the two directions run at once. Over several ranks each
+    moves its shard (the all-gathers and reduce-scatters are FSDP's, which ``price`` counts). The host's AdamW then runs
     beside the next forward, as --optimizer.on_host's does (``host_step``).
     """
     link = hardware.host_link_gbps * 1e9 if hardware.host_link_gbps else 0.0
-    up, down = 2 * job.weight_bytes(), job.compute_bytes * job.trainable_params
+    up, down = 2 * job.weight_bytes() / job.weight_shards, job.compute_bytes * job.trainable_params / job.weight_shards
     transfers = max(up, down) / link if link else math.inf
     return passes * max(0.0, transfers - hidden_by) + host_step(job, hardware, hidden_by=forward, copies=False)
 

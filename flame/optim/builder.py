@@ -35,10 +35,11 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parall
     o = optimizer_config
     record = optimizer_record(o.name)
     kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
-    if (streamed_in := getattr(model_parts[0], STREAMED_IN, None)) is not None:  # --memory.stream_weights
+    if (dtypes := getattr(model_parts[0], STREAMED_IN, None)) is not None:  # --memory.stream_weights
         where = torch.device(device.TYPE, torch.cuda.current_device()) if device.CUDA else torch.device("cpu")
-        return StreamedOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, compute_dtype=streamed_in,
-                                           device=where, optimizer_config=o)
+        mesh = parallel_dims.get_mesh("fsdp") if parallel_dims is not None and parallel_dims.fsdp_enabled else None
+        return StreamedOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, dtypes=dtypes, device=where,
+                                           optimizer_config=o, mesh=mesh)
     if o.on_host:
         return HostOptimizersContainer(model_parts, kwargs, decoupled=record.decoupled, gpu_blocks=o.gpu_blocks,
                                        optimizer_config=o)

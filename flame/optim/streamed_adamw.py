@@ -14,8 +14,9 @@ from torch.optim import Adam, AdamW, Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
+from flame.distributed.parallelize import StreamedDtypes
 from flame.optim import groups
-from flame.optim.host import by_hyperparameters, fused_adam
+from flame.optim.host import by_hyperparameters, fused_adam, local_part
 from flame.optim.host_worker import SettlesFirst
 from flame.optim.stream_units import Unit
 from flame.optim.streaming import WeightStream
@@ -85,7 +86,7 @@ class StreamedAdamW(SettlesFirst, Optimizer):
         grads = unit.grad_views(self.stream.gradients(unit, summed))
         unscale = torch.tensor(1.0 / scale) if scale != 1.0 else None
         for hyper, indices in groups.items():
-            fused_adam(self.decoupled, hyper, [unit.masters[i] for i in indices], [grads[i] for i in indices],
+            fused_adam(self.decoupled, hyper, [local_part(unit.masters[i]) for i in indices], [grads[i] for i in indices],
                        [self.state[unit.masters[i]] for i in indices], grad_scale=unscale)
         self.stepping += time.perf_counter() - start
         unit.stepped.set()
@@ -100,13 +101,14 @@ class StreamedAdamW(SettlesFirst, Optimizer):
 
 
 class StreamedOptimizersContainer(SettlesFirst, OptimizersContainer):
-    """torchtitan's container of the one StreamedAdamW of a streamed model (one process, one model part)."""
+    """torchtitan's container of the one StreamedAdamW of a streamed model (one model part; over several processes,
+    ``mesh``, each streams its shards)."""
 
-    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, compute_dtype: torch.dtype,
-                 device: torch.device, optimizer_config: Any = None) -> None:
+    def __init__(self, model_parts: list[nn.Module], kwargs: dict, decoupled: bool, dtypes: StreamedDtypes,
+                 device: torch.device, optimizer_config: Any = None, mesh=None) -> None:
         self.model_parts = model_parts
         (model,) = model_parts
-        self.stream = WeightStream(model, compute_dtype, device)
+        self.stream = WeightStream(model, dtypes.compute, device, mesh=mesh, reduce_dtype=dtypes.reduce)
         parts = groups.groups_of(model, optimizer_config) if optimizer_config is not None else []
         if parts:
             logger.info(f"Parameter groups ({optimizer_config.name}, streamed): "

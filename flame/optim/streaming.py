@@ -21,8 +21,10 @@ copied up the same way. With micro-batches, each pass's gradients are added on t
 while the GPU goes on (their norm taken there). The forward computes in the compute dtype throughout (no autocast,
 as under FSDP's mixed precision). On a CPU run the host is the device: the same steps, with copies for transfers.
 
-The optimizer's state is AdamW's own (per master parameter), so a checkpoint resumes with streaming on or off.
-One process only (no FSDP, TP or PP); flame.prepare refuses the other layouts in one line.
+Over several processes (data parallel only) each holds a shard of every master: its shard goes up, an all-gather
+on the copy stream makes the block's weights, and the gradients leave through a reduce-scatter on the other stream,
+each rank landing and stepping its own chunks (flame.optim.stream_shards). The optimizer's state is AdamW's own (per
+master parameter): a checkpoint resumes with streaming on or off, on any number of processes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from flame.models.registry import decoder_layers
 from flame.optim.host_worker import HostWorker
 from flame.optim.pinned import HostArena, chunk_bytes_for, least_wasting_chunk
 from flame.optim.record import host_step_refusal
+from flame.optim.stream_shards import Shards
 from flame.optim.stream_units import Unit, innermost
 
 
@@ -43,10 +46,11 @@ def refusal(config, world_size: int) -> str | None:
     """Why --memory.stream_weights cannot run the job, as a one-line remedy (flame.prepare refuses it with it, the
     memory plan does not offer streaming there); None where it can."""
     flag = "--memory.stream_weights"
-    if world_size > 1:
-        return (f"{flag} streams one process's weights, and this job runs {world_size}: on several GPUs shard them "
-                "with FSDP (and stream FSDP's shards with --training.enable_cpu_offload --optimizer.on_host), or run "
-                "one process")
+    degrees = ("tensor_parallel", "pipeline_parallel", "context_parallel", "data_parallel_replicate", "expert_parallel")
+    if given := [f"--parallelism.{name}_degree {getattr(config.parallelism, f'{name}_degree')}" for name in degrees
+                 if getattr(config.parallelism, f"{name}_degree") > 1]:
+        return (f"{flag} shards the weights over all {world_size} processes, each streaming its shard (data "
+                f"parallel, as FSDP), and does not combine with {given[0]}: set it to 1, or drop {flag}")
     if (refused := host_step_refusal(config.optimizer.name, flag)) is not None:
         return refused
     others = {
@@ -66,16 +70,24 @@ def refusal(config, world_size: int) -> str | None:
 class WeightStream:
     """The hooks and copies that stream ``model``'s weights to ``device`` and its gradients back."""
 
-    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device, mesh=None,
+                 reduce_dtype: torch.dtype = torch.float32):
+        """``mesh``: the data-parallel processes sharing the weights (None or one: this process holds them all);
+        their gradients are summed in ``reduce_dtype``."""
         self.model, self.dtype, self.device = model, compute_dtype, device
         self.cuda = device.type == "cuda"
+        self.shards = Shards(mesh, reduce_dtype) if mesh is not None and mesh.size() > 1 else None
         blocks = [innermost(block) for block in decoder_layers(model)]
         self.blocks = [self._unit(f"block {index}", block) for index, block in enumerate(blocks)]
         in_blocks = {id(p) for unit in self.blocks for p in unit.masters}
         self.resident = self._unit("embeddings and head", model, skip=in_blocks, resident=True)
         self.units = [self.resident, *self.blocks]  # the forward's order
         for unit in self.units:
-            unit.layout()
+            if self.shards is None:
+                unit.layout()
+                continue
+            self.shards.check(unit)
+            unit.layout(self.shards.ranks, self.shards.rank)
         # each unit's masters (by dtype) and landing, as float32 elements of the pinned arena's chunks
         buffers = [-(-dtype.itemsize * (end - start) // 4) for unit in self.units for dtype, start, end in unit.groups()]
         buffers += [-(-compute_dtype.itemsize * unit.grad_numel // 4) for unit in self.units]
@@ -119,7 +131,10 @@ class WeightStream:
                       for dtype, start, end in unit.groups()]
         unit.landing = self.arena.take(torch.Size([unit.grad_numel]), self.dtype)
         with torch.no_grad():
-            for master, view in zip(unit.masters, unit.host_views()):
+            for index, (master, view) in enumerate(zip(unit.masters, unit.host_views())):
+                if self.shards is not None:
+                    self.shards.take(unit, index, view)
+                    continue
                 view.copy_(master)
                 master.data = view  # the same Parameter: the optimizer, checkpoints and exports see no change
         unit.stepped.set()
@@ -217,30 +232,40 @@ class WeightStream:
         """The unit's gradients to the host, their squared norm to this step's sum; their GPU memory freed (the
         host's copy stream holds it until the copy is done)."""
         grads = [leaf.grad for leaf in unit.leaves if leaf.requires_grad]
-        if self.passes_expected == 1:
+        if self.passes_expected == 1 and self.shards is None:
             norms = torch._foreach_norm(grads, 2.0, torch.float32)
             self.squares.add_(torch.stack(norms).square().sum())
         for event in (unit.added, unit.stepped):  # the host still reads the last pass's (or step's) gradients
             if not event.is_set():
                 event.wait()
         self.host.check()
-        views = list(unit.grad_views(unit.landing).values())  # the trainable leaves', in their order
         if self.cuda:
             self.down.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.down):
-                for view, grad in zip(views, grads):
-                    view.copy_(grad, non_blocking=True)
+                for grad in grads:
                     grad.record_stream(self.down)
+                self._land(unit, grads)
                 unit.landed = self.down.record_event()
         else:
-            for view, grad in zip(views, grads):
-                view.copy_(grad)
+            self._land(unit, grads)
         for leaf in unit.leaves:
             leaf.grad = None
         first, unit.passes, unit.seen = unit.passes == 0, unit.passes + 1, 0
         if self.passes_expected > 1:
             unit.added.clear()
             self.host.put(lambda: self._add(unit, first, last=unit.passes >= self.passes_expected))
+
+    def _land(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        """The unit's gradients into its landing (on the down stream of a GPU): over several processes, summed by a
+        reduce-scatter that leaves each rank its chunks, whose squared norm joins this step's sum."""
+        if self.shards is None:
+            for view, grad in zip(unit.grad_views(unit.landing).values(), grads):  # the trainable leaves', in order
+                view.copy_(grad, non_blocking=self.cuda)
+            return
+        summed = self.shards.reduce(unit, grads)
+        if self.passes_expected == 1:
+            self.squares.add_(torch.linalg.vector_norm(summed, dtype=torch.float32).square())
+        unit.landing.copy_(summed.to(self.dtype), non_blocking=self.cuda)
 
     def _add(self, unit: Unit, first: bool, last: bool) -> None:
         """(host thread) A pass's gradients into the unit's float32 sum; at the last pass, the sum's squared norm."""
@@ -272,25 +297,32 @@ class WeightStream:
         self._copy_up(unit)
 
     def _copy_up(self, unit: Unit) -> None:
-        flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, 0, (unit.numel,))
+        full = torch.empty(0, dtype=self.dtype, device=self.device).set_(unit.storage, 0, (unit.numel,))
         if not self.cuda:
-            for start, end, host in unit.flats:
-                flat[start:end].copy_(host)
+            self._assemble(unit, full)
             unit.current = True
             return
         # on the copy stream, after the compute stream's work so far (the buffers may reuse memory that work still
-        # reads); float32 masters are cast on the GPU
+        # reads)
         self.up.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.up):
-            for start, end, host in unit.flats:
-                if host.dtype == self.dtype:
-                    flat[start:end].copy_(host, non_blocking=True)
-                    continue
-                staging = torch.empty(end - start, dtype=host.dtype, device=self.device)  # the copy stream's own
-                staging.copy_(host, non_blocking=True)
-                flat[start:end].copy_(staging)
+            self._assemble(unit, full)
             unit.fetched = self.up.record_event()
         unit.current = True
+
+    def _assemble(self, unit: Unit, full: torch.Tensor) -> None:
+        """The unit's weights into ``full`` (its GPU buffer): this rank's shards copied up (float32 masters cast on
+        the GPU) and, over several processes, the ranks' shards all-gathered."""
+        shard = full if self.shards is None else torch.empty(unit.shard_numel, dtype=self.dtype, device=self.device)
+        for start, end, host in unit.flats:
+            if host.dtype == self.dtype or not self.cuda:
+                shard[start:end].copy_(host, non_blocking=self.cuda)
+                continue
+            staging = torch.empty(end - start, dtype=host.dtype, device=self.device)  # the copy stream's own
+            staging.copy_(host, non_blocking=True)
+            shard[start:end].copy_(staging)
+        if self.shards is not None:
+            self.shards.gather(unit, shard, full)
 
     def _ensure(self, unit: Unit) -> None:
         """The unit's weights on the GPU before the compute stream goes on."""
@@ -341,11 +373,16 @@ class WeightStream:
             unit.passes, unit.seen, unit.squares = 0, 0, 0.0
 
     def gradient_norm(self) -> torch.Tensor:
-        """The step's gradient norm (all passes summed), on the device."""
+        """The step's gradient norm (all passes summed; over several processes, all ranks' chunks), on the
+        device."""
         if self.passes_expected == 1:
-            return self.squares.sqrt()
-        self.host.drain()
-        return torch.tensor(sum(unit.squares for unit in self.units), device=self.device).sqrt()
+            squares = self.squares
+            if self.shards is not None and self.cuda:  # summed on the down stream
+                torch.cuda.current_stream(self.device).wait_stream(self.down)
+        else:
+            self.host.drain()
+            squares = torch.tensor(sum(unit.squares for unit in self.units), device=self.device)
+        return (squares if self.shards is None else self.shards.total(squares)).sqrt()
 
     def gradients(self, unit: Unit, summed: bool) -> torch.Tensor:
         """(host thread) The unit's step gradients, float32 and flat; ``summed``: over micro-batches, in its float32

@@ -31,7 +31,7 @@ def _check_host_optimizer(config: Any) -> None:
 
 
 def _check_streaming(config: Any, world_size: int) -> None:
-    """--memory.stream_weights streams one process's weights, stepped by AdamW or Adam on the host
-    (flame.optim.streaming); the layouts and features it does not combine with yet, refused."""
+    """--memory.stream_weights streams the weights (each data-parallel process its shard), stepped by AdamW or Adam
+    on the host (flame.optim.streaming); the layouts and features it does not combine with yet, refused."""
     if config.memory.stream_weights and (refused := streaming.refusal(config, world_size)) is not None:
         raise ConfigError(refused)

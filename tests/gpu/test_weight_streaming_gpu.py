@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flame.optim.streamed_adamw import StreamedAdamW
 from flame.optim.streaming import WeightStream
+from tests.conftest import base_args, check, losses, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -62,3 +63,20 @@ def test_a_streamed_model_trains_as_the_model_on_the_gpu_does_holding_a_few_bloc
     assert streamed_peak < 0.6 * BLOCKS * block_bytes
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in streamed.parameters())
     assert all(unit.storage.nbytes() == 0 for unit in stream.blocks)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_streaming_their_shards_train_the_fsdp_losses(tmp_path, tiny_model, corpus):
+    """Each rank copies its shards up, NCCL all-gathers them on the copy stream and reduce-scatters the gradients on
+    the other; the curve is FSDP's (both compute in bf16), and the checkpoint resumes under FSDP."""
+    streamed, plain, resumed = tmp_path / "streamed", tmp_path / "plain", tmp_path / "resumed"
+    args = ["--optimizer.lr=1e-2", "--checkpoint.interval=10"]
+    check(torchrun(base_args(tiny_model, corpus, streamed, steps=20) + args + ["--memory.stream_weights"], nproc=2))
+    check(torchrun(base_args(tiny_model, corpus, plain, steps=20) + args, nproc=2))
+    curve = losses(streamed)
+    assert curve[20] < curve[1] - 0.7
+    assert curve == pytest.approx(losses(plain), rel=5e-3)
+    check(torchrun(base_args(tiny_model, corpus, resumed, steps=20) + args + [
+        f"--checkpoint.initial_load_path={streamed / 'checkpoint' / 'step-10'}", "--checkpoint.no-initial_load_model_only"],
+        nproc=2))
+    assert losses(resumed) == pytest.approx({step: curve[step] for step in range(11, 21)}, rel=5e-3)

@@ -4,7 +4,8 @@ them, AdamW stepped on the host unit by unit beside the next forward.
 
 On this CPU machine host and device are one memory: the runs take the same steps (the units' buffers allocated and
 released, the leaves swapped in and out, gradients copied down, sums and updates on the host thread) with copies in
-place of transfers. The GPU side (copy streams, events) runs in tests/gpu/test_weight_streaming_gpu.py.
+place of transfers; over two processes, gloo's all-gathers and reduce-scatters. The GPU side (copy streams, events)
+runs in tests/gpu/test_weight_streaming_gpu.py.
 """
 
 import copy
@@ -24,9 +25,11 @@ from flame.memory.plan import candidates, choose
 from flame.memory.price import price
 from flame.models import lora
 from flame.models.registry import decoder_layers
+from flame.optim.stream_shards import _copy_chunks
+from flame.optim.stream_units import Unit
 from flame.optim.streamed_adamw import StreamedAdamW
 from flame.optim.streaming import WeightStream
-from tests.conftest import TINY_DECODER, assert_same_curve, base_args, check, metrics, parse_job, train_job
+from tests.conftest import TINY_DECODER, assert_same_curve, base_args, check, metrics, parse_job, train_job, two_at_a_time
 from tests.memory.test_memory_plan import H100, job_args, long_model  # noqa: F401, F811 - long_model: a fixture
 
 SETTINGS = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -178,20 +181,48 @@ def test_an_error_on_the_host_thread_stops_the_next_forward_in_one_line():
         steps(model, optimizer, 1)
 
 
+def test_shards_split_dim_0_as_fsdp_and_their_chunks_rebuild_each_parameter():
+    """Over 3 ranks a 5-row weight splits 2, 2, 1 and a 4-row one 2, 2, 0 (torch.chunk's split, DTensor's Shard(0)),
+    each chunk padded to 2 rows: the ranks' shard layouts side by side (an all-gather's output) give every parameter
+    back whole, and a full gradient packed for the reduce-scatter puts each rank's rows in its chunk."""
+    weight, bias = torch.arange(15.0).view(5, 3).requires_grad_(), (torch.arange(4.0) + 100).requires_grad_()
+    ranks = [Unit("block 0", [weight, bias], [[], []]) for _ in range(3)]
+    for rank, unit in enumerate(ranks):
+        unit.layout(3, rank)
+        assert unit.local_shapes == [torch.Size([(2, 2, 1)[rank], 3]), torch.Size([(2, 2, 0)[rank]])]
+        assert unit.chunks == [6, 2] and unit.shard_numel == unit.grad_numel == 8
+    gathered = torch.zeros(3, 8)
+    for rank, unit in enumerate(ranks):  # each rank's rows (from row 2 x rank) in its shard layout, padding zero
+        for master, offset, shape in zip(unit.masters, unit.shard_offsets, unit.local_shapes):
+            gathered[rank, offset : offset + shape.numel()] = master.detach()[2 * rank : 2 * rank + shape[0]].reshape(-1)
+    unit = ranks[0]
+    for master, offset, chunk in zip(unit.masters, unit.shard_offsets, unit.chunks):
+        master = master.detach()
+        rebuilt = torch.full((master.numel(),), -1.0)
+        _copy_chunks(rebuilt, gathered[:, offset : offset + chunk], into_chunks=False)
+        assert torch.equal(rebuilt, master.reshape(-1))
+        packed = torch.zeros(3, chunk)
+        _copy_chunks(master.reshape(-1), packed, into_chunks=True)
+        assert torch.equal(packed, gathered[:, offset : offset + chunk])
+
+
 @pytest.mark.background_runs(
     plain=train_job(4, *SINGLE),
     streamed=train_job(4, *SINGLE, *STREAMED),
     # full AC and two micro-batches of 2 rows: the layout the plan gives a 7B under 32 GiB (and its 64K steps)
     planned=train_job(4, *SINGLE, *STREAMED, "--activation_checkpoint.mode=full", "--training.batch_size=2",
                       "--training.gradient_accumulation_steps=2"),
+    # the same rows over two processes, each streaming its shards
+    sharded=train_job(4, *SINGLE, *STREAMED, "--activation_checkpoint.mode=full", "--training.batch_size=1",
+                      "--training.gradient_accumulation_steps=2", nproc=2),
     lora=train_job(4, *SINGLE, "--lora.rank=4"),
     lora_streamed=train_job(4, *SINGLE, "--lora.rank=4", *STREAMED),
 )
 def test_a_streamed_run_trains_adamws_curve_and_resumes_exactly_with_streaming_on_or_off(background_runs, tiny_model,
                                                                                          corpus):
-    plain, streamed, planned, adapted, adapted_streamed = (background_runs[name] for name in (
-        "plain", "streamed", "planned", "lora", "lora_streamed"))
-    for run in (plain, streamed, planned, adapted, adapted_streamed):
+    plain, streamed, planned, sharded, adapted, adapted_streamed = (background_runs[name] for name in (
+        "plain", "streamed", "planned", "sharded", "lora", "lora_streamed"))
+    for run in (plain, streamed, planned, sharded, adapted, adapted_streamed):
         check(run.result)
     # LoRA: the adapters stepped, the frozen base streamed (its first step's check reads the streamed gradients)
     assert_same_curve(metrics(adapted_streamed.dump), metrics(adapted.dump), rel=1e-5)
@@ -200,19 +231,27 @@ def test_a_streamed_run_trains_adamws_curve_and_resumes_exactly_with_streaming_o
     assert "Parameter groups (AdamW, streamed)" in streamed.result.stdout + streamed.result.stderr
     assert_same_curve(metrics(streamed.dump), expected, rel=1e-5)  # the norm summed unit by unit: rounding apart
     assert_same_curve(metrics(planned.dump), expected, rel=5e-5)  # micro-batches summed on the host, their norm there
-    # its checkpoint is AdamW's: resumed streamed, steps 3-4 repeat bit for bit; resumed without streaming too
-    step2 = f"--checkpoint.initial_load_path={streamed.dump / 'checkpoint' / 'step-2'}"
-    resumed, unstreamed = streamed.dump.parent / "resumed", streamed.dump.parent / "unstreamed"
-    for dump, flags in ((resumed, STREAMED), (unstreamed, ())):
-        check(train_job(4, *SINGLE, *flags, step2, "--checkpoint.no-initial_load_model_only")(dump, tiny_model, corpus))
-    assert_same_curve(metrics(resumed), metrics(streamed.dump), rel=0, steps=[3, 4])
-    assert_same_curve(metrics(unstreamed), metrics(streamed.dump), rel=1e-5, steps=[3, 4])
+    assert_same_curve(metrics(sharded.dump), expected, rel=5e-5)  # gradients reduce-scattered, the norm all-reduced
+    # the checkpoints are AdamW's (sharded: FSDP's): resumed streamed, steps 3-4 repeat bit for bit; the sharded
+    # one resumed in one process without streaming, the one-process one on two processes streaming their shards
+    def resume(run, where: str, *flags: str, nproc: int = 1):
+        step2 = f"--checkpoint.initial_load_path={run.dump / 'checkpoint' / 'step-2'}"
+        job = train_job(4, *SINGLE, *flags, step2, "--checkpoint.no-initial_load_model_only", nproc=nproc)
+        return lambda: check(job(run.dump.parent / where, tiny_model, corpus))
+
+    two_at_a_time(resume(streamed, "resumed", *STREAMED), resume(sharded, "unstreamed"),
+                  resume(streamed, "resharded", *STREAMED, "--training.batch_size=2", nproc=2))
+    root = streamed.dump.parent
+    assert_same_curve(metrics(root / "resumed"), metrics(streamed.dump), rel=0, steps=[3, 4])
+    for where, source in (("unstreamed", sharded), ("resharded", streamed)):
+        assert_same_curve(metrics(root / where), metrics(source.dump), rel=5e-5, steps=[3, 4])
 
 
 def test_what_streaming_cannot_run_yet_is_refused_in_one_line(tiny_model, corpus, tmp_path, monkeypatch):
     args = [*base_args(tiny_model, corpus, tmp_path / "x"), *STREAMED]
     refused = [
-        (2, ["--parallelism.data_parallel_shard_degree=2"], "streams one process's weights, and this job runs 2"),
+        (2, ["--parallelism.tensor_parallel_degree=2"],
+         "shards the weights over all 2 processes.* does not combine with --parallelism.tensor_parallel_degree 2"),
         (1, ["--optimizer.name=Muon"], "--memory.stream_weights steps AdamW or Adam on the host"),
         (1, ["--optimizer.on_host"], "does not combine with --optimizer.on_host yet"),
         (1, ["--training.ema_decay=0.99"], "does not combine with --training.ema_decay yet"),
@@ -252,6 +291,11 @@ def test_the_plan_streams_the_weights_where_the_rest_no_longer_fits(long_model, 
     # micro-batches sum the gradients in float32 on the host
     summed = {part.name: part for part in estimate(job, Layout(stream=True, micro_batches=2))}
     assert summed["gradient sums"].bytes == 4 * job.trainable_params and summed["gradient sums"].where == "host"
+    # over two ranks each holds half of the host's part, and one block's all-gather and reduce-scatter buffers
+    sharded = {part.name: part for part in estimate(dataclasses.replace(job, weight_shards=2, fsdp=True),
+                                                    Layout(stream=True))}
+    assert host_bytes(list(sharded.values())) == pytest.approx(host_bytes(list(parts.values())) / 2)
+    assert sharded["all-gather and reduce-scatter buffers"].bytes == 1.5 * (2 + 4) * job.block_params
 
 
 def test_the_7b_under_32_and_24_gib_streams_its_weights(monkeypatch):
