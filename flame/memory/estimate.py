@@ -155,8 +155,9 @@ def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], 
     itemsize, pinning, shards = job.compute_bytes, job.stream_pinning, job.weight_shards
     trainable = job.trainable_params / shards
     chunks = f", in pinned chunks (+{pinning - 1:.0%})" if pinning > 1.0005 else ""
-    parts = [Part("parameters", pinning * 4 * trainable, "host (pinned)",
-                  f"fp32: copied up, stepped, saved by checkpoints{chunks}"),
+    frozen = ", LoRA's frozen base in its own dtype" if job.frozen_params else ""
+    parts = [Part("parameters", pinning * job.weight_bytes() / shards, "host (pinned)",
+                  f"fp32{frozen}: copied up, stepped, saved by checkpoints{chunks}"),
              Part("optimizer state", state, "host (stepped there)",
                   f"{job.optimizer.name}: fp32, {job.optimizer.state}"),
              Part("streamed gradients", pinning * itemsize * trainable, "host (pinned)",
@@ -173,6 +174,13 @@ def streamed_parts(job: Job, layout: Layout, state: float) -> tuple[list[Part], 
         # block's reduce-scatter (its float32 input and output: --training.mixed_precision_reduce's default)
         parts.append(Part("all-gather and reduce-scatter buffers", (itemsize + 4) * job.block_params * (1 + 1 / shards),
                           "GPU", f"one block's each, over {shards} ranks"))
+        # each process initializes the whole model on its host, then keeps its shards (parallelize.materialize_on_host):
+        # the host's peak is then, if the whole model outweighs what the step keeps there
+        held = host_bytes(parts)
+        if (whole := job.weight_bytes()) > held:
+            parts.append(Part("the whole model, at initialization", whole - held, "host",
+                              f"each process initializes all {whole / GIB:.1f} GiB, then keeps its shards: the "
+                              "host's peak"))
     return parts, Part("gradients", 0.0, "host (streamed)", "copied down block by block"), "host (streamed)"
 
 

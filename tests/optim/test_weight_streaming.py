@@ -296,6 +296,14 @@ def test_the_plan_streams_the_weights_where_the_rest_no_longer_fits(long_model, 
                                                     Layout(stream=True))}
     assert host_bytes(list(sharded.values())) == pytest.approx(host_bytes(list(parts.values())) / 2)
     assert sharded["all-gather and reduce-scatter buffers"].bytes == 1.5 * (2 + 4) * job.block_params
+    # over eight, the whole float32 model each process initializes before keeping its shards is the host's peak
+    eighth = estimate(dataclasses.replace(job, weight_shards=8, fsdp=True, stream_pinning=1.0), Layout(stream=True))
+    assert host_bytes(eighth) == pytest.approx(4 * job.trainable_params)
+    assert "the whole model, at initialization" in {part.name for part in eighth}
+    # LoRA's frozen base stays on the host in its own dtype, beside the adapters' float32 masters and state
+    adapted = dataclasses.replace(job, frozen_params=job.params // 2, frozen_bytes=2)
+    held = {part.name: part for part in estimate(adapted, Layout(stream=True))}
+    assert held["parameters"].bytes == pytest.approx(job.stream_pinning * (4 + 2) * job.params / 2)
 
 
 def test_the_7b_under_32_and_24_gib_streams_its_weights(monkeypatch):
