@@ -342,6 +342,47 @@ SUITES = {
                  "configs/llama_340M.json"),
         steps=10, tokens=32768, timeout=500, baseline="none",
     ),
+    "streaming": Suite(
+        "issue 56, one GPU, --memory.plan auto: transformer_7B unconstrained and under 32 GiB at 32K, 64K and 128K "
+        "tokens a step and under 24 GiB (the plan streams the weights where nothing else fits; each run prints the "
+        "plan, its estimate and the measured peak); LoRA rank 16 on llama_27B, held and streamed",
+        report="runs",
+        per_config=(
+            Run("unconstrained", 1, only=("transformer_7B",)),
+            Run("budget32", 1, ("--memory.gpu_budget_gib", "32"), only=("transformer_7B",)),
+            Run("budget32_64k", 1, ("--memory.gpu_budget_gib", "32", "--training.seq_len", "65536"),
+                only=("transformer_7B",)),
+            Run("budget32_128k", 1, ("--memory.gpu_budget_gib", "32", "--training.seq_len", "131072"),
+                only=("transformer_7B",)),
+            Run("budget24", 1, ("--memory.gpu_budget_gib", "24"), only=("transformer_7B",)),
+            Run("lora", 1, ("--lora.rank", "16", "--lora.alpha", "32"), only=("llama_27B",)),
+            Run("lora_streamed", 1, ("--lora.rank", "16", "--lora.alpha", "32", "--memory.stream_weights"),
+                only=("llama_27B",)),
+        ),
+        # 7B and 27B at a rate their first steps take without rising (docs/perf-log.md, 2026-11-28)
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-5",
+               "--training.num_workers", "4", "--memory.plan", "auto", *NO_CHECKPOINT),
+        configs=("configs/transformer_7B.json", "configs/llama_27B.json"),
+        steps=10, tokens=32768, timeout=500, baseline="unconstrained",
+    ),
+    "streaming_parity": Suite(
+        "the weights streamed against held, from one seed checkpoint: llama_340M on one GPU, and over 2 GPUs each "
+        "streaming its shards against FSDP (skipped on one GPU): the loss curves within bf16 noise, tokens/s, MFU "
+        "and peak memory",
+        report="runs",
+        per_config=(
+            Run("held", 1),
+            Run("streamed", 1, ("--memory.stream_weights",), reference="held"),
+            Run("fsdp2", 2),
+            Run("sharded2", 2, ("--memory.stream_weights",), reference="fsdp2"),
+        ),
+        flags=(*DEBUG_JOB, *ROW, "--training.context_len", "{context}", "--training.steps", "{steps}",
+               "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4",
+               "--training.num_workers", "4", *NO_CHECKPOINT),
+        configs=("configs/llama_340M.json",),
+        steps=20, tokens=32768, timeout=300, seeded=True, baseline="held",
+    ),
     "profile": Suite(
         "one GPU: where flame's training step spends its time, eager and compiled, and the plain PyTorch loop's on "
         "the same model and data: the last of --steps steps under torch's profiler, its GPU kernels summed by kind "
