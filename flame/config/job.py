@@ -251,7 +251,7 @@ class Memory:
     host_budget_gib: str = "auto"
     """Host memory one process may use for CPU offload, in GiB; auto = 90% of the available RAM, shared by the processes of a host"""
     stream_weights: bool = False
-    """One process: keep the float32 weights and AdamW's state on the host and stream each decoder block's weights to the GPU in the compute dtype as the forward and the backward reach it, its gradients back as the backward makes them; the host steps each block while the next forward runs. The GPU holds two blocks' weights and one block's gradients beside the activations (docs/memory-plan.md)"""
+    """Keep the float32 weights and AdamW's state on the host and stream each decoder block's weights to the GPU in the compute dtype as the forward and the backward reach it, its gradients back as the backward makes them; the host steps each block while the next forward runs. The GPU holds two blocks' weights and one block's gradients beside the activations; data-parallel processes each hold and stream a shard (docs/memory-plan.md)"""
 
 
 @dataclass
