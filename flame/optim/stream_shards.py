@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from flame.base.errors import ConfigError
 from flame.optim.stream_units import Unit
 
 
@@ -32,7 +33,7 @@ class Shards:
 
     def check(self, unit: Unit) -> None:
         if (scalar := next((m for m in unit.masters if m.dim() == 0), None)) is not None:
-            raise ValueError(f"--memory.stream_weights over {self.ranks} processes shards each parameter's first "
+            raise ConfigError(f"--memory.stream_weights over {self.ranks} processes shards each parameter's first "
                              f"dimension, and {unit.name} has a scalar parameter ({tuple(scalar.shape)}): run one "
                              "process, or shard the model with FSDP")
 
