@@ -100,19 +100,35 @@ def candidates(job: Job, start: Layout, fixed: set[str], host_budget: float | No
                                           and (layout == start or fits_host(**dataclasses.asdict(layout))))]
 
 
-def host_bound(job: Job, start: Layout, fixed: set[str], gpu_budget: float, host_budget: float | None) -> str:
-    """Where streaming the weights from the host would fit the GPU but not the host budget, what it would need
-    (a remark for the refusal; empty otherwise)."""
-    if host_budget is None or not job.can_offload or not job.optimizer.offloads or "offload" in fixed or start.offload:
+def host_bound(job: Job, start: Layout, fixed: set[str], gpu_budget: float, host_budget: float | None,
+               smallest: float) -> str:
+    """What a layout that keeps more on the host (the weights offloaded or streamed, with full AC, the checkpointed
+    inputs parked there too) would need where the host budget ruled it out: the one needing least host memory
+    among those that fit the GPU, else among those needing less GPU memory than ``smallest`` (what the refusal
+    names). A remark for the refusal; empty where no such layout helps."""
+    if host_budget is None:
         return ""
-    host = start.host_optimizer or (job.can_step_on_host and "host_optimizer" not in fixed)
-    streamed = dataclasses.replace(start, ac=start.ac if "ac" in fixed else "full", offload=True, host_optimizer=host)
-    parts = estimate(job, streamed)
-    if gpu_bytes(parts) > gpu_budget or host_bytes(parts) <= host_budget:
-        return ""
-    return (f"; {streamed.describe()} would fit the GPU but needs {host_bytes(parts) / GIB:.1f} GiB of host memory, "
-            f"over the {host_budget / GIB:.1f} GiB host budget (--memory.host_budget_gib; auto: "
-            f"{HOST_SHARE:.0%} of the RAM available)")
+    ac = start.ac if "ac" in fixed else "full"
+    weights = []
+    if start.offload or (job.can_offload and job.optimizer.offloads and "offload" not in fixed and not start.stream):
+        host = start.host_optimizer or (job.can_step_on_host and "host_optimizer" not in fixed)
+        weights.append(dataclasses.replace(start, ac=ac, offload=True, host_optimizer=host))
+    if start.stream or (job.can_stream and "stream" not in fixed and not start.offload and not start.host_optimizer):
+        weights.append(dataclasses.replace(start, ac=ac, stream=True))
+    parks = job.can_park_inputs and "park_inputs" not in fixed
+    layouts = weights + [dataclasses.replace(layout, park_inputs=True) for layout in weights if parks]
+    over = [(gpu_bytes(parts), host_bytes(parts), layout) for layout in layouts
+            if host_bytes(parts := estimate(job, layout)) > host_budget]
+    budget = (f"over the {host_budget / GIB:.1f} GiB host budget (--memory.host_budget_gib; auto: {HOST_SHARE:.0%} "
+              "of the RAM available)")
+    if fitting := [pair for pair in over if pair[0] <= gpu_budget]:
+        _, host, layout = min(fitting, key=lambda pair: pair[1])
+        return f"; {layout.describe()} would fit the GPU but needs {host / GIB:.1f} GiB of host memory, {budget}"
+    if smaller := [pair for pair in over if pair[0] < smallest]:
+        gpu, host, layout = min(smaller, key=lambda pair: pair[1])
+        return (f"; {layout.describe()} would need {gpu / GIB:.2f} GiB of GPU memory and {host / GIB:.1f} GiB of "
+                f"host memory, {budget}")
+    return ""
 
 
 def ac_options(job: Job, current: str) -> list[str]:
@@ -180,7 +196,7 @@ def choose(job: Job, start: Layout, fixed: set[str], gpu_budget: float | None, h
         smallest = min(weighed, key=lambda candidate: candidate.gpu_bytes)
         return Plan(smallest.layout, start, weighed, estimate(job, smallest.layout), gpu_budget, host_budget, False,
                     f"needs {smallest.gpu_bytes / GIB:.2f} GiB with {smallest.layout.describe()}", hardware,
-                    host_bound(job, start, fixed, gpu_budget, host_budget))
+                    host_bound(job, start, fixed, gpu_budget, host_budget, smallest.gpu_bytes))
     cheapest = fitting[0].price.seconds
     alike = [candidate for candidate in fitting if candidate.price.seconds <= cheapest * (1 + PRICE_TOLERANCE)]
     chosen = min(alike, key=lambda candidate: _changes(start, candidate.layout, blocks))

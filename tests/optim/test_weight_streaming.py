@@ -323,3 +323,23 @@ def test_the_7b_under_32_and_24_gib_streams_its_weights(monkeypatch):
         roomy = choose(unstreamed, Layout(), set(), budget * GIB, 125 * GIB, lambda: rates)
         assert roomy.fits and roomy.layout.offload
         assert price(job, roomy.layout, rates).seconds > 1.1 * price(job, plan.layout, rates).seconds
+
+
+def test_the_7b_at_64k_parks_its_inputs_and_at_128k_the_refusal_names_the_host(monkeypatch):
+    """One row of 64K tokens under 32 and 24 GiB: streamed, with the checkpointed inputs parked on the host (105 GiB
+    there). At 128K the inputs alone are 31 GiB: streamed and parked it would need 35 GiB of GPU and 121 GiB of
+    host, over the H100 machine's host budget, and the refusal says so beside the smallest layout within it."""
+    from tests.memory.test_memory_plan import seven_b_on_an_h100
+
+    job, rates = seven_b_on_an_h100()
+    job = dataclasses.replace(job, rows=1, can_stream=True, can_park_inputs=True)
+    for budget in (32, 24):
+        plan = choose(dataclasses.replace(job, tokens_per_row=65536), Layout(), set(), budget * GIB, 115 * GIB,
+                      lambda: rates)
+        assert plan.fits and plan.layout.stream and plan.layout.park_inputs, plan.why
+        assert 100 * GIB < host_bytes(plan.parts) < 115 * GIB
+    refused = choose(dataclasses.replace(job, tokens_per_row=131072), Layout(), set(), 32 * GIB, 115 * GIB,
+                     lambda: rates)
+    assert not refused.fits and refused.why.startswith("needs 67.")
+    assert ("weights streamed from the host, checkpointed inputs on the host would need 35.20 GiB of GPU memory and "
+            "121.2 GiB of host memory, over the 115.0 GiB host budget") in refused.remark
