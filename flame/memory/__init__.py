@@ -44,7 +44,7 @@ from flame.models.registry import decoder_layers, meta_model
 from flame.optim import pinned, streaming
 from flame.optim.host import leading_units, units_of
 from flame.optim.record import optimizer_record
-from flame.optim.stream_units import shard_shape
+from flame.optim.stream_units import chunk_numel
 
 GPU_RESERVE_GIB = 1.0  # outside PyTorch's allocator: the CUDA context, NCCL's buffers
 
@@ -159,7 +159,7 @@ def stream_units(model: nn.Module, shards: int = 1) -> list[int]:
     """The parameters of each unit --memory.stream_weights moves (flame.optim.streaming): the rest of the model
     (embeddings, final norm, head), then each decoder block; over ``shards`` ranks, one rank's padded chunks."""
     def count(params) -> int:
-        return sum(shard_shape(p.shape, shards, 0).numel() if shards > 1 and p.dim() else p.numel() for p in params)
+        return sum(chunk_numel(p.shape, shards) for p in params)
 
     blocks = decoder_layers(model)
     return [count(model.parameters()) - count(blocks.parameters()), *(count(block.parameters()) for block in blocks)]
@@ -174,11 +174,7 @@ def stream_pinning(units: list[int], itemsize: int) -> float:
 
 def _local_numels(model: nn.Module, shards: int) -> list[list[int]]:
     """Each trainable parameter's part on one rank (FSDP splits dim 0, padded), by the host optimizer's units."""
-    def local(param) -> int:
-        rows = param.shape[0] if param.dim() else 1
-        return -(-rows // shards) * (param.numel() // max(rows, 1))
-
-    return [[local(param) for param in unit.params] for unit in units_of(model)]
+    return [[chunk_numel(param.shape, shards) for param in unit.params] for unit in units_of(model)]
 
 
 def offload_pinning(model: nn.Module, shards: int) -> float:

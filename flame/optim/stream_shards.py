@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from flame.base.errors import ConfigError
-from flame.optim.stream_units import Unit
+from flame.optim.stream_units import Unit, shard_shape
 
 
 class Shards:
@@ -41,8 +41,8 @@ class Shards:
         """The unit's ``index``-th master (whole, as initialized) keeps this rank's rows in ``view`` (its place in
         the pinned buffer) and becomes their DTensor, in every place the model holds it."""
         master = unit.masters[index]
-        rows = -(-master.shape[0] // self.ranks)
-        view.copy_(master[self.rank * rows : self.rank * rows + view.shape[0]])
+        first = self.rank * shard_shape(master.shape, self.ranks, 0)[0]
+        view.copy_(master[first : first + view.shape[0]])
         sharded = nn.Parameter(DTensor.from_local(view, self.mesh, [Shard(0)], run_check=False, shape=master.shape,
                                                   stride=master.stride()), requires_grad=master.requires_grad)
         sharded.__dict__.update(master.__dict__)  # what the model marked on it (HF's init flags, say)
@@ -62,7 +62,7 @@ class Shards:
     def reduce(self, unit: Unit, grads: list[torch.Tensor]) -> torch.Tensor:
         """The trainable masters' full gradients (``grads``, in their order), summed over the ranks: this rank's
         chunks, flat in ``reduce_dtype`` (on the current stream)."""
-        packed = torch.zeros(self.ranks, unit.grad_numel, dtype=self.reduce_dtype, device=grads[0].device)
+        packed = torch.empty(self.ranks, unit.grad_numel, dtype=self.reduce_dtype, device=grads[0].device)
         for (index, grad_offset), grad in zip(unit.grad_offsets.items(), grads):
             _copy_chunks(grad.reshape(-1), packed[:, grad_offset : grad_offset + unit.chunks[index]], into_chunks=True)
         summed = torch.empty(unit.grad_numel, dtype=self.reduce_dtype, device=packed.device)
@@ -78,7 +78,7 @@ class Shards:
 
 def _copy_chunks(flat: torch.Tensor, chunks: torch.Tensor, into_chunks: bool) -> None:
     """Copy between a parameter's ``flat`` elements and its per-rank ``chunks`` (ranks x chunk: whole chunks, then
-    the last one's part, then padding): into the chunks, or out of them into ``flat``."""
+    the last one's part, then padding): into the chunks (the padding zeroed), or out of them into ``flat``."""
     chunk = chunks.shape[1]
     if chunk == 0:
         return
@@ -91,3 +91,6 @@ def _copy_chunks(flat: torch.Tensor, chunks: torch.Tensor, into_chunks: bool) ->
             part.copy_(elements)
         else:
             elements.copy_(part)
+    if into_chunks and whole < chunks.shape[0]:  # the padding: the last chunk's tail, and any chunks after it
+        chunks[whole, rest:].zero_()
+        chunks[whole + 1 :].zero_()

@@ -75,7 +75,7 @@ class Unit:
         offset = shard_offset = grads = 0
         for index, master in enumerate(self.masters):
             shape = master.shape if ranks == 1 else shard_shape(master.shape, ranks, rank)
-            chunk = master.numel() if ranks == 1 else shard_shape(master.shape, ranks, 0).numel()
+            chunk = chunk_numel(master.shape, ranks)
             self.offsets.append(offset)
             self.shard_offsets.append(shard_offset)
             self.chunks.append(chunk)
@@ -113,4 +113,9 @@ def shard_shape(shape: torch.Size, ranks: int, rank: int) -> torch.Size:
     get fewer or none)."""
     rows = -(-shape[0] // ranks)
     return torch.Size([max(0, min(rows, shape[0] - rank * rows)), *shape[1:]])
+
+
+def chunk_numel(shape: torch.Size, ranks: int) -> int:
+    """A rank's share of a parameter of ``shape`` with the padding, FSDP's: the first rank's rows (a scalar whole)."""
+    return shard_shape(shape, ranks, 0).numel() if ranks > 1 and len(shape) else shape.numel()
 

@@ -82,12 +82,11 @@ class WeightStream:
         in_blocks = {id(p) for unit in self.blocks for p in unit.masters}
         self.resident = self._unit("embeddings and head", model, skip=in_blocks, resident=True)
         self.units = [self.resident, *self.blocks]  # the forward's order
+        ranks, rank = (self.shards.ranks, self.shards.rank) if self.shards is not None else (1, 0)
         for unit in self.units:
-            if self.shards is None:
-                unit.layout()
-                continue
-            self.shards.check(unit)
-            unit.layout(self.shards.ranks, self.shards.rank)
+            if self.shards is not None:
+                self.shards.check(unit)
+            unit.layout(ranks, rank)
         # each unit's masters (by dtype) and landing, as float32 elements of the pinned arena's chunks
         buffers = [-(-dtype.itemsize * (end - start) // 4) for unit in self.units for dtype, start, end in unit.groups()]
         buffers += [-(-compute_dtype.itemsize * unit.grad_numel // 4) for unit in self.units]

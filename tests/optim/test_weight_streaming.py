@@ -201,7 +201,7 @@ def test_shards_split_dim_0_as_fsdp_and_their_chunks_rebuild_each_parameter():
         rebuilt = torch.full((master.numel(),), -1.0)
         _copy_chunks(rebuilt, gathered[:, offset : offset + chunk], into_chunks=False)
         assert torch.equal(rebuilt, master.reshape(-1))
-        packed = torch.zeros(3, chunk)
+        packed = torch.full((3, chunk), -1.0)  # the padding zeroed by the packing
         _copy_chunks(master.reshape(-1), packed, into_chunks=True)
         assert torch.equal(packed, gathered[:, offset : offset + chunk])
 
